@@ -1,0 +1,1 @@
+"""Dataset descriptions shipped with fedhier (one TOML per dataset)."""

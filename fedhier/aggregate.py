@@ -1,0 +1,42 @@
+"""Weighted averaging: the one aggregation every engine calls.
+
+Accumulates in float64 and returns the input dtype, so averages do not depend on the
+number or order of summands beyond float64 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def segment_weighted_mean(
+    values: torch.Tensor, weights: torch.Tensor, segments: torch.Tensor, num_segments: int
+) -> torch.Tensor:
+    """Weighted mean of ``values`` within each segment.
+
+    Args:
+        values: [n, *shape] one row per member (e.g. per client).
+        weights: [n] non-negative weights; a segment's weights must not all be zero.
+        segments: [n] int64 segment index of each member, in [0, num_segments).
+        num_segments: number of output rows.
+
+    Returns:
+        [num_segments, *shape] in ``values.dtype``: sum_k w_k v_k / sum_k w_k per segment.
+    """
+    w = weights.to(device=values.device, dtype=torch.float64)
+    seg = segments.to(device=values.device, dtype=torch.int64)
+    totals = torch.zeros(num_segments, dtype=torch.float64, device=values.device)
+    totals.index_add_(0, seg, w)
+    if bool((totals <= 0).any()):
+        raise ValueError("segment_weighted_mean: a segment has zero total weight")
+    flat = values.reshape(values.shape[0], -1).to(torch.float64)
+    acc = torch.zeros(num_segments, flat.shape[1], dtype=torch.float64, device=values.device)
+    acc.index_add_(0, seg, flat * w[:, None])
+    mean = acc / totals[:, None]
+    return mean.reshape(num_segments, *values.shape[1:]).to(values.dtype)
+
+
+def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted mean over the first axis: [n, *shape] -> [*shape]."""
+    segments = torch.zeros(values.shape[0], dtype=torch.int64)
+    return segment_weighted_mean(values, weights, segments, 1)[0]

@@ -1,0 +1,124 @@
+"""The ``fedhier`` command line: ``fedhier run``, ``fedhier plot``.
+
+Bad input ends with one line on stderr and exit code 2; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Sequence
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from fedhier.config import RunConfig
+from fedhier.errors import FedhierError
+
+EXIT_BAD_INPUT = 2
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per RunConfig field (--local-period ...), default None = not given."""
+    group = parser.add_argument_group("run configuration (also valid as TOML keys)")
+    for f in fields(RunConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        if kind == "bool":
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=None, help=help_text)
+        else:
+            converter = {"int": int, "float": float, "str": str}[kind]
+            group.add_argument(flag, dest=f.name, type=converter, default=None,
+                               metavar=kind.upper(), help=help_text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedhier", description="Hierarchical federated learning on Flower.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run one hierarchical federation (H-SGD)",
+                         description="Run H-SGD: clients -> edges every I steps -> cloud every "
+                         "G steps. Flags override keys of --config.")
+    run.add_argument("--config", type=Path, metavar="FILE.toml",
+                     help="TOML file with run configuration keys")
+    run.add_argument("--overwrite", action="store_true",
+                     help="reuse a non-empty --out folder")
+    run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    run.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    _add_config_flags(run)
+
+    plot = sub.add_parser("plot", help="overlay the curves of several run folders")
+    plot.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
+    plot.add_argument("--out", type=Path, default=Path("runs/compare.png"),
+                      help="output PNG (default runs/compare.png)")
+    plot.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """TOML file (if any) overlaid with the flags given on the command line."""
+    base = RunConfig.from_toml(args.config) if args.config else RunConfig()
+    given = {f.name: getattr(args, f.name) for f in fields(RunConfig)
+             if getattr(args, f.name) is not None}
+    return RunConfig.from_mapping({**base.to_dict(), **given}, where="command line")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fedhier.results import RunFolder, default_run_dir
+    from fedhier.server import prepare
+
+    cfg = config_from_args(args)
+    prepare(cfg)  # validate data and partition before anything is written
+    name = f"{cfg.dataset.replace('/', '-')}-{cfg.engine}"
+    folder = RunFolder.create(cfg.out or default_run_dir(name), overwrite=args.overwrite)
+    progress = not args.no_progress
+    if cfg.engine == "flower":
+        from fedhier.engines.flower import run_simulation_engine
+
+        summary = run_simulation_engine(cfg, folder, progress=progress)
+    else:
+        from fedhier.engines.inprocess import run_inprocess
+
+        summary = run_inprocess(cfg, folder, progress=progress)
+    print(f"final test accuracy {summary['final_test_accuracy']:.4f}, test loss "
+          f"{summary['final_test_loss']:.4f} after {summary['iterations']} iterations "
+          f"({summary['rounds']} cloud rounds) in {summary['wall_seconds']:.1f} s "
+          f"[{summary['engine']}, {summary['weighting']} weighting]")
+    print(f"run folder: {folder.path}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from fedhier.plots import plot_runs
+
+    for run_dir in args.runs:
+        if not (run_dir / "metrics.jsonl").is_file():
+            raise FedhierError(f"{run_dir} is not a fedhier run folder (no metrics.jsonl)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"wrote {plot_runs(args.runs, args.out)}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handlers: dict[str, Any] = {"run": cmd_run, "plot": cmd_plot}
+    try:
+        return int(handlers[args.command](args))
+    except FedhierError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"fedhier: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("fedhier: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""One validated run configuration, from CLI flags, a TOML file or a Flower run_config.
+
+Keys are snake_case in Python and TOML (kebab-case is accepted too, as Flower's run_config
+uses it). Every way in goes through :meth:`RunConfig.from_mapping`, so all three are
+validated the same way and errors read the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from fedhier.errors import ConfigError
+
+WEIGHTINGS = ("samples", "uniform")
+ENGINES = ("inprocess", "flower")
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that determines a run. Same config and seed => same numbers."""
+
+    # data
+    dataset: str = field(default="digits", metadata=_help(
+        "dataset name (digits, fashion-mnist, synthetic) or a path to a dataset TOML"))
+    data_path: str = field(default="", metadata=_help(
+        "folder/file/hub name overriding the dataset's default location"))
+    partition: str = field(default="dirichlet", metadata=_help(
+        "client partition: dirichlet, iid, shards, natural, sorted"))
+    alpha: float = field(default=0.5, metadata=_help("Dirichlet concentration (> 0)"))
+    min_partition_size: int = field(default=10, metadata=_help(
+        "Dirichlet: minimum rows per client (resampled until met)"))
+    self_balancing: bool = field(default=False, metadata=_help(
+        "Dirichlet: stop giving a class to clients already above the average size"))
+    classes_per_client: int = field(default=2, metadata=_help("shards: classes per client"))
+    clients: int = field(default=20, metadata=_help("number of clients n"))
+    # hierarchy
+    groups: int = field(default=4, metadata=_help("number of edge servers N"))
+    grouping: str = field(default="random", metadata=_help(
+        "client -> edge assignment: random, contiguous, or a plugin name"))
+    local_period: int = field(default=5, metadata=_help(
+        "I: edge aggregation period, in local SGD steps"))
+    global_period: int = field(default=20, metadata=_help(
+        "G: cloud aggregation period, in local SGD steps (a multiple of I)"))
+    rounds: int = field(default=30, metadata=_help(
+        "cloud rounds R; total local steps T = R * G"))
+    # local training
+    batch_size: int = field(default=16, metadata=_help(
+        "mini-batch size b; 0 = all of a client's rows (gradient descent)"))
+    lr: float = field(default=0.1, metadata=_help("SGD learning rate"))
+    model: str = field(default="mlp", metadata=_help("model: logreg, mlp, cnn"))
+    weighting: str = field(default="samples", metadata=_help(
+        "averaging weights: samples (by client data size) or uniform (each client equal)"))
+    # execution
+    engine: str = field(default="inprocess", metadata=_help(
+        "inprocess (Flower strategy + ClientApp in one process) or flower (Simulation Engine)"))
+    device: str = field(default="cpu", metadata=_help("cpu, cuda or auto"))
+    seed: int = field(default=0, metadata=_help("seed for every random draw"))
+    out: str = field(default="", metadata=_help(
+        "run folder (default runs/<timestamp>-<name>)"))
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], where: str = "config") -> RunConfig:
+        """Build from a mapping (TOML table, Flower run_config, CLI dict), checking types."""
+        known = {f.name: f for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for raw_key, value in values.items():
+            key = str(raw_key).replace("-", "_")
+            if key not in known:
+                close = difflib.get_close_matches(key, list(known), n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise ConfigError(f"unknown key '{raw_key}' in {where}{hint}")
+            kwargs[key] = _coerce(key, value, known[key].type, where)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> RunConfig:
+        """Read a TOML file whose top-level keys are RunConfig fields."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"malformed TOML in {path}: {exc}") from exc
+        return cls.from_mapping(data, where=str(path))
+
+    def replace(self, **changes: Any) -> RunConfig:
+        return dataclasses.replace(self, **changes)
+
+    # -- views ----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_run_config(self) -> dict[str, Any]:
+        """Flat kebab-case dict, the form of Flower's run_config and ConfigRecord."""
+        return {k.replace("_", "-"): v for k, v in self.to_dict().items()}
+
+    @property
+    def periods(self) -> tuple[int, ...]:
+        """(I, G): aggregation periods of the edge and cloud levels."""
+        return (self.local_period, self.global_period)
+
+    @property
+    def iterations(self) -> int:
+        """T = rounds * G local SGD steps."""
+        return self.rounds * self.global_period
+
+    # -- validation -----------------------------------------------------------------------
+    def validate(self) -> None:
+        from fedhier.models import MODELS  # local: keep config import-light
+
+        _one_of("weighting", self.weighting, WEIGHTINGS)
+        _one_of("engine", self.engine, ENGINES)
+        _one_of("model", self.model, MODELS)
+        _one_of("device", self.device, DEVICES)
+        _one_of("partition", self.partition,
+                ("dirichlet", "iid", "shards", "natural", "sorted"))
+        if self.clients < 1:
+            raise ConfigError(f"clients must be at least 1, got {self.clients}")
+        if self.groups < 1:
+            raise ConfigError(f"groups must be at least 1, got {self.groups}")
+        if self.groups > self.clients:
+            raise ConfigError(
+                f"more groups ({self.groups}) than clients ({self.clients}): every edge "
+                "needs at least one client")
+        if self.alpha <= 0:
+            raise ConfigError(f"alpha must be > 0, got {self.alpha}")
+        if self.min_partition_size < 1:
+            raise ConfigError(f"min_partition_size must be >= 1, got {self.min_partition_size}")
+        if self.classes_per_client < 1:
+            raise ConfigError(f"classes_per_client must be >= 1, got {self.classes_per_client}")
+        if self.local_period < 1 or self.global_period < 1:
+            raise ConfigError("local_period and global_period must be positive integers")
+        if self.global_period % self.local_period != 0:
+            raise ConfigError(
+                f"global_period G={self.global_period} must be a multiple of local_period "
+                f"I={self.local_period}")
+        if self.rounds < 1:
+            raise ConfigError(f"rounds must be at least 1, got {self.rounds}")
+        if self.batch_size < 0:
+            raise ConfigError(f"batch_size must be >= 0 (0 = full batch), got {self.batch_size}")
+        if not self.lr > 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if not self.dataset:
+            raise ConfigError("dataset must not be empty")
+        from fedhier.grouping import available_groupings
+
+        _one_of("grouping", self.grouping, tuple(available_groupings()))
+
+
+def _one_of(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(str(value), list(choices), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"unknown {key} '{value}'{hint}; choose one of {', '.join(choices)}")
+
+
+def _coerce(key: str, value: Any, kind: Any, where: str) -> Any:
+    """Check a value's type; ints are accepted for floats, and bools only for bools."""
+    name = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
+    if name == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    elif name == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif name == "float":
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif name == "str" and isinstance(value, str):
+        return value
+    wanted = {"bool": "true or false", "int": "an integer", "float": "a number",
+              "str": "a string"}.get(name, name)
+    raise ConfigError(f"{key} in {where} must be {wanted}, got {value!r}")

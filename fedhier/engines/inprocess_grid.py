@@ -1,0 +1,79 @@
+"""A Flower Grid that calls a ClientApp in this process: no Ray, no sockets.
+
+It implements Flower's ``Grid`` interface, so any ``flwr.serverapp.strategy`` strategy (ours
+or Flower's own) runs on it unchanged. Messages are handled one after another in the order
+sent; a ClientApp exception becomes an error reply, as on Flower's engines.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Iterable
+from uuid import uuid4
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedhier.rng import generator
+
+CLIENT_APP_EXCEPTION = 0  # flwr ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+
+
+class InProcessGrid(Grid):
+    """``num_nodes`` simulated SuperNodes, node i holding ``partition-id`` i."""
+
+    def __init__(self, client_app: ClientApp, num_nodes: int, seed: int = 0,
+                 run_config: dict | None = None) -> None:
+        run_id = int(generator(seed, "run-id").integers(1, 2**62))
+        self._run = Run.create_empty(run_id)
+        TaskIdentity.run_id = run_id
+        TaskIdentity.node_id = 1  # the SuperLink's node id in Flower
+        TaskIdentity.task_id = 1
+        self.client_app = client_app
+        node_ids = generator(seed, "node-ids").choice(2**62, size=num_nodes, replace=False) + 2
+        self.contexts: dict[int, Context] = {
+            int(node_id): Context(run_id=run_id, node_id=int(node_id),
+                                  node_config={"partition-id": i, "num-partitions": num_nodes},
+                                  state=RecordDict(), run_config=dict(run_config or {}))
+            for i, node_id in enumerate(node_ids)
+        }
+        self._replies: dict[str, Message] = {}
+
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        return self._run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int,
+                       group_id: str, ttl: float | None = None) -> Message:
+        return Message(content, dst_node_id=dst_node_id, message_type=message_type,
+                       group_id=group_id, ttl=ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = str(uuid4())
+            context = self.contexts[msg.metadata.dst_node_id]
+            try:
+                reply = self.client_app(msg, context)
+            except Exception as exc:  # noqa: BLE001 - reported to the strategy as in Flower
+                reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
+                reply = Message(Error(code=CLIENT_APP_EXCEPTION, reason=reason), reply_to=msg)
+            self._replies[msg.metadata.message_id] = reply
+            ids.append(msg.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return [self._replies.pop(mid) for mid in message_ids if mid in self._replies]
+
+    def send_and_receive(self, messages: Iterable[Message], *,
+                         timeout: float | None = None) -> Iterable[Message]:
+        return self.pull_messages(self.push_messages(messages))

@@ -1,0 +1,42 @@
+"""The grouping interface: what a client -> edge assignment function sees and returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ClientInfo:
+    """What the cloud knows about the clients when it groups them.
+
+    Attributes:
+        label_histograms: int64 [n, num_classes], rows per label reported by each client.
+        num_examples: int64 [n], each client's number of training rows.
+    """
+
+    label_histograms: np.ndarray
+    num_examples: np.ndarray
+
+    @property
+    def num_clients(self) -> int:
+        return int(self.num_examples.shape[0])
+
+
+class Grouping(Protocol):
+    """A grouping assigns each of n clients to one of ``num_groups`` edges.
+
+    Returns int64 [n] with every value in [0, num_groups) used at least once. It must be a
+    pure function of its arguments (draw randomness from ``fedhier.rng.generator(seed, ...)``).
+    """
+
+    def __call__(self, info: ClientInfo, num_groups: int, seed: int) -> np.ndarray: ...
+
+
+def balanced_sizes(num_clients: int, num_groups: int) -> np.ndarray:
+    """Group sizes differing by at most one: the first n % N groups get one more."""
+    sizes = np.full(num_groups, num_clients // num_groups, dtype=np.int64)
+    sizes[: num_clients % num_groups] += 1
+    return sizes

@@ -1,0 +1,87 @@
+"""Models by name, sized for the dataset's input shape and number of classes."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from fedhier.errors import ConfigError
+
+MODELS = ("logreg", "mlp", "cnn")
+
+
+def _flat_features(input_shape: tuple[int, ...]) -> int:
+    return int(math.prod(input_shape))
+
+
+class LogReg(nn.Module):
+    """Multinomial logistic regression: one linear layer on the flattened input."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(_flat_features(input_shape), num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.flatten(1))
+
+
+class MLP(nn.Module):
+    """Flatten -> Linear(hidden) -> ReLU -> Linear(num_classes)."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, hidden: int = 128) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(_flat_features(input_shape), hidden)
+        self.out = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.hidden(x.flatten(1))))
+
+
+class CNN(nn.Module):
+    """Two 3x3 conv blocks (16, 32 channels; 2x2 max-pool while the map is >= 4 px) + linear.
+
+    Input [batch, C, H, W]; digits (1, 8, 8) gives a 2x2x32 map, Fashion-MNIST (1, 28, 28) 7x7x32.
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        if len(input_shape) != 3:
+            raise ConfigError(
+                f"model 'cnn' needs image input (channels, height, width), got shape "
+                f"{list(input_shape)}; use 'mlp' or 'logreg' for this dataset"
+            )
+        channels, height, width = input_shape
+        self.conv1 = nn.Conv2d(channels, 16, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, kernel_size=3, padding=1)
+        self.pool1 = min(height, width) >= 4
+        if self.pool1:
+            height, width = height // 2, width // 2
+        self.pool2 = min(height, width) >= 4
+        if self.pool2:
+            height, width = height // 2, width // 2
+        self.out = nn.Linear(32 * height * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv1(x))
+        if self.pool1:
+            x = nn.functional.max_pool2d(x, 2)
+        x = torch.relu(self.conv2(x))
+        if self.pool2:
+            x = nn.functional.max_pool2d(x, 2)
+        return self.out(x.flatten(1))
+
+
+def build_model(
+    name: str, input_shape: tuple[int, ...], num_classes: int, seed: int | None = None
+) -> nn.Module:
+    """A model by name; with ``seed`` its initial weights are a function of the seed only."""
+    builders = {"logreg": LogReg, "mlp": MLP, "cnn": CNN}
+    if name not in builders:
+        raise ConfigError(f"unknown model '{name}'; choose one of {', '.join(MODELS)}")
+    if seed is None:
+        return builders[name](tuple(input_shape), num_classes)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return builders[name](tuple(input_shape), num_classes)

@@ -1,0 +1,44 @@
+"""Figures drawn from run folders (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from fedhier.results import read_json, read_metrics  # noqa: E402
+
+
+def _label(run_dir: Path) -> str:
+    try:
+        cfg = read_json(run_dir, "config.json")
+        return (f"{run_dir.name}: I={cfg['local_period']} G={cfg['global_period']} "
+                f"N={cfg['groups']} {cfg['grouping']}")
+    except (OSError, KeyError, ValueError):
+        return run_dir.name
+
+
+def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
+    """Test accuracy and test loss against local iterations, one line per run."""
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
+    for run_dir in map(Path, run_dirs):
+        records = read_metrics(run_dir)
+        its = [r["iteration"] for r in records]
+        label = _label(run_dir)
+        ax_acc.plot(its, [r["test_accuracy"] for r in records], marker=".", label=label)
+        ax_loss.plot(its, [r["test_loss"] for r in records], marker=".", label=label)
+    ax_acc.set(xlabel="local SGD iterations", ylabel="test accuracy", title="Test accuracy")
+    ax_loss.set(xlabel="local SGD iterations", ylabel="test loss (cross-entropy)",
+                title="Test loss")
+    for ax in (ax_acc, ax_loss):
+        ax.grid(alpha=0.3)
+    ax_acc.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,110 @@
+"""The hierarchy: levels, periods, the client -> edge (-> region ...) tree, and the schedule.
+
+Level 0 holds the clients, level 1 the edge servers, level L the cloud (one node). Each level
+l = 1..L has a period P_l in local SGD iterations, P_1 < P_2 < ... < P_L, each a multiple of
+the one below. After local step t (0-based) the hierarchy aggregates at the highest level l
+with (t + 1) % P_l == 0, over each level-l node's subtree (algorithms.md §1-§2).
+Two-level H-SGD is periods (I, G).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedhier.errors import ConfigError
+
+
+def validate_periods(periods: tuple[int, ...]) -> None:
+    """Raise ConfigError unless periods are positive and each divides the next."""
+    if len(periods) < 1:
+        raise ConfigError("at least one aggregation period is needed")
+    for p in periods:
+        if p < 1:
+            raise ConfigError(f"aggregation periods must be positive integers, got {list(periods)}")
+    for lower, upper in zip(periods, periods[1:], strict=False):
+        if upper % lower != 0:
+            raise ConfigError(
+                f"each period must be a multiple of the one below: {upper} is not a multiple "
+                f"of {lower} (periods {list(periods)})"
+            )
+
+
+def aggregation_level(step: int, periods: tuple[int, ...]) -> int:
+    """Level aggregated after 0-based local step ``step``: 0 (none), 1 (edge) ... L (cloud)."""
+    level = 0
+    for index, period in enumerate(periods, start=1):
+        if (step + 1) % period == 0:
+            level = index
+    return level
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """A tree of clients under edges (under regions ...) under one cloud.
+
+    Attributes:
+        periods: (P_1, ..., P_L) in local SGD iterations; P_L is the cloud period.
+        parents: ``parents[k]`` maps each level-k node to its level-(k+1) node, for
+            k = 0 .. L-2 (``parents[0]`` is client -> edge). The cloud (level L) is implicit.
+    """
+
+    periods: tuple[int, ...]
+    parents: tuple[np.ndarray, ...]
+
+    def __post_init__(self) -> None:
+        validate_periods(self.periods)
+        if len(self.parents) != len(self.periods) - 1:
+            raise ConfigError(
+                f"{len(self.periods)} periods need {len(self.periods) - 1} grouping level(s), "
+                f"got {len(self.parents)}"
+            )
+        for k, parent in enumerate(self.parents):
+            size_above = int(parent.max()) + 1 if parent.size else 0
+            if parent.size and set(np.unique(parent).tolist()) != set(range(size_above)):
+                raise ConfigError(f"grouping level {k + 1} leaves a group without members")
+            if k + 1 < len(self.parents) and len(self.parents[k + 1]) != size_above:
+                raise ConfigError(f"grouping level {k + 2} does not match level {k + 1}")
+
+    @property
+    def num_levels(self) -> int:
+        """L: the number of aggregation levels (2 for clients -> edges -> cloud)."""
+        return len(self.periods)
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.parents[0]) if self.parents else 0
+
+    def num_nodes(self, level: int) -> int:
+        """Number of nodes at ``level`` (0 = clients, L = cloud)."""
+        if level >= self.num_levels:
+            return 1
+        if level == 0:
+            return self.num_clients
+        return int(self.parents[level - 1].max()) + 1
+
+    def ancestors(self, level: int) -> np.ndarray:
+        """For each client, the index of its level-``level`` ancestor (level 0 = itself)."""
+        node = np.arange(self.num_clients)
+        if level >= self.num_levels:
+            return np.zeros(self.num_clients, dtype=np.int64)
+        for k in range(level):
+            node = self.parents[k][node]
+        return node.astype(np.int64)
+
+    def edge_of_client(self) -> np.ndarray:
+        """Client -> edge (level-1 node) index, shape [num_clients]."""
+        return self.ancestors(1)
+
+    def edges_under(self, level: int) -> np.ndarray:
+        """For each edge, the index of its level-``level`` ancestor."""
+        node = np.arange(self.num_nodes(1))
+        if level >= self.num_levels:
+            return np.zeros(len(node), dtype=np.int64)
+        for k in range(1, level):
+            node = self.parents[k][node]
+        return node.astype(np.int64)
+
+    def level_after(self, step: int) -> int:
+        return aggregation_level(step, self.periods)

@@ -1,0 +1,380 @@
+"""Hierarchical FedAvg (H-SGD): edge aggregation beneath Flower's cloud server.
+
+Clients run local SGD; every ``local_period`` (I) steps each edge server averages its group of
+clients, every ``global_period`` (G) steps the cloud averages everything (Wang et al., AAAI
+2022, "Demystifying Why Local Aggregation Helps"). Edges are logical: the ServerApp addresses
+the clients through Flower's Grid and keeps one model per edge, so edge rounds inside a cloud
+round need no change to Flower.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+from flwr.supercore import log
+
+from fedhier.aggregate import segment_weighted_mean
+from fedhier.errors import ConfigError
+from fedhier.grouping import ClientInfo, assign_groups
+from fedhier.topology import Hierarchy, validate_periods
+
+
+@dataclass
+class Communication:
+    """Cumulative logical traffic of the hierarchy (a model down or up counts once)."""
+
+    client_edge_messages: int = 0
+    edge_cloud_messages: int = 0
+    client_edge_bytes: int = 0
+    edge_cloud_bytes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class HierFedAvg(Strategy):
+    """Two- (or more-) level hierarchical FedAvg on Flower's Message API.
+
+    One call of :meth:`configure_train` / :meth:`aggregate_train` is one *edge round*: every
+    client starts from its edge's model, runs I local steps, and the replies are averaged at
+    the level the schedule names for that step (edge, or cloud every G steps). :meth:`start`
+    runs ``num_rounds`` *cloud rounds* of G / I edge rounds each and evaluates after each.
+
+    Parameters
+    ----------
+    local_period : int
+        I, the edge aggregation period in local SGD steps.
+    global_period : int
+        G, the cloud aggregation period in local SGD steps; a multiple of I.
+    num_groups : int
+        N, the number of edge servers.
+    grouping : str (default: "random")
+        Name of the client -> edge grouping (see ``fedhier.grouping``).
+    weighting : str (default: "samples")
+        "samples" weights each client by its ``num-examples``; "uniform" weights clients
+        equally (the papers' f = (1/n) sum_j F_j).
+    seed : int (default: 0)
+        Seed of the grouping draw.
+    min_available_nodes : int (default: 1)
+        Wait until this many nodes are connected before starting.
+    arrayrecord_key, configrecord_key : str
+        Keys of the ArrayRecord and ConfigRecord in messages ("arrays", "config").
+    periods, parents :
+        For hierarchies deeper than two levels: all periods (P_1..P_L) and the upper
+        levels of the group tree (edge -> region ...); ``local_period``/``global_period``
+        are then P_1 and P_L.
+    """
+
+    def __init__(
+        self,
+        local_period: int,
+        global_period: int,
+        num_groups: int,
+        grouping: str = "random",
+        weighting: str = "samples",
+        seed: int = 0,
+        min_available_nodes: int = 1,
+        arrayrecord_key: str = "arrays",
+        configrecord_key: str = "config",
+        periods: tuple[int, ...] | None = None,
+        upper_parents: tuple[np.ndarray, ...] = (),
+    ) -> None:
+        self.periods = tuple(periods) if periods else (local_period, global_period)
+        validate_periods(self.periods)
+        if self.periods[0] != local_period or self.periods[-1] != global_period:
+            raise ConfigError("periods must start with local_period and end with global_period")
+        if weighting not in ("samples", "uniform"):
+            raise ConfigError(f"unknown weighting '{weighting}'; choose samples or uniform")
+        self.local_period = local_period
+        self.global_period = global_period
+        self.num_groups = num_groups
+        self.grouping = grouping
+        self.weighting = weighting
+        self.seed = seed
+        self.min_available_nodes = min_available_nodes
+        self.arrayrecord_key = arrayrecord_key
+        self.configrecord_key = configrecord_key
+        self.upper_parents = upper_parents
+        # Set by setup():
+        self.node_ids: list[int] = []
+        self.client_info: ClientInfo | None = None
+        self.hierarchy: Hierarchy | None = None
+        self.edge_arrays: list[ArrayRecord] = []
+        self.communication = Communication()
+        self._sent: list[int] = []
+        self._query_config = ConfigRecord()
+
+    # ------------------------------------------------------------------ set-up
+    def summary(self) -> None:
+        """Log the strategy's configuration."""
+        log(INFO, "\t├──> Hierarchy: periods %s (edge every %d, cloud every %d steps)",
+            list(self.periods), self.local_period, self.global_period)
+        log(INFO, "\t├──> Edges: %d, grouping '%s'", self.num_groups, self.grouping)
+        log(INFO, "\t└──> Weighting: %s", self.weighting)
+
+    def configure_query(self, grid: Grid) -> Iterable[Message]:
+        """Ask every connected node for its partition id, sample count and label histogram."""
+        return [Message(RecordDict({self.configrecord_key: self._query_config}),
+                        message_type=MessageType.QUERY, dst_node_id=node_id)
+                for node_id in grid.get_node_ids()]
+
+    def aggregate_query(self, replies: Iterable[Message]) -> None:
+        """Order clients by partition id and build the hierarchy from their profiles."""
+        profiles = []
+        for reply in replies:
+            if reply.has_error():
+                raise RuntimeError(
+                    f"node {reply.metadata.src_node_id} failed the profile query: "
+                    f"{reply.error.reason}")
+            metrics = reply.content["metrics"]
+            profiles.append((int(metrics["partition-id"]), reply.metadata.src_node_id,
+                             int(metrics["num-examples"]), list(metrics["label-histogram"])))
+        profiles.sort()
+        ids = [p[0] for p in profiles]
+        if ids != list(range(len(ids))):
+            raise RuntimeError(f"partition ids must be 0..n-1 without gaps, got {ids}")
+        self.node_ids = [p[1] for p in profiles]
+        self.client_info = ClientInfo(
+            label_histograms=np.array([p[3] for p in profiles], dtype=np.int64),
+            num_examples=np.array([p[2] for p in profiles], dtype=np.int64))
+        edges = assign_groups(self.grouping, self.client_info, self.num_groups, self.seed)
+        self.hierarchy = Hierarchy(self.periods, (edges, *self.upper_parents))
+
+    def setup(self, grid: Grid, config: ConfigRecord, timeout: float) -> None:
+        """Wait for nodes, query their profiles and group them into edges."""
+        deadline = time.time() + timeout
+        while len(list(grid.get_node_ids())) < self.min_available_nodes:
+            if time.time() > deadline:
+                raise RuntimeError(f"fewer than {self.min_available_nodes} nodes connected")
+            time.sleep(0.1)
+        self._query_config = config
+        replies = grid.send_and_receive(self.configure_query(grid), timeout=timeout)
+        self.aggregate_query(replies)
+
+    def client_weights(self) -> np.ndarray:
+        """float64 [n]: each client's averaging weight under ``self.weighting``."""
+        assert self.client_info is not None
+        if self.weighting == "uniform":
+            return np.ones(self.client_info.num_clients)
+        return self.client_info.num_examples.astype(np.float64)
+
+    # ------------------------------------------------------------------ training
+    def steps_per_edge_round(self) -> int:
+        return self.local_period
+
+    def edge_rounds_per_cloud_round(self) -> int:
+        return self.global_period // self.local_period
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Send each client its edge's model for edge round ``server_round`` (1-based)."""
+        hierarchy = self._require_setup()
+        edge_of = hierarchy.edge_of_client()
+        start = (server_round - 1) * self.local_period
+        messages = []
+        self._sent = []
+        for client, node_id in enumerate(self.node_ids):
+            cfg = ConfigRecord(dict(config))
+            cfg["local-steps"] = self.local_period
+            cfg["start-step"] = start
+            cfg["edge-round"] = server_round
+            cfg["server-round"] = start // self.global_period + 1
+            content = RecordDict({self.arrayrecord_key: self.edge_arrays[edge_of[client]],
+                                  self.configrecord_key: cfg})
+            messages.append(Message(content, message_type=MessageType.TRAIN,
+                                    dst_node_id=node_id))
+            self._sent.append(client)
+        return messages
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Average the clients' models at the scheduled level; the global model at a cloud step.
+
+        Failed replies are left out and the weights renormalise over the survivors; an edge
+        (or higher node) with no survivor keeps its model.
+        """
+        hierarchy = self._require_setup()
+        client_of_node = {node: client for client, node in enumerate(self.node_ids)}
+        clients: list[int] = []
+        states: list[dict[str, torch.Tensor]] = []
+        losses: list[float] = []
+        for reply in replies:
+            if reply.has_error():
+                log(WARNING, "client on node %s failed: %s", reply.metadata.src_node_id,
+                    reply.error.reason)
+                continue
+            clients.append(client_of_node[reply.metadata.src_node_id])
+            states.append(reply.content[self.arrayrecord_key].to_torch_state_dict())
+            losses.append(float(reply.content["metrics"]["train-loss"]))
+        failed = len(self._sent) - len(clients)  # error replies and missing replies
+        last_step = server_round * self.local_period - 1
+        level = hierarchy.level_after(last_step)
+        model_bytes = self.edge_arrays[0].count_bytes() if self.edge_arrays else 0
+        self.communication.client_edge_messages += len(self._sent) + len(clients)
+        self.communication.client_edge_bytes += (len(self._sent) + len(clients)) * model_bytes
+        weights = self.client_weights()
+        metrics = MetricRecord({"failed-clients": failed, "level": level})
+        if clients:
+            w = weights[clients]
+            metrics["train-loss"] = float(np.dot(w, losses) / w.sum())
+        if not clients or level == 0:
+            return None, metrics
+        index = np.array(clients)
+        owner = hierarchy.ancestors(level)[index]
+        num_nodes = hierarchy.num_nodes(level)
+        averaged = {
+            key: segment_weighted_mean(torch.stack([s[key] for s in states]),
+                                       torch.as_tensor(weights[index]),
+                                       torch.as_tensor(owner), num_nodes)
+            for key in states[0]
+        }
+        has_survivor = np.zeros(num_nodes, dtype=bool)
+        has_survivor[owner] = True
+        edge_owner = hierarchy.edges_under(level)
+        node_records = {
+            node: ArrayRecord({k: v[node] for k, v in averaged.items()})
+            for node in np.flatnonzero(has_survivor)
+        }
+        for edge in range(hierarchy.num_nodes(1)):
+            if has_survivor[edge_owner[edge]]:
+                self.edge_arrays[edge] = node_records[edge_owner[edge]]
+        for lower in range(1, level):
+            self.communication.edge_cloud_messages += 2 * hierarchy.num_nodes(lower)
+            self.communication.edge_cloud_bytes += 2 * hierarchy.num_nodes(lower) * model_bytes
+        if level == hierarchy.num_levels:
+            return node_records.get(0), metrics
+        return None, metrics
+
+    # ------------------------------------------------------------------ evaluation
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Send the global model to every client to evaluate on its own training rows."""
+        cfg = ConfigRecord(dict(config))
+        cfg["server-round"] = server_round
+        content = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: cfg})
+        return [Message(content, message_type=MessageType.EVALUATE, dst_node_id=node_id)
+                for node_id in self.node_ids]
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Weighted loss/accuracy of the global model over clients: the global objective f(w)."""
+        client_of_node = {node: client for client, node in enumerate(self.node_ids)}
+        weights = self.client_weights()
+        w, loss, acc = [], [], []
+        for reply in replies:
+            if reply.has_error():
+                continue
+            m = reply.content["metrics"]
+            w.append(weights[client_of_node[reply.metadata.src_node_id]])
+            loss.append(float(m["loss"]))
+            acc.append(float(m["accuracy"]))
+        if not w:
+            return None
+        wa = np.array(w)
+        return MetricRecord({"loss": float(np.dot(wa, loss) / wa.sum()),
+                             "accuracy": float(np.dot(wa, acc) / wa.sum())})
+
+    # ------------------------------------------------------------------ driver
+    def start(  # type: ignore[override]
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        on_cloud_round: Callable[[dict[str, Any]], None] | None = None,
+    ) -> Result:
+        """Run ``num_rounds`` cloud rounds (T = num_rounds * G local steps).
+
+        ``evaluate_fn(round, arrays)`` evaluates the global model centrally before training
+        (round 0) and after each cloud round. ``on_cloud_round(record)`` receives one dict for
+        round 0 and per cloud round: round, iteration, train_loss and train_accuracy (of the
+        global model on all clients' training rows, weighted: the global objective f(w)),
+        local_train_loss (mean mini-batch loss), the evaluate_fn metrics, failed clients and
+        the cumulative communication counters.
+        """
+        train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        self.setup(grid, train_config, timeout)
+        self.summary()
+        result = Result()
+        result.arrays = initial_arrays
+        arrays = initial_arrays
+        train_record: dict[str, Any] = {"local_train_loss": None, "failed_clients": 0}
+        edge_rounds = self.edge_rounds_per_cloud_round()
+        for cloud_round in range(0, num_rounds + 1):
+            if cloud_round > 0:
+                train_record = self._cloud_round(cloud_round, arrays, train_config, grid,
+                                                 timeout, result)
+                arrays = result.arrays
+            record: dict[str, Any] = {"round": cloud_round,
+                                      "iteration": cloud_round * self.global_period,
+                                      "edge_rounds": cloud_round * edge_rounds}
+            replies = grid.send_and_receive(
+                self.configure_evaluate(cloud_round, arrays, evaluate_config, grid),
+                timeout=timeout)
+            client_eval = self.aggregate_evaluate(cloud_round, replies)
+            if client_eval is not None:
+                result.evaluate_metrics_clientapp[cloud_round] = client_eval
+                record["train_loss"] = float(client_eval["loss"])
+                record["train_accuracy"] = float(client_eval["accuracy"])
+            record.update(train_record)
+            if evaluate_fn is not None:
+                res = evaluate_fn(cloud_round, arrays)
+                if res is not None:
+                    result.evaluate_metrics_serverapp[cloud_round] = res
+                    record.update({k.replace("-", "_"): v for k, v in res.items()})
+            record.update(self.communication.as_dict())
+            if on_cloud_round is not None:
+                on_cloud_round(record)
+        return result
+
+    def _cloud_round(self, cloud_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                     grid: Grid, timeout: float, result: Result) -> dict[str, Any]:
+        """Run the G / I edge rounds of one cloud round; store the new global model."""
+        hierarchy = self._require_setup()
+        self.edge_arrays = [arrays] * hierarchy.num_nodes(1)
+        losses, failed = [], 0
+        edge_rounds = self.edge_rounds_per_cloud_round()
+        for k in range(1, edge_rounds + 1):
+            server_round = (cloud_round - 1) * edge_rounds + k
+            replies = grid.send_and_receive(
+                self.configure_train(server_round, arrays, config, grid), timeout=timeout)
+            new_arrays, metrics = self.aggregate_train(server_round, replies)
+            assert metrics is not None
+            failed += int(metrics["failed-clients"])
+            if "train-loss" in metrics:
+                losses.append(float(metrics["train-loss"]))
+            if new_arrays is not None:
+                result.arrays = new_arrays
+        local_loss = float(np.mean(losses)) if losses else float("nan")
+        result.train_metrics_clientapp[cloud_round] = MetricRecord(
+            {"local-train-loss": local_loss, "failed-clients": failed})
+        return {"local_train_loss": local_loss, "failed_clients": failed}
+
+    def _require_setup(self) -> Hierarchy:
+        if self.hierarchy is None:
+            raise RuntimeError("HierFedAvg.setup(grid, ...) must run before training")
+        return self.hierarchy

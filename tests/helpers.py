@@ -1,0 +1,45 @@
+"""Drivers shared by the tests: run a strategy on the in-process grid without a run folder."""
+
+from __future__ import annotations
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord
+from flwr.serverapp.strategy import Strategy
+
+from fedhier.clients.app import app as client_app
+from fedhier.config import RunConfig
+from fedhier.engines.inprocess_grid import InProcessGrid
+from fedhier.server import initial_model, prepare
+from fedhier.strategies.hierfedavg import HierFedAvg
+
+State = dict[str, torch.Tensor]
+
+
+def initial_state(cfg: RunConfig) -> State:
+    return initial_model(cfg, prepare(cfg)).state_dict()
+
+
+def run_hier(cfg: RunConfig, records: list | None = None) -> State:
+    """Final global model of HierFedAvg for ``cfg`` on the in-process grid."""
+    grid = InProcessGrid(client_app, cfg.clients, seed=cfg.seed)
+    strategy = HierFedAvg(cfg.local_period, cfg.global_period, cfg.groups, grouping=cfg.grouping,
+                          weighting=cfg.weighting, seed=cfg.seed)
+    result = strategy.start(grid, ArrayRecord(initial_state(cfg)), num_rounds=cfg.rounds,
+                            train_config=ConfigRecord(cfg.to_run_config()),
+                            on_cloud_round=records.append if records is not None else None)
+    return result.arrays.to_torch_state_dict()
+
+
+def run_flower_strategy(cfg: RunConfig, strategy: Strategy, local_steps: int,
+                        rounds: int) -> State:
+    """Final model of a plain Flower strategy driving the same ClientApp."""
+    grid = InProcessGrid(client_app, cfg.clients, seed=cfg.seed)
+    config = ConfigRecord({**cfg.to_run_config(), "local-steps": local_steps})
+    result = strategy.start(grid, ArrayRecord(initial_state(cfg)), num_rounds=rounds,
+                            train_config=config)
+    return result.arrays.to_torch_state_dict()
+
+
+def max_abs_diff(a: State, b: State) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
