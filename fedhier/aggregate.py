@@ -6,6 +6,7 @@ number or order of summands beyond float64 rounding.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -40,3 +41,12 @@ def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Weighted mean over the first axis: [n, *shape] -> [*shape]."""
     segments = torch.zeros(values.shape[0], dtype=torch.int64)
     return segment_weighted_mean(values, weights, segments, 1)[0]
+
+
+def client_weights(weighting: str, num_examples: np.ndarray) -> np.ndarray:
+    """float64 [n] averaging weights: ``samples`` = rows per client, ``uniform`` = 1 each."""
+    if weighting == "uniform":
+        return np.ones(len(num_examples), dtype=np.float64)
+    if weighting == "samples":
+        return np.asarray(num_examples, dtype=np.float64)
+    raise ValueError(f"unknown weighting '{weighting}'")

@@ -13,7 +13,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from fedhier.config import RunConfig
+from fedhier.config import RunConfig, read_toml
 from fedhier.errors import FedhierError
 
 EXIT_BAD_INPUT = 2
@@ -30,9 +30,10 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=None, help=help_text)
         else:
-            converter = {"int": int, "float": float, "str": str}[kind]
+            converter = {"int": int, "float": float}.get(kind, str)
+            metavar = "N[,N...]" if kind.startswith("tuple") else kind.upper()
             group.add_argument(flag, dest=f.name, type=converter, default=None,
-                               metavar=kind.upper(), help=help_text)
+                               metavar=metavar, help=help_text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,10 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """TOML file (if any) overlaid with the flags given on the command line."""
-    base = RunConfig.from_toml(args.config) if args.config else RunConfig()
+    base: dict[str, Any] = {}
+    if args.config:
+        base = {str(k).replace("-", "_"): v for k, v in read_toml(args.config).items()}
+        RunConfig.from_mapping(base, where=str(args.config))  # report the file's own errors
     given = {f.name: getattr(args, f.name) for f in fields(RunConfig)
              if getattr(args, f.name) is not None}
-    return RunConfig.from_mapping({**base.to_dict(), **given}, where="command line")
+    if "periods" in given:  # --periods replaces the two-level periods of the file
+        base = {k: v for k, v in base.items() if k not in ("local_period", "global_period")}
+    elif given.keys() & {"local_period", "global_period"}:
+        base.pop("periods", None)
+    return RunConfig.from_mapping({**base, **given}, where="command line")
 
 
 def cmd_run(args: argparse.Namespace) -> int:

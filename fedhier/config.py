@@ -45,13 +45,17 @@ class RunConfig:
     classes_per_client: int = field(default=2, metadata=_help("shards: classes per client"))
     clients: int = field(default=20, metadata=_help("number of clients n"))
     # hierarchy
-    groups: int = field(default=4, metadata=_help("number of edge servers N"))
+    groups: tuple[int, ...] = field(default=(4,), metadata=_help(
+        "number of edge servers N; for deeper trees one count per level, e.g. 8,2 = 8 edges "
+        "under 2 regions"))
     grouping: str = field(default="random", metadata=_help(
         "client -> edge assignment: random, contiguous, or a plugin name"))
     local_period: int = field(default=5, metadata=_help(
         "I: edge aggregation period, in local SGD steps"))
     global_period: int = field(default=20, metadata=_help(
         "G: cloud aggregation period, in local SGD steps (a multiple of I)"))
+    periods: tuple[int, ...] = field(default=(), metadata=_help(
+        "all aggregation periods P1,...,PL (one more than group levels); default I,G"))
     rounds: int = field(default=30, metadata=_help(
         "cloud rounds R; total local steps T = R * G"))
     # local training
@@ -70,6 +74,14 @@ class RunConfig:
         "run folder (default runs/<timestamp>-<name>)"))
 
     def __post_init__(self) -> None:
+        for key in ("groups", "periods"):  # RunConfig(groups=4) is accepted too
+            if not isinstance(getattr(self, key), tuple):
+                object.__setattr__(self, key, _int_tuple(key, getattr(self, key), "config"))
+        if self.periods:  # the level periods define I (edge) and G (cloud)
+            object.__setattr__(self, "local_period", self.periods[0])
+            object.__setattr__(self, "global_period", self.periods[-1])
+        else:
+            object.__setattr__(self, "periods", (self.local_period, self.global_period))
         self.validate()
 
     # -- construction ---------------------------------------------------------------------
@@ -85,23 +97,26 @@ class RunConfig:
                 hint = f"; did you mean '{close[0]}'?" if close else ""
                 raise ConfigError(f"unknown key '{raw_key}' in {where}{hint}")
             kwargs[key] = _coerce(key, value, known[key].type, where)
+        periods = kwargs.get("periods")
+        if periods:
+            for key, index in (("local_period", 0), ("global_period", -1)):
+                if key in kwargs and kwargs[key] != periods[index]:
+                    raise ConfigError(
+                        f"{key}={kwargs[key]} contradicts periods={list(periods)} in {where}; "
+                        "give one or the other")
         return cls(**kwargs)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> RunConfig:
         """Read a TOML file whose top-level keys are RunConfig fields."""
-        path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"malformed TOML in {path}: {exc}") from exc
-        return cls.from_mapping(data, where=str(path))
+        return cls.from_mapping(read_toml(path), where=str(path))
 
     def replace(self, **changes: Any) -> RunConfig:
+        """A copy with ``changes``; new local/global periods replace a two-level ``periods``."""
+        if changes.keys() & {"local_period", "global_period"} and "periods" not in changes:
+            if len(self.periods) > 2:
+                raise ConfigError("replace periods, not local/global_period, on a deeper tree")
+            changes["periods"] = ()
         return dataclasses.replace(self, **changes)
 
     # -- views ----------------------------------------------------------------------------
@@ -109,13 +124,14 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def to_run_config(self) -> dict[str, Any]:
-        """Flat kebab-case dict, the form of Flower's run_config and ConfigRecord."""
-        return {k.replace("_", "-"): v for k, v in self.to_dict().items()}
+        """Flat kebab-case dict of scalars, the form of Flower's run_config and ConfigRecord."""
+        return {k.replace("_", "-"): ",".join(map(str, v)) if isinstance(v, tuple) else v
+                for k, v in self.to_dict().items()}
 
     @property
-    def periods(self) -> tuple[int, ...]:
-        """(I, G): aggregation periods of the edge and cloud levels."""
-        return (self.local_period, self.global_period)
+    def num_edges(self) -> int:
+        """N: the number of edge servers (level-1 groups)."""
+        return self.groups[0]
 
     @property
     def iterations(self) -> int:
@@ -134,12 +150,20 @@ class RunConfig:
                 ("dirichlet", "iid", "shards", "natural", "sorted"))
         if self.clients < 1:
             raise ConfigError(f"clients must be at least 1, got {self.clients}")
-        if self.groups < 1:
-            raise ConfigError(f"groups must be at least 1, got {self.groups}")
-        if self.groups > self.clients:
+        below, below_name = self.clients, "clients"
+        for level, count in enumerate(self.groups, start=1):
+            if count < 1:
+                raise ConfigError(f"groups must be at least 1, got {list(self.groups)}")
+            if count > below:
+                raise ConfigError(
+                    f"more groups ({count}) than {below_name} ({below}) at level {level}: every "
+                    "group needs at least one member")
+            below, below_name = count, f"level-{level} groups"
+        if len(self.periods) != len(self.groups) + 1:
             raise ConfigError(
-                f"more groups ({self.groups}) than clients ({self.clients}): every edge "
-                "needs at least one client")
+                f"{len(self.groups)} group level(s) {list(self.groups)} need "
+                f"{len(self.groups) + 1} periods (edge ... cloud), got {list(self.periods)}; "
+                "set --periods")
         if self.alpha <= 0:
             raise ConfigError(f"alpha must be > 0, got {self.alpha}")
         if self.min_partition_size < 1:
@@ -148,10 +172,13 @@ class RunConfig:
             raise ConfigError(f"classes_per_client must be >= 1, got {self.classes_per_client}")
         if self.local_period < 1 or self.global_period < 1:
             raise ConfigError("local_period and global_period must be positive integers")
-        if self.global_period % self.local_period != 0:
+        if len(self.periods) == 2 and self.global_period % self.local_period != 0:
             raise ConfigError(
                 f"global_period G={self.global_period} must be a multiple of local_period "
                 f"I={self.local_period}")
+        from fedhier.topology import validate_periods
+
+        validate_periods(self.periods)
         if self.rounds < 1:
             raise ConfigError(f"rounds must be at least 1, got {self.rounds}")
         if self.batch_size < 0:
@@ -172,9 +199,34 @@ def _one_of(key: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"unknown {key} '{value}'{hint}; choose one of {', '.join(choices)}")
 
 
+def _int_tuple(key: str, value: Any, where: str) -> tuple[int, ...]:
+    """An int, a list of ints, or a comma-separated string such as "8,2"."""
+    items: list[Any]
+    if isinstance(value, int):  # bools too: rejected below
+        items = [value]
+    elif isinstance(value, str):
+        items = [v.strip() for v in value.split(",")] if value.strip() else []
+    elif isinstance(value, list | tuple):
+        items = list(value)
+    else:
+        items = [value]
+    out = []
+    for item in items:
+        if isinstance(item, bool):
+            raise ConfigError(f"{key} in {where} must be integers, got {value!r}")
+        try:
+            out.append(int(item))
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"{key} in {where} must be an integer or a comma-separated list of integers, "
+                f"got {value!r}") from None
+    return tuple(out)
+
+
 def _coerce(key: str, value: Any, kind: Any, where: str) -> Any:
     """Check a value's type; ints are accepted for floats, and bools only for bools."""
     name = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
+    name = name.replace(" ", "")
     if name == "bool":
         if isinstance(value, bool):
             return value
@@ -190,6 +242,21 @@ def _coerce(key: str, value: Any, kind: Any, where: str) -> Any:
             return float(value)
     elif name == "str" and isinstance(value, str):
         return value
+    elif name.startswith("tuple"):
+        return _int_tuple(key, value, where)
     wanted = {"bool": "true or false", "int": "an integer", "float": "a number",
               "str": "a string"}.get(name, name)
     raise ConfigError(f"{key} in {where} must be {wanted}, got {value!r}")
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The raw table of a config TOML file, or a one-line ConfigError."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"malformed TOML in {path}: {exc}") from exc

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedhier.errors import ConfigError
+from fedhier.grouping import ClientInfo, assign_groups
 
 
 def validate_periods(periods: tuple[int, ...]) -> None:
@@ -108,3 +109,23 @@ class Hierarchy:
 
     def level_after(self, step: int) -> int:
         return aggregation_level(step, self.periods)
+
+
+def build_hierarchy(periods: tuple[int, ...], groups: tuple[int, ...], grouping: str,
+                    info: ClientInfo, seed: int) -> Hierarchy:
+    """Group clients into ``groups[0]`` edges, edges into ``groups[1]`` regions, and so on.
+
+    Every level uses the same grouping, applied to the level below's nodes described by their
+    summed label histograms and row counts; level k draws with seed ``seed + k - 1``.
+    """
+    parents = []
+    level_info = info
+    for level, count in enumerate(groups, start=1):
+        parent = assign_groups(grouping, level_info, count, seed + level - 1)
+        parents.append(parent)
+        histograms = np.zeros((count, level_info.label_histograms.shape[1]), dtype=np.int64)
+        np.add.at(histograms, parent, level_info.label_histograms)
+        level_info = ClientInfo(label_histograms=histograms,
+                                num_examples=np.bincount(parent, weights=level_info.num_examples,
+                                                         minlength=count).astype(np.int64))
+    return Hierarchy(tuple(periods), tuple(parents))

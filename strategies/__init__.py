@@ -1,5 +1,6 @@
 """Flower ServerApp side of fedhier: hierarchical strategies built on flwr.serverapp.strategy."""
 
-from fedhier.strategies.hierfedavg import Communication, HierFedAvg
+from fedhier.communication import Communication
+from fedhier.strategies.hierfedavg import HierFedAvg
 
 __all__ = ["Communication", "HierFedAvg"]

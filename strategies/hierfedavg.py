@@ -10,8 +10,7 @@ round need no change to Flower.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 from logging import INFO, WARNING
 from typing import Any
 
@@ -29,23 +28,11 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
-from fedhier.aggregate import segment_weighted_mean
+from fedhier.aggregate import client_weights, segment_weighted_mean
+from fedhier.communication import Communication
 from fedhier.errors import ConfigError
-from fedhier.grouping import ClientInfo, assign_groups
-from fedhier.topology import Hierarchy, validate_periods
-
-
-@dataclass
-class Communication:
-    """Cumulative logical traffic of the hierarchy (a model down or up counts once)."""
-
-    client_edge_messages: int = 0
-    edge_cloud_messages: int = 0
-    client_edge_bytes: int = 0
-    edge_cloud_bytes: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+from fedhier.grouping import ClientInfo
+from fedhier.topology import Hierarchy, build_hierarchy, validate_periods
 
 
 class HierFedAvg(Strategy):
@@ -62,8 +49,9 @@ class HierFedAvg(Strategy):
         I, the edge aggregation period in local SGD steps.
     global_period : int
         G, the cloud aggregation period in local SGD steps; a multiple of I.
-    num_groups : int
-        N, the number of edge servers.
+    num_groups : int or sequence of int
+        N, the number of edge servers; for deeper trees one count per level, e.g. (8, 2) for
+        8 edges under 2 regions (then ``periods`` must hold one period per level).
     grouping : str (default: "random")
         Name of the client -> edge grouping (see ``fedhier.grouping``).
     weighting : str (default: "samples")
@@ -75,25 +63,23 @@ class HierFedAvg(Strategy):
         Wait until this many nodes are connected before starting.
     arrayrecord_key, configrecord_key : str
         Keys of the ArrayRecord and ConfigRecord in messages ("arrays", "config").
-    periods, parents :
-        For hierarchies deeper than two levels: all periods (P_1..P_L) and the upper
-        levels of the group tree (edge -> region ...); ``local_period``/``global_period``
-        are then P_1 and P_L.
+    periods : sequence of int, optional
+        For hierarchies deeper than two levels: all periods (P_1, ..., P_L), each a multiple
+        of the one below; ``local_period`` and ``global_period`` must equal P_1 and P_L.
     """
 
     def __init__(
         self,
         local_period: int,
         global_period: int,
-        num_groups: int,
+        num_groups: int | Sequence[int],
         grouping: str = "random",
         weighting: str = "samples",
         seed: int = 0,
         min_available_nodes: int = 1,
         arrayrecord_key: str = "arrays",
         configrecord_key: str = "config",
-        periods: tuple[int, ...] | None = None,
-        upper_parents: tuple[np.ndarray, ...] = (),
+        periods: Sequence[int] | None = None,
     ) -> None:
         self.periods = tuple(periods) if periods else (local_period, global_period)
         validate_periods(self.periods)
@@ -103,14 +89,16 @@ class HierFedAvg(Strategy):
             raise ConfigError(f"unknown weighting '{weighting}'; choose samples or uniform")
         self.local_period = local_period
         self.global_period = global_period
-        self.num_groups = num_groups
+        self.groups = (num_groups,) if isinstance(num_groups, int) else tuple(num_groups)
+        if len(self.groups) != len(self.periods) - 1:
+            raise ConfigError(f"{len(self.groups)} group level(s) need "
+                              f"{len(self.groups) + 1} periods, got {list(self.periods)}")
         self.grouping = grouping
         self.weighting = weighting
         self.seed = seed
         self.min_available_nodes = min_available_nodes
         self.arrayrecord_key = arrayrecord_key
         self.configrecord_key = configrecord_key
-        self.upper_parents = upper_parents
         # Set by setup():
         self.node_ids: list[int] = []
         self.client_info: ClientInfo | None = None
@@ -125,7 +113,7 @@ class HierFedAvg(Strategy):
         """Log the strategy's configuration."""
         log(INFO, "\t├──> Hierarchy: periods %s (edge every %d, cloud every %d steps)",
             list(self.periods), self.local_period, self.global_period)
-        log(INFO, "\t├──> Edges: %d, grouping '%s'", self.num_groups, self.grouping)
+        log(INFO, "\t├──> Groups per level: %s, grouping '%s'", list(self.groups), self.grouping)
         log(INFO, "\t└──> Weighting: %s", self.weighting)
 
     def configure_query(self, grid: Grid) -> Iterable[Message]:
@@ -153,8 +141,8 @@ class HierFedAvg(Strategy):
         self.client_info = ClientInfo(
             label_histograms=np.array([p[3] for p in profiles], dtype=np.int64),
             num_examples=np.array([p[2] for p in profiles], dtype=np.int64))
-        edges = assign_groups(self.grouping, self.client_info, self.num_groups, self.seed)
-        self.hierarchy = Hierarchy(self.periods, (edges, *self.upper_parents))
+        self.hierarchy = build_hierarchy(self.periods, self.groups, self.grouping,
+                                         self.client_info, self.seed)
 
     def setup(self, grid: Grid, config: ConfigRecord, timeout: float) -> None:
         """Wait for nodes, query their profiles and group them into edges."""
@@ -170,9 +158,7 @@ class HierFedAvg(Strategy):
     def client_weights(self) -> np.ndarray:
         """float64 [n]: each client's averaging weight under ``self.weighting``."""
         assert self.client_info is not None
-        if self.weighting == "uniform":
-            return np.ones(self.client_info.num_clients)
-        return self.client_info.num_examples.astype(np.float64)
+        return client_weights(self.weighting, self.client_info.num_examples)
 
     # ------------------------------------------------------------------ training
     def steps_per_edge_round(self) -> int:
@@ -228,8 +214,7 @@ class HierFedAvg(Strategy):
         last_step = server_round * self.local_period - 1
         level = hierarchy.level_after(last_step)
         model_bytes = self.edge_arrays[0].count_bytes() if self.edge_arrays else 0
-        self.communication.client_edge_messages += len(self._sent) + len(clients)
-        self.communication.client_edge_bytes += (len(self._sent) + len(clients)) * model_bytes
+        self.communication.add_edge_round(len(self._sent), len(clients), model_bytes)
         weights = self.client_weights()
         metrics = MetricRecord({"failed-clients": failed, "level": level})
         if clients:
@@ -256,9 +241,7 @@ class HierFedAvg(Strategy):
         for edge in range(hierarchy.num_nodes(1)):
             if has_survivor[edge_owner[edge]]:
                 self.edge_arrays[edge] = node_records[edge_owner[edge]]
-        for lower in range(1, level):
-            self.communication.edge_cloud_messages += 2 * hierarchy.num_nodes(lower)
-            self.communication.edge_cloud_bytes += 2 * hierarchy.num_nodes(lower) * model_bytes
+        self.communication.add_aggregation(hierarchy, level, model_bytes)
         if level == hierarchy.num_levels:
             return node_records.get(0), metrics
         return None, metrics

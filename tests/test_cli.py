@@ -47,7 +47,7 @@ def test_config_file_and_flag_override(tmp_path):
     assert main(["run", "--config", str(cfg), "--groups", "2", "--no-progress",
                  "--out", str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
-    assert config["groups"] == 2 and config["grouping"] == "contiguous"
+    assert config["groups"] == [2] and config["grouping"] == "contiguous"
     assert json.loads((out / "groups.json").read_text())["client_to_edge"] == [0, 0, 0, 1, 1, 1]
 
 

@@ -7,7 +7,9 @@ from fedhier.errors import ConfigError
 def test_defaults_are_the_issue_default_run():
     c = RunConfig()
     assert (c.dataset, c.partition, c.alpha, c.clients, c.groups, c.grouping,
-            c.local_period, c.global_period) == ("digits", "dirichlet", 0.5, 20, 4, "random", 5, 20)
+            c.local_period, c.global_period) == ("digits", "dirichlet", 0.5, 20, (4,), "random",
+                                                 5, 20)
+    assert c.periods == (5, 20)
     assert c.iterations == c.rounds * 20
 
 
@@ -42,3 +44,18 @@ def test_toml_file(tmp_path):
     path.write_text("local_period = \n")
     with pytest.raises(ConfigError, match="malformed TOML"):
         RunConfig.from_toml(path)
+
+
+def test_multi_level_groups_and_periods():
+    c = RunConfig.from_mapping({"clients": 40, "groups": "8,2", "periods": [5, 20, 60]})
+    assert c.groups == (8, 2) and (c.local_period, c.global_period) == (5, 60)
+    assert c.to_run_config()["groups"] == "8,2"
+    assert RunConfig.from_mapping(c.to_run_config()) == c
+    with pytest.raises(ConfigError, match="need 3 periods"):
+        RunConfig.from_mapping({"groups": "8,2"})
+    with pytest.raises(ConfigError, match="more groups"):
+        RunConfig.from_mapping({"groups": "2,8", "periods": "1,2,4"})
+    with pytest.raises(ConfigError, match="contradicts"):
+        RunConfig.from_mapping({"periods": "5,20", "local_period": 4})
+    with pytest.raises(ConfigError, match="multiple"):
+        RunConfig.from_mapping({"groups": "4,2", "periods": "5,20,30"})

@@ -27,7 +27,7 @@ def test_i_equals_g_is_flower_fedavg():
 
 
 def test_one_group_is_local_sgd_with_period_i():
-    cfg = BASE.replace(groups=1)
+    cfg = BASE.replace(groups=(1,))
     hier = run_hier(cfg)
     edge_rounds = cfg.rounds * cfg.global_period // cfg.local_period
     flat = run_flower_strategy(cfg, fedavg(cfg), local_steps=cfg.local_period, rounds=edge_rounds)
@@ -35,7 +35,7 @@ def test_one_group_is_local_sgd_with_period_i():
 
 
 def test_one_client_per_edge_is_local_sgd_with_period_g():
-    cfg = BASE.replace(groups=BASE.clients)
+    cfg = BASE.replace(groups=(BASE.clients,))
     hier = run_hier(cfg)
     flat = run_flower_strategy(cfg, fedavg(cfg), local_steps=cfg.global_period,
                                rounds=cfg.rounds)
@@ -91,9 +91,25 @@ def test_communication_counters():
     records: list = []
     run_hier(BASE, records)
     last = records[-1]
-    n, edges, rounds = BASE.clients, BASE.groups, BASE.rounds
+    n, edges, rounds = BASE.clients, BASE.num_edges, BASE.rounds
     edge_rounds = rounds * BASE.global_period // BASE.local_period
     assert last["client_edge_messages"] == 2 * n * edge_rounds  # one model down, one up
     assert last["edge_cloud_messages"] == 2 * edges * rounds
     assert last["client_edge_bytes"] > 0 and last["edge_cloud_bytes"] > 0
     assert [r["iteration"] for r in records] == [0, 6, 12]
+
+
+def test_three_levels_with_equal_top_periods_reduce_to_two_levels():
+    two = BASE.replace(groups=(4,), periods=(2, 6))
+    three = BASE.replace(groups=(4, 2), periods=(2, 6, 6))
+    assert max_abs_diff(run_hier(two), run_hier(three)) == 0.0
+
+
+def test_three_levels_differ_from_two_when_regions_aggregate():
+    two = BASE.replace(groups=(4,), periods=(2, 12), rounds=1)
+    three = BASE.replace(groups=(4, 2), periods=(2, 6, 12), rounds=1)
+    records: list = []
+    diff = max_abs_diff(run_hier(two), run_hier(three, records))
+    assert diff > 1e-4
+    # per cloud round: 6 edge rounds; regions aggregate at step 6 (edges 4 -> 2 messages up/down)
+    assert records[-1]["edge_cloud_messages"] == 2 * 4 + (2 * 4 + 2 * 2)

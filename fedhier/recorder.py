@@ -1,0 +1,140 @@
+"""RunRecorder: writes a run folder as a run proceeds; every engine reports through it.
+
+Files: config.json (fully resolved), partition.json, groups.json, metrics.jsonl (one record
+per cloud round, round 0 = the initial model), summary.json, model_initial.safetensors,
+model_final.safetensors, curves.png.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from fedhier.config import RunConfig
+from fedhier.federation import Federation
+from fedhier.grouping import ClientInfo
+from fedhier.results import RunFolder
+from fedhier.topology import Hierarchy
+
+WEIGHTING_TEXT = {
+    "samples": "clients weighted by their number of training rows (FedAvg practice)",
+    "uniform": "clients weighted equally, f = (1/n) sum_j F_j (the papers' objective)",
+}
+
+
+def _version(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def describe(cfg: RunConfig, fed: Federation, engine: str) -> dict[str, Any]:
+    """The fully resolved configuration written to config.json."""
+    partition_note = cfg.partition
+    if cfg.partition == "dirichlet":
+        partition_note = (
+            f"Dirichlet(alpha={cfg.alpha}) label partition via flwr-datasets "
+            f"DirichletPartitioner, min_partition_size={cfg.min_partition_size}, "
+            f"self_balancing={cfg.self_balancing}")
+    return {
+        **cfg.to_dict(),
+        "engine": engine,
+        "iterations": cfg.iterations,
+        "weighting_meaning": WEIGHTING_TEXT[cfg.weighting],
+        "dataset_source": fed.bundle.source,
+        "input_shape": list(fed.bundle.input_shape),
+        "num_classes": fed.bundle.num_classes,
+        "train_rows": len(fed.bundle.train),
+        "test_rows": len(fed.bundle.test),
+        "partition_note": partition_note,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "flwr": _version("flwr"), "flwr_datasets": _version("flwr-datasets"),
+                     "fedhier": _version("fedhier")},
+    }
+
+
+class RunRecorder:
+    """Writes the run folder of one run and shows progress over cloud rounds."""
+
+    def __init__(self, folder: RunFolder, cfg: RunConfig, fed: Federation, engine: str,
+                 progress: bool = True) -> None:
+        self.folder = folder
+        self.cfg = cfg
+        self.engine = engine
+        self.t_start = time.time()
+        self.last: dict[str, Any] = {}
+        folder.write_json("config.json", describe(cfg, fed, engine))
+        _, y_train = fed.bundle.train_arrays()
+        folder.write_json("partition.json", {
+            "scheme": cfg.partition,
+            "clients": [{"client": j, "rows": rows.tolist(), "num_examples": len(rows),
+                         "label_counts": np.bincount(
+                             y_train[rows], minlength=fed.bundle.num_classes).tolist()}
+                        for j, rows in enumerate(fed.partitions)]})
+        self.bar = tqdm(total=cfg.rounds, desc="cloud rounds", unit="round",
+                        disable=not progress, dynamic_ncols=True)
+
+    def save_initial(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.folder.save_model("model_initial.safetensors", state)
+
+    def write_groups(self, hierarchy: Hierarchy, info: ClientInfo, grouping: str,
+                     seed: int) -> None:
+        """groups.json: client -> edge, each edge's members, rows and label histogram."""
+        edge_of = hierarchy.edge_of_client()
+        edges = []
+        for edge in range(hierarchy.num_nodes(1)):
+            members = np.flatnonzero(edge_of == edge)
+            edges.append({"edge": edge, "clients": members.tolist(),
+                          "num_examples": int(info.num_examples[members].sum()),
+                          "label_histogram": info.label_histograms[members].sum(0).tolist()})
+        self.folder.write_json("groups.json", {
+            "grouping": grouping, "seed": seed, "groups_per_level": list(self.cfg.groups),
+            "client_to_edge": edge_of.tolist(),
+            "upper_levels": [p.tolist() for p in hierarchy.parents[1:]],
+            "edges": edges})
+
+    def record_round(self, record: dict[str, Any]) -> None:
+        """Append one cloud round's metrics (wall_seconds is added here)."""
+        record["wall_seconds"] = time.time() - self.t_start
+        self.folder.append_metrics(record)
+        self.last = dict(record)
+        if record["round"] > 0:
+            self.bar.update(1)
+            self.bar.set_postfix(test_acc=f"{record['test_accuracy']:.4f}",
+                                 test_loss=f"{record['test_loss']:.3f}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def finish(self, final_state: Mapping[str, torch.Tensor],
+               communication: Mapping[str, int]) -> dict[str, Any]:
+        """Write the final model, summary.json and curves.png; returns the summary."""
+        self.close()
+        self.folder.save_model("model_final.safetensors", final_state)
+        last = self.last
+        summary = {
+            "final_test_accuracy": last["test_accuracy"],
+            "final_test_loss": last["test_loss"],
+            "final_train_loss": last.get("train_loss"),
+            "rounds": self.cfg.rounds,
+            "iterations": self.cfg.iterations,
+            "edge_rounds": last["edge_rounds"],
+            "wall_seconds": time.time() - self.t_start,
+            "engine": self.engine,
+            "weighting": self.cfg.weighting,
+            "weighting_meaning": WEIGHTING_TEXT[self.cfg.weighting],
+            "communication": dict(communication),
+        }
+        self.folder.write_json("summary.json", summary)
+        from fedhier.plots import plot_runs
+
+        plot_runs([self.folder.path], self.folder.path / "curves.png")
+        return summary
