@@ -22,7 +22,8 @@ def initial_state(cfg: RunConfig) -> State:
 def run_hier(cfg: RunConfig, records: list | None = None) -> State:
     """Final global model of HierFedAvg for ``cfg`` on the in-process grid."""
     grid = InProcessGrid(client_app, cfg.clients, seed=cfg.seed)
-    strategy = HierFedAvg(cfg.local_period, cfg.global_period, cfg.groups, grouping=cfg.grouping,
+    strategy = HierFedAvg(cfg.local_period, cfg.global_period, cfg.groups, periods=cfg.periods,
+                          grouping=cfg.grouping,
                           weighting=cfg.weighting, seed=cfg.seed)
     result = strategy.start(grid, ArrayRecord(initial_state(cfg)), num_rounds=cfg.rounds,
                             train_config=ConfigRecord(cfg.to_run_config()),
