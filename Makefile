@@ -26,6 +26,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow"
 
+## bench: engines side by side on workload W1 (writes benchmarks/results/engines.json)
+bench: $(STAMP)
+	$(PY) benchmarks/engines.py
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy

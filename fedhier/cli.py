@@ -89,6 +89,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         from fedhier.engines.flower import run_simulation_engine
 
         summary = run_simulation_engine(cfg, folder, progress=progress)
+    elif cfg.engine == "vectorized":
+        from fedhier.engines.vectorized import run_vectorized
+
+        summary = run_vectorized(cfg, folder, progress=progress)
     else:
         from fedhier.engines.inprocess import run_inprocess
 

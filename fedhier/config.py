@@ -18,7 +18,7 @@ from typing import Any
 from fedhier.errors import ConfigError
 
 WEIGHTINGS = ("samples", "uniform")
-ENGINES = ("inprocess", "flower")
+ENGINES = ("inprocess", "flower", "vectorized")
 DEVICES = ("cpu", "cuda", "auto")
 
 
@@ -67,7 +67,10 @@ class RunConfig:
         "averaging weights: samples (by client data size) or uniform (each client equal)"))
     # execution
     engine: str = field(default="inprocess", metadata=_help(
-        "inprocess (Flower strategy + ClientApp in one process) or flower (Simulation Engine)"))
+        "inprocess (Flower strategy + ClientApp in one process), flower (Simulation Engine on "
+        "Ray) or vectorized (all clients as one batched computation)"))
+    client_chunk: int = field(default=0, metadata=_help(
+        "vectorized engine: clients per batched chunk (0 = all at once)"))
     device: str = field(default="cpu", metadata=_help("cpu, cuda or auto"))
     seed: int = field(default=0, metadata=_help("seed for every random draw"))
     out: str = field(default="", metadata=_help(
@@ -179,6 +182,8 @@ class RunConfig:
         from fedhier.topology import validate_periods
 
         validate_periods(self.periods)
+        if self.client_chunk < 0:
+            raise ConfigError(f"client_chunk must be >= 0 (0 = all), got {self.client_chunk}")
         if self.rounds < 1:
             raise ConfigError(f"rounds must be at least 1, got {self.rounds}")
         if self.batch_size < 0:
