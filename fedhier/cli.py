@@ -25,7 +25,9 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     for f in fields(RunConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = f.type if isinstance(f.type, str) else f.type.__name__
-        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+        default = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
+        shown = f" (default: {default})" if default not in ("", ()) else ""
+        help_text = f"{f.metadata.get('help', '')}{shown}"
         if kind == "bool":
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=None, help=help_text)

@@ -56,6 +56,12 @@ class RunConfig:
         "G: cloud aggregation period, in local SGD steps (a multiple of I)"))
     periods: tuple[int, ...] = field(default=(), metadata=_help(
         "all aggregation periods P1,...,PL (one more than group levels); default I,G"))
+    cloud_strategy: str = field(default="average", metadata=_help(
+        "cloud update: average (exact H-SGD) or a Flower strategy applied to the edge models: "
+        "fedavg, fedavgm, fedadam, fedyogi, fedadagrad"))
+    server_lr: float = field(default=0.0, metadata=_help(
+        "cloud strategy's server learning rate (0 = the strategy's default)"))
+    server_momentum: float = field(default=0.0, metadata=_help("fedavgm server momentum"))
     rounds: int = field(default=30, metadata=_help(
         "cloud rounds R; total local steps T = R * G"))
     # local training
@@ -149,6 +155,11 @@ class RunConfig:
         _one_of("engine", self.engine, ENGINES)
         _one_of("model", self.model, MODELS)
         _one_of("device", self.device, DEVICES)
+        from fedhier.cloud import CLOUD_STRATEGIES
+
+        _one_of("cloud_strategy", self.cloud_strategy, CLOUD_STRATEGIES)
+        if self.server_lr < 0 or not 0 <= self.server_momentum < 1:
+            raise ConfigError("server_lr must be >= 0 and server_momentum in [0, 1)")
         _one_of("partition", self.partition,
                 ("dirichlet", "iid", "shards", "natural", "sorted"))
         if self.clients < 1:

@@ -14,6 +14,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 
+from fedhier.cloud import make_cloud_strategy
 from fedhier.config import RunConfig
 from fedhier.errors import ConfigError
 from fedhier.federation import Federation, federation_for
@@ -47,7 +48,7 @@ def initial_model(cfg: RunConfig, fed: Federation) -> torch.nn.Module:
 
 
 def test_metrics(model: torch.nn.Module, params: dict[str, torch.Tensor], fed: Federation,
-                 device: torch.device) -> dict[str, float]:
+                 device: torch.device) -> dict[str, Any]:
     """``test_loss`` and ``test_accuracy`` of ``params`` on the held-out test set."""
     x_test, y_test = fed.test_tensors(device)
     loss, accuracy = evaluate(model, params, x_test, y_test)
@@ -69,11 +70,13 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
     recorder.save_initial(model.state_dict())
     strategy = HierFedAvg(cfg.local_period, cfg.global_period, cfg.groups, periods=cfg.periods,
                           grouping=cfg.grouping, weighting=cfg.weighting, seed=cfg.seed,
-                          min_available_nodes=cfg.clients)
+                          min_available_nodes=cfg.clients,
+                          cloud_strategy=make_cloud_strategy(cfg.cloud_strategy, cfg.server_lr,
+                                                             cfg.server_momentum))
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         params = {k: v.to(device) for k, v in arrays.to_torch_state_dict().items()}
-        return MetricRecord(test_metrics(model, params, fed, device))
+        return MetricRecord(dict(test_metrics(model, params, fed, device)))
 
     def on_cloud_round(record: dict[str, Any]) -> None:
         if record["round"] == 0:

@@ -66,6 +66,13 @@ class HierFedAvg(Strategy):
     periods : sequence of int, optional
         For hierarchies deeper than two levels: all periods (P_1, ..., P_L), each a multiple
         of the one below; ``local_period`` and ``global_period`` must equal P_1 and P_L.
+    cloud_strategy : flwr.serverapp.strategy.Strategy, optional
+        "Hierarchical X": at each cloud step, X's ``aggregate_train`` is applied to the
+        cloud's children (the edges' average models, weighted by the sum of their clients'
+        weights) instead of the plain weighted average; X's ``configure_train`` is called at
+        the start of each cloud round with the global model so that server optimisers
+        (FedAvgM, FedAdam, ...) know the current model. X must accept ``min_available_nodes``
+        of at most the number of nodes. Default: the plain average (exact H-SGD).
     """
 
     def __init__(
@@ -80,6 +87,7 @@ class HierFedAvg(Strategy):
         arrayrecord_key: str = "arrays",
         configrecord_key: str = "config",
         periods: Sequence[int] | None = None,
+        cloud_strategy: Strategy | None = None,
     ) -> None:
         self.periods = tuple(periods) if periods else (local_period, global_period)
         validate_periods(self.periods)
@@ -107,6 +115,8 @@ class HierFedAvg(Strategy):
         self.communication = Communication()
         self._sent: list[int] = []
         self._query_config = ConfigRecord()
+        self.cloud_strategy = cloud_strategy
+        self._cloud_round_index = 0
 
     # ------------------------------------------------------------------ set-up
     def summary(self) -> None:
@@ -223,21 +233,12 @@ class HierFedAvg(Strategy):
         if not clients or level == 0:
             return None, metrics
         index = np.array(clients)
-        owner = hierarchy.ancestors(level)[index]
-        num_nodes = hierarchy.num_nodes(level)
-        averaged = {
-            key: segment_weighted_mean(torch.stack([s[key] for s in states]),
-                                       torch.as_tensor(weights[index]),
-                                       torch.as_tensor(owner), num_nodes)
-            for key in states[0]
-        }
-        has_survivor = np.zeros(num_nodes, dtype=bool)
-        has_survivor[owner] = True
+        if level == hierarchy.num_levels and self.cloud_strategy is not None:
+            node_records = {0: self._cloud_step(server_round, states, index, weights)}
+            has_survivor = np.ones(1, dtype=bool)
+        else:
+            node_records, has_survivor = self._average(states, index, weights, level)
         edge_owner = hierarchy.edges_under(level)
-        node_records = {
-            node: ArrayRecord({k: v[node] for k, v in averaged.items()})
-            for node in np.flatnonzero(has_survivor)
-        }
         for edge in range(hierarchy.num_nodes(1)):
             if has_survivor[edge_owner[edge]]:
                 self.edge_arrays[edge] = node_records[edge_owner[edge]]
@@ -245,6 +246,55 @@ class HierFedAvg(Strategy):
         if level == hierarchy.num_levels:
             return node_records.get(0), metrics
         return None, metrics
+
+    def _average(self, states: list[dict[str, torch.Tensor]], clients: np.ndarray,
+                 weights: np.ndarray, level: int) -> tuple[dict[int, ArrayRecord], np.ndarray]:
+        """Weighted average of the given clients' models per level-``level`` node.
+
+        Returns the averages of the nodes that have at least one of the clients, and a
+        bool mask [num_nodes(level)] of those nodes.
+        """
+        hierarchy = self._require_setup()
+        owner = hierarchy.ancestors(level)[clients]
+        num_nodes = hierarchy.num_nodes(level)
+        averaged = {
+            key: segment_weighted_mean(torch.stack([s[key] for s in states]),
+                                       torch.as_tensor(weights[clients]),
+                                       torch.as_tensor(owner), num_nodes)
+            for key in states[0]
+        }
+        has_survivor = np.zeros(num_nodes, dtype=bool)
+        has_survivor[owner] = True
+        records = {int(node): ArrayRecord({k: v[node] for k, v in averaged.items()})
+                   for node in np.flatnonzero(has_survivor)}
+        return records, has_survivor
+
+    def _cloud_step(self, server_round: int, states: list[dict[str, torch.Tensor]],
+                    clients: np.ndarray, weights: np.ndarray) -> ArrayRecord:
+        """The cloud's update with the wrapped Flower strategy, over the cloud's children.
+
+        Each child of the cloud (an edge, or the top regions of a deeper tree) is presented
+        to ``cloud_strategy.aggregate_train`` as one reply carrying its average model and, as
+        ``num-examples``, the sum of its clients' weights.
+        """
+        hierarchy = self._require_setup()
+        assert self.cloud_strategy is not None
+        child_level = hierarchy.num_levels - 1
+        records, has_child = self._average(states, clients, weights, child_level)
+        child_weight = np.bincount(hierarchy.ancestors(child_level)[clients],
+                                   weights=weights[clients], minlength=len(has_child))
+        replies = [
+            Message(RecordDict({
+                "arrays": records[child],
+                "metrics": MetricRecord({"num-examples": float(child_weight[child])})}),
+                message_type=MessageType.TRAIN, dst_node_id=child + 1)
+            for child in sorted(records)
+        ]
+        arrays, _ = self.cloud_strategy.aggregate_train(self._cloud_round_index, replies)
+        if arrays is None:
+            raise RuntimeError(f"cloud strategy {type(self.cloud_strategy).__name__} "
+                               "returned no model")
+        return arrays
 
     # ------------------------------------------------------------------ evaluation
     def configure_evaluate(
@@ -339,6 +389,9 @@ class HierFedAvg(Strategy):
         """Run the G / I edge rounds of one cloud round; store the new global model."""
         hierarchy = self._require_setup()
         self.edge_arrays = [arrays] * hierarchy.num_nodes(1)
+        self._cloud_round_index = cloud_round
+        if self.cloud_strategy is not None:  # lets server optimisers see the current model
+            self.cloud_strategy.configure_train(cloud_round, arrays, ConfigRecord(), grid)
         losses, failed = [], 0
         edge_rounds = self.edge_rounds_per_cloud_round()
         for k in range(1, edge_rounds + 1):

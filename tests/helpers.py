@@ -7,6 +7,7 @@ from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp.strategy import Strategy
 
 from fedhier.clients.app import app as client_app
+from fedhier.cloud import make_cloud_strategy
 from fedhier.config import RunConfig
 from fedhier.engines.inprocess_grid import InProcessGrid
 from fedhier.server import initial_model, prepare
@@ -24,7 +25,9 @@ def run_hier(cfg: RunConfig, records: list | None = None) -> State:
     grid = InProcessGrid(client_app, cfg.clients, seed=cfg.seed)
     strategy = HierFedAvg(cfg.local_period, cfg.global_period, cfg.groups, periods=cfg.periods,
                           grouping=cfg.grouping,
-                          weighting=cfg.weighting, seed=cfg.seed)
+                          weighting=cfg.weighting, seed=cfg.seed,
+                          cloud_strategy=make_cloud_strategy(cfg.cloud_strategy, cfg.server_lr,
+                                                             cfg.server_momentum))
     result = strategy.start(grid, ArrayRecord(initial_state(cfg)), num_rounds=cfg.rounds,
                             train_config=ConfigRecord(cfg.to_run_config()),
                             on_cloud_round=records.append if records is not None else None)
