@@ -23,7 +23,9 @@ from fedhier.models import build_model
 from fedhier.train import batch_indices, evaluate, local_sgd, resolve_device
 
 #: Keys of the ConfigRecord that are per-message, not part of the RunConfig.
-ROUND_KEYS = ("local-steps", "start-step", "server-round", "edge-round")
+ROUND_KEYS = ("local-steps", "start-step", "server-round", "edge-round", "update-scale")
+#: Where a client keeps its momentum buffers between rounds (``optimizer-state = keep``).
+OPTIMIZER_STATE_KEY = "fedhier-optimizer"
 
 app = ClientApp()
 
@@ -59,33 +61,58 @@ def _params(arrays: ArrayRecord, device: torch.device) -> dict[str, torch.Tensor
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Run ``local-steps`` SGD steps from step ``start-step`` and return the local model."""
+    """Run ``local-steps`` steps from global step ``start-step``; return the local model.
+
+    The learning rate follows the run's schedule over global steps; momentum buffers are
+    kept in ``context.state`` between rounds when ``optimizer-state`` is ``keep``. With an
+    ``update-scale`` s != 1 the returned model is w_start + s * (w_local - w_start).
+    """
     cfg, fed, pid, device = _setup(msg, context)
     config = msg.content["config"]
     steps = int(config["local-steps"])
     start = int(config.get("start-step", (int(config.get("server-round", 1)) - 1) * steps))
+    scale = float(config.get("update-scale", 1.0))
     x, y = fed.client_tensors(pid, device)
     model = _skeleton(cfg.model, fed.bundle.input_shape, fed.bundle.num_classes, str(device))
-    indices = batch_indices(cfg.seed, pid, len(y), cfg.batch_size, start, steps)
-    params, loss = local_sgd(model, _params(msg.content["arrays"], device), x, y, lr=cfg.lr,
-                             indices=indices)
+    start_params = _params(msg.content["arrays"], device)
+    optimizer = cfg.local_optimizer()
+    keep = optimizer.has_state and cfg.optimizer_state == "keep"
+    buffers = None
+    if keep and OPTIMIZER_STATE_KEY in context.state:
+        buffers = _params(context.state[OPTIMIZER_STATE_KEY], device)
+    params, loss, buffers = local_sgd(
+        model, start_params, x, y, lr=cfg.learning_rates(start, steps),
+        indices=batch_indices(cfg.seed, pid, len(y), cfg.batch_size, start, steps),
+        optimizer=optimizer, buffers=buffers)
+    if keep and buffers is not None:
+        context.state[OPTIMIZER_STATE_KEY] = ArrayRecord(
+            {k: v.detach().cpu() for k, v in buffers.items()})
+    if scale != 1.0:
+        params = {k: start_params[k] + scale * (params[k] - start_params[k]) for k in params}
     reply = RecordDict({
         "arrays": ArrayRecord({k: v.detach().cpu() for k, v in params.items()}),
         "metrics": MetricRecord({"num-examples": len(y), "train-loss": loss,
-                                 "partition-id": pid}),
+                                 "partition-id": pid, "local-steps": steps}),
     })
     return Message(reply, reply_to=msg)
 
 
 @app.evaluate()
 def evaluate_local(msg: Message, context: Context) -> Message:
-    """Loss and accuracy of the received model on this client's training rows."""
+    """The received model on this client's training rows (and its held-out rows, if any)."""
     cfg, fed, pid, device = _setup(msg, context)
     x, y = fed.client_tensors(pid, device)
     model = _skeleton(cfg.model, fed.bundle.input_shape, fed.bundle.num_classes, str(device))
-    loss, accuracy = evaluate(model, _params(msg.content["arrays"], device), x, y)
+    params = _params(msg.content["arrays"], device)
+    loss, accuracy = evaluate(model, params, x, y)
     metrics = MetricRecord({"num-examples": len(y), "loss": loss, "accuracy": accuracy,
                             "partition-id": pid})
+    hx, hy = fed.holdout_tensors(pid, device)
+    if len(hy):
+        h_loss, h_accuracy = evaluate(model, params, hx, hy)
+        metrics["holdout-loss"] = h_loss
+        metrics["holdout-accuracy"] = h_accuracy
+        metrics["holdout-examples"] = len(hy)
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)
 
 

@@ -50,3 +50,24 @@ def client_weights(weighting: str, num_examples: np.ndarray) -> np.ndarray:
     if weighting == "samples":
         return np.asarray(num_examples, dtype=np.float64)
     raise ValueError(f"unknown weighting '{weighting}'")
+
+
+def presence_weights(weights: np.ndarray, present: np.ndarray,
+                     edge_of_client: np.ndarray) -> np.ndarray:
+    """Averaging weights when only some clients took part (sampling, failures).
+
+    w~_j = w_j * W_e / S_e for present clients (W_e: the weights of all of edge e's clients,
+    S_e: of its present ones), 0 for absent ones. Within an edge this renormalises over the
+    present clients; above the edges each edge with a present client keeps its full weight
+    W_e, and edges without one drop out. With every client present, w~ = w exactly.
+
+    Args:
+        weights: float64 [n]; present: bool [n]; edge_of_client: int64 [n].
+    """
+    num_edges = int(edge_of_client.max()) + 1 if len(edge_of_client) else 0
+    full = np.bincount(edge_of_client, weights=weights, minlength=num_edges)
+    kept = np.bincount(edge_of_client, weights=np.where(present, weights, 0.0),
+                       minlength=num_edges)
+    factor = np.divide(full, kept, out=np.zeros_like(full), where=kept > 0)
+    factor[full == kept] = 1.0
+    return np.where(present, weights * factor[edge_of_client], 0.0)

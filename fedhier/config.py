@@ -64,10 +64,34 @@ class RunConfig:
     server_momentum: float = field(default=0.0, metadata=_help("fedavgm server momentum"))
     rounds: int = field(default=30, metadata=_help(
         "cloud rounds R; total local steps T = R * G"))
+    # participation and local work
+    participation: float = field(default=1.0, metadata=_help(
+        "per edge round each edge trains this fraction of its clients (0 < f <= 1), or this "
+        "many clients when > 1"))
+    straggler_fraction: float = field(default=0.0, metadata=_help(
+        "share of clients (seeded) doing fewer than I local steps per edge round"))
+    straggler_min_steps: int = field(default=1, metadata=_help(
+        "fewest local steps a straggler does"))
+    normalize_updates: bool = field(default=False, metadata=_help(
+        "FedNova-style: scale each client's update by tau_eff / tau_j within its edge"))
     # local training
     batch_size: int = field(default=16, metadata=_help(
         "mini-batch size b; 0 = all of a client's rows (gradient descent)"))
     lr: float = field(default=0.1, metadata=_help("SGD learning rate"))
+    lr_schedule: str = field(default="constant", metadata=_help(
+        "constant, step (x lr_decay every lr_step_every steps), cosine (over T), exponential "
+        "(x lr_decay per cloud round)"))
+    lr_decay: float = field(default=0.1, metadata=_help("decay factor of step/exponential"))
+    lr_step_every: int = field(default=1000, metadata=_help(
+        "step schedule: decay every this many global iterations"))
+    momentum: float = field(default=0.0, metadata=_help("local SGD momentum"))
+    weight_decay: float = field(default=0.0, metadata=_help("local SGD weight decay (L2)"))
+    clip_norm: float = field(default=0.0, metadata=_help(
+        "clip each local gradient to this L2 norm (0 = off)"))
+    optimizer_state: str = field(default="reset", metadata=_help(
+        "momentum buffers: reset at each edge round, or keep per client across rounds"))
+    client_holdout: float = field(default=0.0, metadata=_help(
+        "fraction of each client's rows held out (seeded) for per-client evaluation"))
     model: str = field(default="mlp", metadata=_help("model: logreg, mlp, cnn"))
     weighting: str = field(default="samples", metadata=_help(
         "averaging weights: samples (by client data size) or uniform (each client equal)"))
@@ -137,6 +161,25 @@ class RunConfig:
         return {k.replace("_", "-"): ",".join(map(str, v)) if isinstance(v, tuple) else v
                 for k, v in self.to_dict().items()}
 
+    def learning_rates(self, start_step: int, num_steps: int) -> Any:
+        """float64 [num_steps]: the scheduled rates of the given global steps."""
+        from fedhier.schedule import learning_rates
+
+        return learning_rates(start_step, num_steps, lr=self.lr, schedule=self.lr_schedule,
+                              decay=self.lr_decay, step_every=self.lr_step_every,
+                              total_steps=self.iterations, global_period=self.global_period)
+
+    def local_optimizer(self) -> Any:
+        from fedhier.optim import LocalOptimizer
+
+        return LocalOptimizer(self.momentum, self.weight_decay, self.clip_norm)
+
+    def workload(self) -> Any:
+        from fedhier.plan import Workload
+
+        return Workload(self.participation, self.straggler_fraction, self.straggler_min_steps,
+                        self.normalize_updates)
+
     @property
     def num_edges(self) -> int:
         """N: the number of edge servers (level-1 groups)."""
@@ -193,6 +236,27 @@ class RunConfig:
         from fedhier.topology import validate_periods
 
         validate_periods(self.periods)
+        from fedhier.optim import OPTIMIZER_STATES
+        from fedhier.schedule import LR_SCHEDULES
+
+        _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _one_of("optimizer_state", self.optimizer_state, OPTIMIZER_STATES)
+        fraction_ok = 0 < self.participation <= 1
+        count_ok = self.participation > 1 and float(self.participation).is_integer()
+        if not (fraction_ok or count_ok):
+            raise ConfigError(f"participation must be a fraction in (0, 1] or a whole number of "
+                              f"clients, got {self.participation}")
+        if not 0 <= self.straggler_fraction <= 1:
+            raise ConfigError(f"straggler_fraction must be in [0, 1], got "
+                              f"{self.straggler_fraction}")
+        if self.straggler_min_steps < 1:
+            raise ConfigError("straggler_min_steps must be at least 1")
+        if not 0 <= self.momentum < 1 or self.weight_decay < 0 or self.clip_norm < 0:
+            raise ConfigError("need 0 <= momentum < 1, weight_decay >= 0 and clip_norm >= 0")
+        if not 0 < self.lr_decay <= 1 or self.lr_step_every < 1:
+            raise ConfigError("need 0 < lr_decay <= 1 and lr_step_every >= 1")
+        if not 0 <= self.client_holdout < 1:
+            raise ConfigError(f"client_holdout must be in [0, 1), got {self.client_holdout}")
         if self.client_chunk < 0:
             raise ConfigError(f"client_chunk must be >= 0 (0 = all), got {self.client_chunk}")
         if self.rounds < 1:

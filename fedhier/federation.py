@@ -14,14 +14,21 @@ import torch
 
 from fedhier.config import RunConfig
 from fedhier.data import DataBundle, label_histogram, load_data, partition_clients
+from fedhier.rng import generator
 
 
 @dataclass
 class Federation:
-    """The data of one federation: ``partitions[j]`` are client j's row indices in train."""
+    """The data of one federation.
+
+    ``partitions[j]`` are client j's training row indices in ``bundle.train``; with a per-client
+    holdout, ``holdouts[j]`` are the rows of its partition held out for per-client evaluation
+    (disjoint from ``partitions[j]``), else empty.
+    """
 
     bundle: DataBundle
     partitions: list[np.ndarray]
+    holdouts: list[np.ndarray] = field(default_factory=list)
     _tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, repr=False)
 
@@ -50,6 +57,17 @@ class Federation:
                                   torch.as_tensor(y[rows], device=device))
         return self._tensors[key]
 
+    def holdout_tensors(self, client: int,
+                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Client ``client``'s held-out rows: x [h, *input_shape], y [h] (h may be 0)."""
+        key = (-2 - client, str(device))
+        if key not in self._tensors:
+            x, y = self.bundle.train_arrays()
+            rows = self.holdouts[client] if self.holdouts else np.zeros(0, dtype=np.int64)
+            self._tensors[key] = (torch.as_tensor(x[rows], device=device),
+                                  torch.as_tensor(y[rows], device=device))
+        return self._tensors[key]
+
     def test_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The held-out test set: x float32 [m, *input_shape], y int64 [m]."""
         key = (-1, str(device))
@@ -60,18 +78,38 @@ class Federation:
         return self._tensors[key]
 
 
+def split_holdout(rows: np.ndarray, fraction: float, seed: int,
+                  client: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split a client's rows into (train, holdout) by a seeded draw; both sorted.
+
+    The holdout gets round(fraction * m) rows, at least one when fraction > 0, and the
+    client keeps at least one training row.
+    """
+    if fraction <= 0 or len(rows) < 2:
+        return rows, np.zeros(0, dtype=np.int64)
+    size = min(max(1, round(fraction * len(rows))), len(rows) - 1)
+    perm = generator(seed, "holdout", client).permutation(len(rows))
+    return np.sort(rows[perm[size:]]), np.sort(rows[perm[:size]])
+
+
 @functools.lru_cache(maxsize=4)
 def _build(dataset: str, data_path: str, seed: int, partition: str, clients: int, alpha: float,
-           min_partition_size: int, self_balancing: bool, classes_per_client: int) -> Federation:
+           min_partition_size: int, self_balancing: bool, classes_per_client: int,
+           client_holdout: float) -> Federation:
     bundle = load_data(dataset, seed=seed, data_path=data_path or None)
     partitions = partition_clients(
         bundle, partition, clients, seed=seed, alpha=alpha,
         min_partition_size=min_partition_size, self_balancing=self_balancing,
         classes_per_client=classes_per_client)
+    if client_holdout > 0:
+        splits = [split_holdout(rows, client_holdout, seed, j) for j, rows in enumerate(partitions)]
+        return Federation(bundle=bundle, partitions=[s[0] for s in splits],
+                          holdouts=[s[1] for s in splits])
     return Federation(bundle=bundle, partitions=partitions)
 
 
 def federation_for(cfg: RunConfig) -> Federation:
     """The (cached) federation that ``cfg`` describes."""
     return _build(cfg.dataset, cfg.data_path, cfg.seed, cfg.partition, cfg.clients, cfg.alpha,
-                  cfg.min_partition_size, cfg.self_balancing, cfg.classes_per_client)
+                  cfg.min_partition_size, cfg.self_balancing, cfg.classes_per_client,
+                  cfg.client_holdout)

@@ -72,7 +72,8 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
                           grouping=cfg.grouping, weighting=cfg.weighting, seed=cfg.seed,
                           min_available_nodes=cfg.clients,
                           cloud_strategy=make_cloud_strategy(cfg.cloud_strategy, cfg.server_lr,
-                                                             cfg.server_momentum))
+                                                             cfg.server_momentum),
+                          workload=cfg.workload())
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         params = {k: v.to(device) for k, v in arrays.to_torch_state_dict().items()}

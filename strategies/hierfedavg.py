@@ -28,10 +28,11 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
-from fedhier.aggregate import client_weights, segment_weighted_mean
+from fedhier.aggregate import client_weights, presence_weights, segment_weighted_mean
 from fedhier.communication import Communication
 from fedhier.errors import ConfigError
 from fedhier.grouping import ClientInfo
+from fedhier.plan import Workload, plan_edge_round
 from fedhier.topology import Hierarchy, build_hierarchy, validate_periods
 
 
@@ -73,6 +74,10 @@ class HierFedAvg(Strategy):
         the start of each cloud round with the global model so that server optimisers
         (FedAvgM, FedAdam, ...) know the current model. X must accept ``min_available_nodes``
         of at most the number of nodes. Default: the plain average (exact H-SGD).
+    workload : fedhier.plan.Workload, optional
+        Partial participation (each edge samples a fraction or number of its clients per edge
+        round, seeded by (seed, edge round, edge)) and stragglers doing fewer than I steps,
+        optionally FedNova-normalised. Default: every client, I steps.
     """
 
     def __init__(
@@ -88,6 +93,7 @@ class HierFedAvg(Strategy):
         configrecord_key: str = "config",
         periods: Sequence[int] | None = None,
         cloud_strategy: Strategy | None = None,
+        workload: Workload | None = None,
     ) -> None:
         self.periods = tuple(periods) if periods else (local_period, global_period)
         validate_periods(self.periods)
@@ -116,6 +122,7 @@ class HierFedAvg(Strategy):
         self._sent: list[int] = []
         self._query_config = ConfigRecord()
         self.cloud_strategy = cloud_strategy
+        self.workload = workload or Workload()
         self._cloud_round_index = 0
 
     # ------------------------------------------------------------------ set-up
@@ -184,11 +191,16 @@ class HierFedAvg(Strategy):
         hierarchy = self._require_setup()
         edge_of = hierarchy.edge_of_client()
         start = (server_round - 1) * self.local_period
+        plan = plan_edge_round(hierarchy, self.workload, self.client_weights(), self.seed,
+                               server_round)
         messages = []
         self._sent = []
-        for client, node_id in enumerate(self.node_ids):
+        for client in plan.participants:
+            node_id = self.node_ids[client]
             cfg = ConfigRecord(dict(config))
-            cfg["local-steps"] = self.local_period
+            cfg["local-steps"] = int(plan.steps[client])
+            if plan.scale[client] != 1.0:
+                cfg["update-scale"] = float(plan.scale[client])
             cfg["start-step"] = start
             cfg["edge-round"] = server_round
             cfg["server-round"] = start // self.global_period + 1
@@ -196,7 +208,7 @@ class HierFedAvg(Strategy):
                                   self.configrecord_key: cfg})
             messages.append(Message(content, message_type=MessageType.TRAIN,
                                     dst_node_id=node_id))
-            self._sent.append(client)
+            self._sent.append(int(client))
         return messages
 
     def aggregate_train(
@@ -204,8 +216,10 @@ class HierFedAvg(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Average the clients' models at the scheduled level; the global model at a cloud step.
 
-        Failed replies are left out and the weights renormalise over the survivors; an edge
-        (or higher node) with no survivor keeps its model.
+        Clients that were not sampled, failed or did not reply are left out: weights
+        renormalise over the present clients of each edge, and above the edges every edge with
+        a present client keeps its full weight (``fedhier.aggregate.presence_weights``). An
+        edge (or higher node) with no present client keeps its model.
         """
         hierarchy = self._require_setup()
         client_of_node = {node: client for client, node in enumerate(self.node_ids)}
@@ -233,6 +247,9 @@ class HierFedAvg(Strategy):
         if not clients or level == 0:
             return None, metrics
         index = np.array(clients)
+        present = np.zeros(len(weights), dtype=bool)
+        present[index] = True
+        weights = presence_weights(weights, present, hierarchy.edge_of_client())
         if level == hierarchy.num_levels and self.cloud_strategy is not None:
             node_records = {0: self._cloud_step(server_round, states, index, weights)}
             has_survivor = np.ones(1, dtype=bool)
@@ -310,22 +327,31 @@ class HierFedAvg(Strategy):
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """Weighted loss/accuracy of the global model over clients: the global objective f(w)."""
+        """The global model over all clients: weighted loss/accuracy on their training rows
+        (the global objective f(w)) and, when clients hold out rows, each client's held-out
+        accuracy (``client-accuracies``, ordered by client; NaN for a client that failed)."""
         client_of_node = {node: client for client, node in enumerate(self.node_ids)}
         weights = self.client_weights()
         w, loss, acc = [], [], []
+        holdout = np.full(len(self.node_ids), np.nan)
         for reply in replies:
             if reply.has_error():
                 continue
             m = reply.content["metrics"]
-            w.append(weights[client_of_node[reply.metadata.src_node_id]])
+            client = client_of_node[reply.metadata.src_node_id]
+            w.append(weights[client])
             loss.append(float(m["loss"]))
             acc.append(float(m["accuracy"]))
+            if "holdout-accuracy" in m:
+                holdout[client] = float(m["holdout-accuracy"])
         if not w:
             return None
         wa = np.array(w)
-        return MetricRecord({"loss": float(np.dot(wa, loss) / wa.sum()),
-                             "accuracy": float(np.dot(wa, acc) / wa.sum())})
+        record = MetricRecord({"loss": float(np.dot(wa, loss) / wa.sum()),
+                               "accuracy": float(np.dot(wa, acc) / wa.sum())})
+        if not np.isnan(holdout).all():
+            record["client-accuracies"] = holdout.tolist()
+        return record
 
     # ------------------------------------------------------------------ driver
     def start(  # type: ignore[override]
@@ -349,7 +375,9 @@ class HierFedAvg(Strategy):
         the cumulative communication counters.
         """
         train_config = ConfigRecord() if train_config is None else train_config
-        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        # The ClientApp reads the run's configuration from every message: evaluation messages
+        # carry the train config unless told otherwise.
+        evaluate_config = train_config if evaluate_config is None else evaluate_config
         self.setup(grid, train_config, timeout)
         self.summary()
         result = Result()
@@ -373,6 +401,9 @@ class HierFedAvg(Strategy):
                 result.evaluate_metrics_clientapp[cloud_round] = client_eval
                 record["train_loss"] = float(client_eval["loss"])
                 record["train_accuracy"] = float(client_eval["accuracy"])
+                if "client-accuracies" in client_eval:
+                    record.update(client_accuracy_summary(
+                        np.array(client_eval["client-accuracies"], dtype=np.float64)))
             record.update(train_record)
             if evaluate_fn is not None:
                 res = evaluate_fn(cloud_round, arrays)
@@ -414,3 +445,12 @@ class HierFedAvg(Strategy):
         if self.hierarchy is None:
             raise RuntimeError("HierFedAvg.setup(grid, ...) must run before training")
         return self.hierarchy
+
+
+def client_accuracy_summary(accuracies: np.ndarray) -> dict[str, Any]:
+    """Mean, 10th percentile and worst of per-client held-out accuracies (NaN = missing)."""
+    valid = accuracies[~np.isnan(accuracies)]
+    return {"client_accuracy_mean": float(valid.mean()),
+            "client_accuracy_p10": float(np.percentile(valid, 10)),
+            "client_accuracy_worst": float(valid.min()),
+            "client_accuracies": [None if np.isnan(a) else float(a) for a in accuracies]}

@@ -27,7 +27,8 @@ def run_hier(cfg: RunConfig, records: list | None = None) -> State:
                           grouping=cfg.grouping,
                           weighting=cfg.weighting, seed=cfg.seed,
                           cloud_strategy=make_cloud_strategy(cfg.cloud_strategy, cfg.server_lr,
-                                                             cfg.server_momentum))
+                                                             cfg.server_momentum),
+                          workload=cfg.workload())
     result = strategy.start(grid, ArrayRecord(initial_state(cfg)), num_rounds=cfg.rounds,
                             train_config=ConfigRecord(cfg.to_run_config()),
                             on_cloud_round=records.append if records is not None else None)

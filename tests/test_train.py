@@ -34,7 +34,7 @@ def test_local_sgd_equals_torch_optim_sgd():
     y = torch.randint(0, 10, (30,), generator=gen)
     model = build_model("cnn", (1, 8, 8), 10, seed=1)
     indices = batch_indices(0, 0, 30, 7, 0, 9)
-    params, mean_loss = local_sgd(model, params_of(model), x, y, lr=0.1, indices=indices)
+    params, mean_loss, _ = local_sgd(model, params_of(model), x, y, lr=0.1, indices=indices)
 
     reference = build_model("cnn", (1, 8, 8), 10, seed=1)
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
