@@ -107,3 +107,16 @@ def test_readme_example_runs():
     assert len(namespace["result"].evaluate_metrics_clientapp) == 6  # rounds 0..5
     final_loss = namespace["result"].evaluate_metrics_clientapp[5]["loss"]
     assert final_loss < namespace["result"].evaluate_metrics_clientapp[0]["loss"] - 0.5
+
+
+@pytest.mark.skipif(not Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
+                    .exists(), reason="dataset-fashion-mnist not installed")
+def test_fashion_mnist_short_run(tmp_path):
+    out = tmp_path / "fm"
+    assert main(["run", "--dataset", "fashion-mnist", "--clients", "10", "--groups", "2",
+                 "--local-period", "5", "--global-period", "10", "--rounds", "2",
+                 "--no-progress", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_test_accuracy"] > 0.5  # 20 steps of 10 clients: well above 0.1
+    config = json.loads((out / "config.json").read_text())
+    assert config["train_rows"] == 60000 and config["test_rows"] == 10000
