@@ -18,6 +18,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from fedhier.config import RunConfig
+from fedhier.faults import InjectedFaultError
 from fedhier.federation import Federation, federation_for
 from fedhier.models import build_model
 from fedhier.train import batch_indices, evaluate, local_sgd, resolve_device
@@ -71,6 +72,9 @@ def train(msg: Message, context: Context) -> Message:
     config = msg.content["config"]
     steps = int(config["local-steps"])
     start = int(config.get("start-step", (int(config.get("server-round", 1)) - 1) * steps))
+    edge_round = int(config.get("edge-round", 0))
+    if cfg.faults().fails(cfg.seed, pid, edge_round, int(config.get("server-round", 0))):
+        raise InjectedFaultError(f"injected fault: client {pid} fails edge round {edge_round}")
     scale = float(config.get("update-scale", 1.0))
     x, y = fed.client_tensors(pid, device)
     model = _skeleton(cfg.model, fed.bundle.input_shape, fed.bundle.num_classes, str(device))

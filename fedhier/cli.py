@@ -6,6 +6,7 @@ Bad input ends with one line on stderr and exit code 2; ``--debug`` shows the tr
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import traceback
 from collections.abc import Sequence
@@ -15,8 +16,10 @@ from typing import Any
 
 from fedhier.config import RunConfig, read_toml
 from fedhier.errors import FedhierError
+from fedhier.faults import RunFailureError
 
 EXIT_BAD_INPUT = 2
+EXIT_RUN_FAILED = 3
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="TOML file with run configuration keys")
     run.add_argument("--overwrite", action="store_true",
                      help="reuse a non-empty --out folder")
+    run.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                     help="continue a run from its checkpoint.pt (same configuration)")
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     run.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     _add_config_flags(run)
@@ -78,33 +83,68 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     return RunConfig.from_mapping({**base, **given}, where="command line")
 
 
+def resumed_config(args: argparse.Namespace) -> RunConfig:
+    """The configuration of the run folder being resumed (no other config flags allowed)."""
+    given = [f.name for f in fields(RunConfig) if getattr(args, f.name) is not None]
+    if given or args.config:
+        raise FedhierError("--resume continues a run with its own configuration; drop "
+                           f"{', '.join('--' + g.replace('_', '-') for g in given) or '--config'}")
+    path = args.resume / "config.json"
+    if not path.is_file():
+        raise FedhierError(f"{args.resume} is not a fedhier run folder (no config.json)")
+    saved = json.loads(path.read_text())
+    names = {f.name for f in fields(RunConfig)}
+    return RunConfig.from_mapping({k: v for k, v in saved.items() if k in names},
+                                  where=str(path))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    from fedhier.checkpoint import load_checkpoint
     from fedhier.results import RunFolder, default_run_dir
     from fedhier.server import prepare
 
-    cfg = config_from_args(args)
-    prepare(cfg)  # validate data and partition before anything is written
-    name = f"{cfg.dataset.replace('/', '-')}-{cfg.engine}"
-    folder = RunFolder.create(cfg.out or default_run_dir(name), overwrite=args.overwrite)
-    progress = not args.no_progress
-    if cfg.engine == "flower":
-        from fedhier.engines.flower import run_simulation_engine
-
-        summary = run_simulation_engine(cfg, folder, progress=progress)
-    elif cfg.engine == "vectorized":
-        from fedhier.engines.vectorized import run_vectorized
-
-        summary = run_vectorized(cfg, folder, progress=progress)
+    resume = None
+    if args.resume:
+        cfg = resumed_config(args)
+        resume = load_checkpoint(args.resume)
+        folder = RunFolder(args.resume)
+        prepare(cfg)
     else:
-        from fedhier.engines.inprocess import run_inprocess
-
-        summary = run_inprocess(cfg, folder, progress=progress)
+        cfg = config_from_args(args)
+        prepare(cfg)  # validate data and partition before anything is written
+        name = f"{cfg.dataset.replace('/', '-')}-{cfg.engine}"
+        folder = RunFolder.create(cfg.out or default_run_dir(name), overwrite=args.overwrite)
+    progress = not args.no_progress
+    try:
+        summary = run_engine(cfg, folder, progress, resume)
+    except KeyboardInterrupt:
+        hint = (f"; resume with: fedhier run --resume {folder.path}"
+                if (folder.path / "checkpoint.pt").exists() else "")
+        print(f"fedhier: interrupted{hint}", file=sys.stderr)
+        return 130
     print(f"final test accuracy {summary['final_test_accuracy']:.4f}, test loss "
           f"{summary['final_test_loss']:.4f} after {summary['iterations']} iterations "
           f"({summary['rounds']} cloud rounds) in {summary['wall_seconds']:.1f} s "
           f"[{summary['engine']}, {summary['weighting']} weighting]")
     print(f"run folder: {folder.path}")
     return 0
+
+
+def run_engine(cfg: RunConfig, folder: Any, progress: bool, resume: Any) -> dict[str, Any]:
+    """Dispatch to the configured engine."""
+    if cfg.engine == "flower":
+        from fedhier.engines.flower import run_simulation_engine
+
+        return run_simulation_engine(cfg, folder, progress=progress, resume=resume)
+    if cfg.engine == "vectorized":
+        if resume is not None:
+            raise FedhierError("--resume is supported on the inprocess and flower engines")
+        from fedhier.engines.vectorized import run_vectorized
+
+        return run_vectorized(cfg, folder, progress=progress)
+    from fedhier.engines.inprocess import run_inprocess
+
+    return run_inprocess(cfg, folder, progress=progress, resume=resume)
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -124,6 +164,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers: dict[str, Any] = {"run": cmd_run, "plot": cmd_plot}
     try:
         return int(handlers[args.command](args))
+    except RunFailureError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"fedhier: run stopped: {exc}", file=sys.stderr)
+        return EXIT_RUN_FAILED
     except FedhierError as exc:
         if args.debug:
             traceback.print_exc()

@@ -74,6 +74,21 @@ class RunConfig:
         "fewest local steps a straggler does"))
     normalize_updates: bool = field(default=False, metadata=_help(
         "FedNova-style: scale each client's update by tau_eff / tau_j within its edge"))
+    # faults and robustness
+    fail_rate: float = field(default=0.0, metadata=_help(
+        "simulation: a client fails an edge round with this probability (seeded)"))
+    dropout_fraction: float = field(default=0.0, metadata=_help(
+        "simulation: share of clients (seeded) away during --dropout-rounds"))
+    dropout_rounds: str = field(default="", metadata=_help(
+        "simulation: cloud rounds 'A-B' during which the dropout clients are away"))
+    round_timeout: float = field(default=3600.0, metadata=_help(
+        "seconds to wait for client replies in each round"))
+    min_clients_per_edge: int = field(default=0, metadata=_help(
+        "stop the run when an edge round leaves an edge with fewer surviving clients"))
+    on_nan: str = field(default="stop", metadata=_help(
+        "a non-finite client update: stop the run, or skip-client (drop it from the average)"))
+    checkpoint_every: int = field(default=0, metadata=_help(
+        "write a checkpoint every K cloud rounds (0 = only on Ctrl-C)"))
     # local training
     batch_size: int = field(default=16, metadata=_help(
         "mini-batch size b; 0 = all of a client's rows (gradient descent)"))
@@ -180,6 +195,11 @@ class RunConfig:
         return Workload(self.participation, self.straggler_fraction, self.straggler_min_steps,
                         self.normalize_updates)
 
+    def faults(self) -> Any:
+        from fedhier.faults import FaultModel, parse_span
+
+        return FaultModel(self.fail_rate, self.dropout_fraction, parse_span(self.dropout_rounds))
+
     @property
     def num_edges(self) -> int:
         """N: the number of edge servers (level-1 groups)."""
@@ -257,6 +277,15 @@ class RunConfig:
             raise ConfigError("need 0 < lr_decay <= 1 and lr_step_every >= 1")
         if not 0 <= self.client_holdout < 1:
             raise ConfigError(f"client_holdout must be in [0, 1), got {self.client_holdout}")
+        _one_of("on_nan", self.on_nan, ("stop", "skip-client"))
+        if not 0 <= self.fail_rate < 1 or not 0 <= self.dropout_fraction <= 1:
+            raise ConfigError("need 0 <= fail_rate < 1 and 0 <= dropout_fraction <= 1")
+        from fedhier.faults import parse_span
+
+        parse_span(self.dropout_rounds)
+        if self.round_timeout <= 0 or self.min_clients_per_edge < 0 or self.checkpoint_every < 0:
+            raise ConfigError(
+                "need round_timeout > 0, min_clients_per_edge >= 0 and checkpoint_every >= 0")
         if self.client_chunk < 0:
             raise ConfigError(f"client_chunk must be >= 0 (0 = all), got {self.client_chunk}")
         if self.rounds < 1:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from fedhier.config import RunConfig
 from fedhier.federation import Federation
 from fedhier.grouping import ClientInfo
-from fedhier.results import RunFolder
+from fedhier.results import RunFolder, read_metrics
 from fedhier.topology import Hierarchy
 
 WEIGHTING_TEXT = {
@@ -65,12 +65,23 @@ class RunRecorder:
     """Writes the run folder of one run and shows progress over cloud rounds."""
 
     def __init__(self, folder: RunFolder, cfg: RunConfig, fed: Federation, engine: str,
-                 progress: bool = True) -> None:
+                 progress: bool = True, resume_round: int | None = None,
+                 elapsed: float = 0.0) -> None:
+        """A new run, or (``resume_round``) one continuing after that cloud round: then the
+        existing files stay, metrics.jsonl is cut back to rounds <= resume_round, and
+        wall_seconds continue from ``elapsed``."""
         self.folder = folder
         self.cfg = cfg
         self.engine = engine
-        self.t_start = time.time()
+        self.t_start = time.time() - elapsed
         self.last: dict[str, Any] = {}
+        self.bar = tqdm(total=cfg.rounds, desc="cloud rounds", unit="round",
+                        disable=not progress, dynamic_ncols=True, initial=resume_round or 0)
+        if resume_round is not None:
+            kept = [r for r in read_metrics(folder.path) if r["round"] <= resume_round]
+            folder.rewrite_metrics(kept)
+            self.last = kept[-1] if kept else {}
+            return
         folder.write_json("config.json", describe(cfg, fed, engine))
         _, y_train = fed.bundle.train_arrays()
         folder.write_json("partition.json", {
@@ -78,9 +89,8 @@ class RunRecorder:
             "clients": [{"client": j, "rows": rows.tolist(), "num_examples": len(rows),
                          "label_counts": np.bincount(
                              y_train[rows], minlength=fed.bundle.num_classes).tolist()}
-                        for j, rows in enumerate(fed.partitions)]})
-        self.bar = tqdm(total=cfg.rounds, desc="cloud rounds", unit="round",
-                        disable=not progress, dynamic_ncols=True)
+                        for j, rows in enumerate(fed.partitions)],
+            "holdout": [rows.tolist() for rows in fed.holdouts]})
 
     def save_initial(self, state: Mapping[str, torch.Tensor]) -> None:
         self.folder.save_model("model_initial.safetensors", state)
@@ -110,6 +120,10 @@ class RunRecorder:
             self.bar.update(1)
             self.bar.set_postfix(test_acc=f"{record['test_accuracy']:.4f}",
                                  test_loss=f"{record['test_loss']:.3f}")
+
+    @property
+    def elapsed(self) -> float:
+        return time.time() - self.t_start
 
     def close(self) -> None:
         self.bar.close()

@@ -89,6 +89,11 @@ class RunFolder:
             handle.flush()
             os.fsync(handle.fileno())
 
+    def rewrite_metrics(self, records: list[dict[str, Any]]) -> None:
+        """Replace metrics.jsonl atomically with ``records`` (used when resuming)."""
+        text = "".join(json.dumps(_jsonable(r)) + "\n" for r in records)
+        atomic_write_bytes(self.path / "metrics.jsonl", text.encode())
+
     def save_model(self, name: str, state: Mapping[str, torch.Tensor]) -> None:
         tmp = self.path / f".{name}.tmp"
         save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp))

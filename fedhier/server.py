@@ -14,6 +14,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 
+from fedhier.checkpoint import Checkpoint, save_checkpoint
 from fedhier.cloud import make_cloud_strategy
 from fedhier.config import RunConfig
 from fedhier.errors import ConfigError
@@ -56,8 +57,12 @@ def test_metrics(model: torch.nn.Module, params: dict[str, torch.Tensor], fed: F
 
 
 def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str,
-                   progress: bool = True, timeout: float = 3600) -> dict[str, Any]:
-    """Run the configured hierarchical federation on ``grid``; returns summary.json's dict."""
+                   progress: bool = True, resume: Checkpoint | None = None) -> dict[str, Any]:
+    """Run the configured hierarchical federation on ``grid``; returns summary.json's dict.
+
+    Writes ``checkpoint.pt`` every ``cfg.checkpoint_every`` cloud rounds and, on Ctrl-C,
+    after the last completed round before re-raising. ``resume`` continues from a checkpoint.
+    """
     quiet_flower()
     fed = prepare(cfg)
     num_nodes = len(list(grid.get_node_ids()))
@@ -66,18 +71,38 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
             f"the federation has {num_nodes} nodes but clients={cfg.clients}; they must match")
     device = resolve_device(cfg.device)
     model = initial_model(cfg, fed).to(device)
-    recorder = RunRecorder(folder, cfg, fed, engine, progress)
-    recorder.save_initial(model.state_dict())
+    recorder = RunRecorder(folder, cfg, fed, engine, progress,
+                           resume_round=resume.round if resume else None,
+                           elapsed=resume.wall_seconds if resume else 0.0)
     strategy = HierFedAvg(cfg.local_period, cfg.global_period, cfg.groups, periods=cfg.periods,
                           grouping=cfg.grouping, weighting=cfg.weighting, seed=cfg.seed,
                           min_available_nodes=cfg.clients,
                           cloud_strategy=make_cloud_strategy(cfg.cloud_strategy, cfg.server_lr,
                                                              cfg.server_momentum),
-                          workload=cfg.workload())
+                          workload=cfg.workload(), min_clients_per_edge=cfg.min_clients_per_edge,
+                          on_nan=cfg.on_nan)
+    initial_state = model.state_dict()
+    if resume is None:
+        recorder.save_initial(initial_state)
+    else:
+        initial_state = resume.global_state
+        strategy.load_state_dict(resume.strategy_state)
+        if resume.client_states and hasattr(grid, "import_client_states"):
+            grid.import_client_states(resume.client_states)
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         params = {k: v.to(device) for k, v in arrays.to_torch_state_dict().items()}
         return MetricRecord(dict(test_metrics(model, params, fed, device)))
+
+    done = {"round": resume.round if resume else 0}
+
+    def checkpoint() -> None:
+        assert strategy.global_arrays is not None
+        clients = grid.export_client_states() if hasattr(grid, "export_client_states") else {}
+        save_checkpoint(folder.path, Checkpoint(
+            round=done["round"], global_state=dict(strategy.global_arrays.to_torch_state_dict()),
+            strategy_state=strategy.state_dict(), wall_seconds=recorder.elapsed,
+            client_states=clients))
 
     def on_cloud_round(record: dict[str, Any]) -> None:
         if record["round"] == 0:
@@ -85,13 +110,22 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
             recorder.write_groups(strategy.hierarchy, strategy.client_info, cfg.grouping,
                                   cfg.seed)
         recorder.record_round(record)
+        done["round"] = record["round"]
+        if cfg.checkpoint_every and record["round"] % cfg.checkpoint_every == 0:
+            checkpoint()
 
     run_config = ConfigRecord(cfg.to_run_config())
-    initial = ArrayRecord({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    initial = ArrayRecord({k: v.detach().cpu() for k, v in initial_state.items()})
     try:
-        result = strategy.start(grid, initial, num_rounds=cfg.rounds, timeout=timeout,
+        result = strategy.start(grid, initial, num_rounds=cfg.rounds, timeout=cfg.round_timeout,
                                 train_config=run_config, evaluate_config=run_config,
-                                evaluate_fn=evaluate_fn, on_cloud_round=on_cloud_round)
+                                evaluate_fn=evaluate_fn, on_cloud_round=on_cloud_round,
+                                first_round=done["round"] + 1)
+    except KeyboardInterrupt:
+        recorder.close()
+        if strategy.global_arrays is not None and done["round"] > 0:
+            checkpoint()
+        raise
     finally:
         recorder.close()
     return recorder.finish(result.arrays.to_torch_state_dict(),

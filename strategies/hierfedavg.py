@@ -9,6 +9,7 @@ round need no change to Flower.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from logging import INFO, WARNING
@@ -31,6 +32,7 @@ from flwr.supercore import log
 from fedhier.aggregate import client_weights, presence_weights, segment_weighted_mean
 from fedhier.communication import Communication
 from fedhier.errors import ConfigError
+from fedhier.faults import RunFailureError
 from fedhier.grouping import ClientInfo
 from fedhier.plan import Workload, plan_edge_round
 from fedhier.topology import Hierarchy, build_hierarchy, validate_periods
@@ -78,6 +80,12 @@ class HierFedAvg(Strategy):
         Partial participation (each edge samples a fraction or number of its clients per edge
         round, seeded by (seed, edge round, edge)) and stragglers doing fewer than I steps,
         optionally FedNova-normalised. Default: every client, I steps.
+    min_clients_per_edge : int (default: 0)
+        Stop the run (``RunFailureError``) when an edge round leaves an edge with fewer surviving
+        clients than this (or than it sampled, if fewer).
+    on_nan : str (default: "stop")
+        A client update holding NaN/inf stops the run naming the round, edge and client
+        ("stop"), or is dropped like a failed client ("skip-client").
     """
 
     def __init__(
@@ -94,6 +102,8 @@ class HierFedAvg(Strategy):
         periods: Sequence[int] | None = None,
         cloud_strategy: Strategy | None = None,
         workload: Workload | None = None,
+        min_clients_per_edge: int = 0,
+        on_nan: str = "stop",
     ) -> None:
         self.periods = tuple(periods) if periods else (local_period, global_period)
         validate_periods(self.periods)
@@ -123,6 +133,9 @@ class HierFedAvg(Strategy):
         self._query_config = ConfigRecord()
         self.cloud_strategy = cloud_strategy
         self.workload = workload or Workload()
+        self.min_clients_per_edge = min_clients_per_edge
+        self.on_nan = on_nan
+        self.global_arrays: ArrayRecord | None = None
         self._cloud_round_index = 0
 
     # ------------------------------------------------------------------ set-up
@@ -229,18 +242,27 @@ class HierFedAvg(Strategy):
         for reply in replies:
             if reply.has_error():
                 log(WARNING, "client on node %s failed: %s", reply.metadata.src_node_id,
-                    reply.error.reason)
+                    reply.error.reason.splitlines()[0] if reply.error.reason else "")
                 continue
-            clients.append(client_of_node[reply.metadata.src_node_id])
-            states.append(reply.content[self.arrayrecord_key].to_torch_state_dict())
-            losses.append(float(reply.content["metrics"]["train-loss"]))
-        failed = len(self._sent) - len(clients)  # error replies and missing replies
+            client = client_of_node[reply.metadata.src_node_id]
+            state = reply.content[self.arrayrecord_key].to_torch_state_dict()
+            loss = float(reply.content["metrics"]["train-loss"])
+            if not (math.isfinite(loss) and all(bool(torch.isfinite(v).all())
+                                                for v in state.values())):
+                self._non_finite(client, server_round)
+                continue
+            clients.append(client)
+            states.append(state)
+            losses.append(loss)
+        failed = len(self._sent) - len(clients)  # error, non-finite and missing replies
+        failed_edges = self._check_edges(clients, server_round)
         last_step = server_round * self.local_period - 1
         level = hierarchy.level_after(last_step)
         model_bytes = self.edge_arrays[0].count_bytes() if self.edge_arrays else 0
         self.communication.add_edge_round(len(self._sent), len(clients), model_bytes)
         weights = self.client_weights()
-        metrics = MetricRecord({"failed-clients": failed, "level": level})
+        metrics = MetricRecord({"failed-clients": failed, "failed-edges": failed_edges,
+                                "level": level})
         if clients:
             w = weights[clients]
             metrics["train-loss"] = float(np.dot(w, losses) / w.sum())
@@ -263,6 +285,36 @@ class HierFedAvg(Strategy):
         if level == hierarchy.num_levels:
             return node_records.get(0), metrics
         return None, metrics
+
+    def _non_finite(self, client: int, server_round: int) -> None:
+        """A client sent NaN/inf: stop the run, or (``on_nan="skip-client"``) drop it."""
+        hierarchy = self._require_setup()
+        where = (f"client {client} (edge {int(hierarchy.edge_of_client()[client])}) in edge "
+                 f"round {server_round} (cloud round "
+                 f"{(server_round - 1) // self.edge_rounds_per_cloud_round() + 1})")
+        if self.on_nan == "stop":
+            raise RunFailureError(
+                f"non-finite values in the update of {where}; the last checkpoint is kept "
+                "(lower --lr, clip with --clip-norm, or --on-nan skip-client)")
+        log(WARNING, "dropping the non-finite update of %s", where)
+
+    def _check_edges(self, clients: list[int], server_round: int) -> int:
+        """Count edges left with no surviving client; enforce ``min_clients_per_edge``."""
+        hierarchy = self._require_setup()
+        edge_of = hierarchy.edge_of_client()
+        num_edges = hierarchy.num_nodes(1)
+        sent = np.bincount(edge_of[self._sent], minlength=num_edges)
+        alive = np.bincount(edge_of[clients], minlength=num_edges) if clients else np.zeros(
+            num_edges, dtype=np.int64)
+        need = np.minimum(sent, self.min_clients_per_edge)
+        short = np.flatnonzero(alive < need)
+        if len(short):
+            edge = int(short[0])
+            raise RunFailureError(
+                f"edge {edge} kept {int(alive[edge])} of {int(sent[edge])} clients in edge "
+                f"round {server_round}, fewer than --min-clients-per-edge "
+                f"{self.min_clients_per_edge}")
+        return int(((sent > 0) & (alive == 0)).sum())
 
     def _average(self, states: list[dict[str, torch.Tensor]], clients: np.ndarray,
                  weights: np.ndarray, level: int) -> tuple[dict[int, ArrayRecord], np.ndarray]:
@@ -364,6 +416,7 @@ class HierFedAvg(Strategy):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
         on_cloud_round: Callable[[dict[str, Any]], None] | None = None,
+        first_round: int = 1,
     ) -> Result:
         """Run ``num_rounds`` cloud rounds (T = num_rounds * G local steps).
 
@@ -372,7 +425,10 @@ class HierFedAvg(Strategy):
         round 0 and per cloud round: round, iteration, train_loss and train_accuracy (of the
         global model on all clients' training rows, weighted: the global objective f(w)),
         local_train_loss (mean mini-batch loss), the evaluate_fn metrics, failed clients and
-        the cumulative communication counters.
+        the cumulative communication counters. ``self.global_arrays`` holds the global model
+        when ``on_cloud_round`` runs. ``first_round`` > 1 resumes a run whose earlier rounds are
+        done (``initial_arrays`` is then the model after round ``first_round - 1``; round 0 is
+        not evaluated again).
         """
         train_config = ConfigRecord() if train_config is None else train_config
         # The ClientApp reads the run's configuration from every message: evaluation messages
@@ -383,13 +439,17 @@ class HierFedAvg(Strategy):
         result = Result()
         result.arrays = initial_arrays
         arrays = initial_arrays
-        train_record: dict[str, Any] = {"local_train_loss": None, "failed_clients": 0}
+        train_record: dict[str, Any] = {"local_train_loss": None, "failed_clients": 0,
+                                        "failed_edges": 0}
         edge_rounds = self.edge_rounds_per_cloud_round()
-        for cloud_round in range(0, num_rounds + 1):
+        self.global_arrays = arrays
+        for cloud_round in range(0 if first_round == 1 else first_round,
+                                 num_rounds + 1):
             if cloud_round > 0:
                 train_record = self._cloud_round(cloud_round, arrays, train_config, grid,
                                                  timeout, result)
                 arrays = result.arrays
+                self.global_arrays = arrays
             record: dict[str, Any] = {"round": cloud_round,
                                       "iteration": cloud_round * self.global_period,
                                       "edge_rounds": cloud_round * edge_rounds}
@@ -423,7 +483,7 @@ class HierFedAvg(Strategy):
         self._cloud_round_index = cloud_round
         if self.cloud_strategy is not None:  # lets server optimisers see the current model
             self.cloud_strategy.configure_train(cloud_round, arrays, ConfigRecord(), grid)
-        losses, failed = [], 0
+        losses, failed, failed_edges = [], 0, 0
         edge_rounds = self.edge_rounds_per_cloud_round()
         for k in range(1, edge_rounds + 1):
             server_round = (cloud_round - 1) * edge_rounds + k
@@ -432,14 +492,27 @@ class HierFedAvg(Strategy):
             new_arrays, metrics = self.aggregate_train(server_round, replies)
             assert metrics is not None
             failed += int(metrics["failed-clients"])
+            failed_edges += int(metrics["failed-edges"])
             if "train-loss" in metrics:
                 losses.append(float(metrics["train-loss"]))
             if new_arrays is not None:
                 result.arrays = new_arrays
-        local_loss = float(np.mean(losses)) if losses else float("nan")
+        local_loss = float(np.mean(losses)) if losses else None
         result.train_metrics_clientapp[cloud_round] = MetricRecord(
-            {"local-train-loss": local_loss, "failed-clients": failed})
-        return {"local_train_loss": local_loss, "failed_clients": failed}
+            {"failed-clients": failed, "failed-edges": failed_edges})
+        return {"local_train_loss": local_loss, "failed_clients": failed,
+                "failed_edges": failed_edges}
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs besides the global model (picklable)."""
+        return {"communication": self.communication.as_dict(),
+                "cloud_strategy": self.cloud_strategy}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.communication = Communication(**state["communication"])
+        if state.get("cloud_strategy") is not None:
+            self.cloud_strategy = state["cloud_strategy"]
 
     def _require_setup(self) -> Hierarchy:
         if self.hierarchy is None:

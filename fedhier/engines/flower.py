@@ -13,13 +13,15 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from fedhier.checkpoint import Checkpoint
 from fedhier.config import RunConfig
 from fedhier.results import RunFolder
 from fedhier.server import quiet_flower, run_federation
 
 
 def run_simulation_engine(cfg: RunConfig, folder: RunFolder, progress: bool = True,
-                          num_cpus: int | None = None) -> dict[str, Any]:
+                          num_cpus: int | None = None,
+                          resume: Checkpoint | None = None) -> dict[str, Any]:
     """Run ``cfg`` on Flower's Simulation Engine; each client actor gets one CPU."""
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -34,7 +36,8 @@ def run_simulation_engine(cfg: RunConfig, folder: RunFolder, progress: bool = Tr
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        summary.update(run_federation(grid, cfg, folder, engine="flower", progress=progress))
+        summary.update(run_federation(grid, cfg, folder, engine="flower", progress=progress,
+                                      resume=resume))
 
     num_gpus = 1.0 if cfg.device in ("cuda", "auto") and _cuda() else 0.0
     backend_config = {

@@ -11,7 +11,8 @@ import traceback
 from collections.abc import Iterable
 from uuid import uuid4
 
-from flwr.app import Context, Error, Message, RecordDict
+import torch
+from flwr.app import ArrayRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
@@ -41,6 +42,21 @@ class InProcessGrid(Grid):
             for i, node_id in enumerate(node_ids)
         }
         self._replies: dict[str, Message] = {}
+
+    def export_client_states(self) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
+        """Each client's ArrayRecords in ``context.state`` (for checkpoints), by partition id."""
+        out: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+        for context in self.contexts.values():
+            pid = int(context.node_config["partition-id"])
+            out[pid] = {key: dict(record.to_torch_state_dict())
+                        for key, record in context.state.array_records.items()}
+        return out
+
+    def import_client_states(self, states: dict[int, dict[str, dict[str, torch.Tensor]]]) -> None:
+        for context in self.contexts.values():
+            pid = int(context.node_config["partition-id"])
+            for key, tensors in states.get(pid, {}).items():
+                context.state[key] = ArrayRecord(tensors)
 
     def set_run(self, run: Run) -> None:
         self._run = run

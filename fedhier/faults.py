@@ -1,0 +1,55 @@
+"""Seeded fault injection for simulations, and the errors a run can stop with.
+
+Faults are raised inside the ClientApp, so on every Flower engine they become real error
+replies that the strategy handles by its fault rules (the client is left out of that round's
+average). Whether a client fails is a pure function of (seed, client, round).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedhier.errors import ConfigError, FedhierError
+from fedhier.rng import generator
+
+
+class RunFailureError(FedhierError):
+    """A run stopped on purpose: too many failed clients, or non-finite numbers."""
+
+
+class InjectedFaultError(RuntimeError):
+    """Raised by a ClientApp that the fault model makes fail this round."""
+
+
+def parse_span(text: str) -> tuple[int, int] | None:
+    """'3-5' -> (3, 5) (inclusive cloud rounds), '4' -> (4, 4), '' -> None."""
+    if not text.strip():
+        return None
+    parts = text.split("-")
+    try:
+        first, last = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        first, last = 0, -1
+    if len(parts) > 2 or first < 1 or last < first:
+        raise ConfigError(f"dropout_rounds must look like '3-5' (cloud rounds), got '{text}'")
+    return first, last
+
+
+@dataclass(frozen=True)
+class FaultModel:
+    """``fail_rate``: a client fails an edge round with this probability. ``dropout_fraction``
+    of the clients (a seeded set) are away during the cloud rounds in ``dropout_span``."""
+
+    fail_rate: float = 0.0
+    dropout_fraction: float = 0.0
+    dropout_span: tuple[int, int] | None = None
+
+    def fails(self, seed: int, client: int, edge_round: int, cloud_round: int) -> bool:
+        if self.fail_rate > 0 and generator(seed, "fail", edge_round, client).random() < (
+                self.fail_rate):
+            return True
+        if self.dropout_span and self.dropout_fraction > 0:
+            first, last = self.dropout_span
+            if first <= cloud_round <= last:
+                return bool(generator(seed, "dropout", client).random() < self.dropout_fraction)
+        return False
