@@ -18,9 +18,11 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from fedhier.config import RunConfig
+from fedhier.diagnostics import flat_gradient
 from fedhier.faults import InjectedFaultError
 from fedhier.federation import Federation, federation_for
 from fedhier.models import build_model
+from fedhier.round_diagnostics import diagnostic_rows
 from fedhier.train import batch_indices, evaluate, local_sgd, resolve_device
 
 #: Keys of the ConfigRecord that are per-message, not part of the RunConfig.
@@ -128,3 +130,22 @@ def profile(msg: Message, context: Context) -> Message:
     metrics = MetricRecord({"partition-id": pid, "num-examples": int(histogram.sum()),
                             "label-histogram": [int(c) for c in histogram]})
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+
+
+@app.query("gradient")
+def gradient(msg: Message, context: Context) -> Message:
+    """The full local gradient of the received model on this client's training rows (a seeded
+    subsample of ``diagnostics-max-samples`` rows when set), flattened: ArrayRecord
+    ``gradient`` with one array ``g`` [P]."""
+    cfg, fed, pid, device = _setup(msg, context)
+    x, y = fed.client_tensors(pid, device)
+    model = _skeleton(cfg.model, fed.bundle.input_shape, fed.bundle.num_classes, str(device))
+    rows = torch.as_tensor(diagnostic_rows(len(y), cfg.diagnostics_max_samples, cfg.seed, pid),
+                           device=device)
+    grad = flat_gradient(model, _params(msg.content["arrays"], device), x[rows], y[rows])
+    reply = RecordDict({
+        "gradient": ArrayRecord({"g": grad.detach().cpu()}),
+        "metrics": MetricRecord({"num-examples": len(y), "gradient-rows": len(rows),
+                                 "partition-id": pid}),
+    })
+    return Message(reply, reply_to=msg)

@@ -14,9 +14,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from fedhier.aggregate import client_weights
 from fedhier.config import RunConfig, read_toml
 from fedhier.errors import FedhierError
 from fedhier.faults import RunFailureError
+from fedhier.results import write_json
 
 EXIT_BAD_INPUT = 2
 EXIT_RUN_FAILED = 3
@@ -59,6 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     run.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     _add_config_flags(run)
+
+    diversity = sub.add_parser(
+        "diversity", help="gradient divergences, diversity and batch-size bound of a model",
+        description="Measure, without training, the divergences and gradient diversity of a "
+        "model (the seeded initial model, or --model-file) on the configured federation.")
+    diversity.add_argument("--config", type=Path, metavar="FILE.toml",
+                           help="TOML file with run configuration keys")
+    diversity.add_argument("--model-file", type=Path, metavar="FILE.safetensors",
+                           help="weights to measure, e.g. a run's model_final.safetensors")
+    diversity.add_argument("--json", type=Path, metavar="FILE", help="also write the numbers")
+    diversity.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    _add_config_flags(diversity)
 
     plot = sub.add_parser("plot", help="overlay the curves of several run folders")
     plot.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
@@ -147,6 +161,63 @@ def run_engine(cfg: RunConfig, folder: Any, progress: bool, resume: Any) -> dict
     return run_inprocess(cfg, folder, progress=progress, resume=resume)
 
 
+def cmd_diversity(args: argparse.Namespace) -> int:
+    from safetensors.torch import load_file
+
+    from fedhier.grouping import ClientInfo
+    from fedhier.round_diagnostics import (
+        client_diagnostics,
+        direct_client_gradients,
+        sample_diagnostics,
+    )
+    from fedhier.server import initial_model, pooled_train_tensors, prepare
+    from fedhier.topology import build_hierarchy
+    from fedhier.train import resolve_device
+
+    cfg = config_from_args(args)
+    fed = prepare(cfg)
+    device = resolve_device(cfg.device)
+    model = initial_model(cfg, fed).to(device)
+    params = {k: v.detach() for k, v in model.state_dict().items()}
+    if args.model_file:
+        if not args.model_file.is_file():
+            raise FedhierError(f"model file {args.model_file} not found")
+        loaded = load_file(str(args.model_file))
+        if loaded.keys() != params.keys() or any(
+                loaded[k].shape != params[k].shape for k in params):
+            raise FedhierError(f"{args.model_file} does not hold a '{cfg.model}' model for "
+                               f"{cfg.dataset}")
+        params = {k: v.to(device) for k, v in loaded.items()}
+    grads = direct_client_gradients(model, params, fed, cfg.diagnostics_max_samples, cfg.seed,
+                                    device)
+    weights = client_weights(cfg.weighting, fed.client_sizes())
+    info = ClientInfo(fed.label_histograms, fed.client_sizes())
+    hierarchy = build_hierarchy(cfg.periods, cfg.groups, cfg.grouping, info, cfg.seed,
+                                client_grads=grads, weights=weights)
+    x, y = pooled_train_tensors(fed, device)
+    numbers = {**client_diagnostics(grads, weights, hierarchy),
+               **sample_diagnostics(model, params, x, y, cfg.diagnostics_max_samples, cfg.seed)}
+    model_name = str(args.model_file) if args.model_file else f"initial (seed {cfg.seed})"
+    print(f"{cfg.model} on {cfg.dataset}: {cfg.clients} clients ({cfg.partition}), "
+          f"{cfg.num_edges} edges ({cfg.grouping}), {cfg.weighting} weighting, model "
+          f"{model_name}")
+    rows = [("global divergence  ~eps^2 = sum_j p_j ||gF_j - gf||^2", "global_divergence"),
+            ("upward divergence   eps^2 = sum_i P_i ||gf_i - gf||^2", "upward_divergence"),
+            ("downward divergence sum_i P_i eps_i^2", "downward_divergence"),
+            ("||grad f||", "grad_norm"),
+            ("client gradient diversity  Delta = sum||g_j||^2 / ||sum g_j||^2",
+             "client_gradient_diversity"),
+            ("sample gradient diversity  Delta (per-example gradients)",
+             "sample_gradient_diversity"),
+            ("batch-size bound  B_S = m * Delta", "batch_size_bound")]
+    for label, key in rows:
+        print(f"  {label:<66} {numbers[key]:.6g}")
+    print(f"  (sample diversity over m = {numbers['diversity_samples']} pooled training rows)")
+    if args.json:
+        write_json(args.json, {"config": cfg.to_dict(), "model": model_name, **numbers})
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from fedhier.plots import plot_runs
 
@@ -161,7 +232,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers: dict[str, Any] = {"run": cmd_run, "plot": cmd_plot}
+    handlers: dict[str, Any] = {"run": cmd_run, "plot": cmd_plot, "diversity": cmd_diversity}
     try:
         return int(handlers[args.command](args))
     except RunFailureError as exc:

@@ -54,6 +54,15 @@ class RunConfig:
         "I: edge aggregation period, in local SGD steps"))
     global_period: int = field(default=20, metadata=_help(
         "G: cloud aggregation period, in local SGD steps (a multiple of I)"))
+    regroup_every: int = field(default=0, metadata=_help(
+        "regroup clients every K cloud rounds (0 = never); gradient grouping uses the current "
+        "model's gradients"))
+    diagnostics_every: int = field(default=0, metadata=_help(
+        "record divergences and gradient diversity at the initial model and every K cloud "
+        "rounds (0 = off)"))
+    diagnostics_max_samples: int = field(default=0, metadata=_help(
+        "cap on the rows per client (and pooled, for sample diversity) the diagnostics' "
+        "gradients use (0 = all)"))
     periods: tuple[int, ...] = field(default=(), metadata=_help(
         "all aggregation periods P1,...,PL (one more than group levels); default I,G"))
     cloud_strategy: str = field(default="average", metadata=_help(
@@ -286,6 +295,9 @@ class RunConfig:
         if self.round_timeout <= 0 or self.min_clients_per_edge < 0 or self.checkpoint_every < 0:
             raise ConfigError(
                 "need round_timeout > 0, min_clients_per_edge >= 0 and checkpoint_every >= 0")
+        if min(self.regroup_every, self.diagnostics_every, self.diagnostics_max_samples) < 0:
+            raise ConfigError("regroup_every, diagnostics_every and diagnostics_max_samples "
+                              "must be >= 0")
         if self.client_chunk < 0:
             raise ConfigError(f"client_chunk must be >= 0 (0 = all), got {self.client_chunk}")
         if self.rounds < 1:

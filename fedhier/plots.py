@@ -42,3 +42,29 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_groups(groups_json: str | Path, out: str | Path) -> Path:
+    """Heatmap of each edge's label composition (share of its rows per label)."""
+    import json
+
+    import numpy as np
+
+    groups = json.loads(Path(groups_json).read_text())
+    counts = np.array([e["label_histogram"] for e in groups["edges"]], dtype=np.float64)
+    shares = counts / np.maximum(counts.sum(1, keepdims=True), 1)
+    proxy = groups.get("label_upward_divergence", float("nan"))
+    fig, ax = plt.subplots(figsize=(1.2 + 0.45 * counts.shape[1], 1.2 + 0.35 * len(counts)))
+    image = ax.imshow(shares, cmap="viridis", aspect="auto", vmin=0,
+                      vmax=max(shares.max(), 1e-9))
+    ax.set(xlabel="label", ylabel="edge (rows)", xticks=range(counts.shape[1]),
+           yticks=range(len(counts)),
+           yticklabels=[f"{i} ({int(c.sum())})" for i, c in enumerate(counts)],
+           title=f"{groups['grouping']} grouping: label share per edge\n"
+                 f"label upward divergence {proxy:.4f}")
+    fig.colorbar(image, ax=ax, label="share of the edge's rows")
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from fedhier.config import RunConfig
+from fedhier.diagnostics import label_upward_divergence
 from fedhier.federation import Federation
 from fedhier.grouping import ClientInfo
 from fedhier.results import RunFolder, read_metrics
@@ -105,11 +106,19 @@ class RunRecorder:
             edges.append({"edge": edge, "clients": members.tolist(),
                           "num_examples": int(info.num_examples[members].sum()),
                           "label_histogram": info.label_histograms[members].sum(0).tolist()})
+        proxy = label_upward_divergence(info.label_histograms, edge_of, hierarchy.num_nodes(1))
         self.folder.write_json("groups.json", {
             "grouping": grouping, "seed": seed, "groups_per_level": list(self.cfg.groups),
             "client_to_edge": edge_of.tolist(),
             "upper_levels": [p.tolist() for p in hierarchy.parents[1:]],
+            "label_upward_divergence": proxy,
+            "label_upward_divergence_meaning": (
+                "sum_i P_i ||pi_i - pi||^2 over edges i: pi_i the edge's label distribution, "
+                "pi the global one, P_i the edge's share of rows"),
             "edges": edges})
+        from fedhier.plots import plot_groups
+
+        plot_groups(self.folder.path / "groups.json", self.folder.path / "groups.png")
 
     def record_round(self, record: dict[str, Any]) -> None:
         """Append one cloud round's metrics (wall_seconds is added here)."""

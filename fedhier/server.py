@@ -23,6 +23,7 @@ from fedhier.models import build_model
 from fedhier.recorder import RunRecorder
 from fedhier.results import RunFolder
 from fedhier.rng import torch_seed
+from fedhier.round_diagnostics import diagnostics_due, sample_diagnostics
 from fedhier.strategies.hierfedavg import HierFedAvg
 from fedhier.train import evaluate, resolve_device
 
@@ -56,6 +57,13 @@ def test_metrics(model: torch.nn.Module, params: dict[str, torch.Tensor], fed: F
     return {"test_loss": loss, "test_accuracy": accuracy}
 
 
+def pooled_train_tensors(fed: Federation,
+                         device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """All clients' training rows together (the pooled data of sample-level diversity)."""
+    parts = [fed.client_tensors(j, device) for j in range(fed.num_clients)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
 def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str,
                    progress: bool = True, resume: Checkpoint | None = None) -> dict[str, Any]:
     """Run the configured hierarchical federation on ``grid``; returns summary.json's dict.
@@ -80,7 +88,8 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
                           cloud_strategy=make_cloud_strategy(cfg.cloud_strategy, cfg.server_lr,
                                                              cfg.server_momentum),
                           workload=cfg.workload(), min_clients_per_edge=cfg.min_clients_per_edge,
-                          on_nan=cfg.on_nan)
+                          on_nan=cfg.on_nan, diagnostics_every=cfg.diagnostics_every,
+                          regroup_every=cfg.regroup_every)
     initial_state = model.state_dict()
     if resume is None:
         recorder.save_initial(initial_state)
@@ -92,7 +101,12 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         params = {k: v.to(device) for k, v in arrays.to_torch_state_dict().items()}
-        return MetricRecord(dict(test_metrics(model, params, fed, device)))
+        metrics = dict(test_metrics(model, params, fed, device))
+        if diagnostics_due(server_round, cfg.diagnostics_every):
+            x, y = pooled_train_tensors(fed, device)
+            metrics.update(sample_diagnostics(model, params, x, y, cfg.diagnostics_max_samples,
+                                              cfg.seed))
+        return MetricRecord(metrics)
 
     done = {"round": resume.round if resume else 0}
 

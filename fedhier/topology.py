@@ -12,9 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from fedhier.aggregate import segment_weighted_mean
 from fedhier.errors import ConfigError
-from fedhier.grouping import ClientInfo, assign_groups
+from fedhier.grouping import (
+    GRADIENT_GROUPING,
+    ClientInfo,
+    Grouping,
+    assign_groups,
+    make_gradient_grouping,
+)
 
 
 def validate_periods(periods: tuple[int, ...]) -> None:
@@ -112,17 +120,30 @@ class Hierarchy:
 
 
 def build_hierarchy(periods: tuple[int, ...], groups: tuple[int, ...], grouping: str,
-                    info: ClientInfo, seed: int) -> Hierarchy:
+                    info: ClientInfo, seed: int, client_grads: torch.Tensor | None = None,
+                    weights: np.ndarray | None = None) -> Hierarchy:
     """Group clients into ``groups[0]`` edges, edges into ``groups[1]`` regions, and so on.
 
     Every level uses the same grouping, applied to the level below's nodes described by their
-    summed label histograms and row counts; level k draws with seed ``seed + k - 1``.
+    summed label histograms and row counts; level k draws with seed ``seed + k - 1``. The
+    ``gradient`` grouping needs ``client_grads`` [n, P] and ``weights`` [n]; a node above the
+    clients is then described by the weighted mean gradient of its members.
     """
     parents = []
     level_info = info
+    level_grads, level_weights = client_grads, weights
     for level, count in enumerate(groups, start=1):
-        parent = assign_groups(grouping, level_info, count, seed + level - 1)
+        rule: str | Grouping = grouping
+        if grouping == GRADIENT_GROUPING:
+            if level_grads is None or level_weights is None:
+                raise ConfigError("the gradient grouping needs the clients' gradients")
+            rule = make_gradient_grouping(level_grads, level_weights)
+        parent = assign_groups(rule, level_info, count, seed + level - 1)
         parents.append(parent)
+        if level_grads is not None and level_weights is not None:
+            level_grads = segment_weighted_mean(level_grads, torch.as_tensor(level_weights),
+                                                torch.as_tensor(parent), count)
+            level_weights = np.bincount(parent, weights=level_weights, minlength=count)
         histograms = np.zeros((count, level_info.label_histograms.shape[1]), dtype=np.int64)
         np.add.at(histograms, parent, level_info.label_histograms)
         level_info = ClientInfo(label_histograms=histograms,

@@ -33,8 +33,9 @@ from fedhier.aggregate import client_weights, presence_weights, segment_weighted
 from fedhier.communication import Communication
 from fedhier.errors import ConfigError
 from fedhier.faults import RunFailureError
-from fedhier.grouping import ClientInfo
+from fedhier.grouping import GRADIENT_GROUPING, ClientInfo
 from fedhier.plan import Workload, plan_edge_round
+from fedhier.round_diagnostics import client_diagnostics, diagnostics_due
 from fedhier.topology import Hierarchy, build_hierarchy, validate_periods
 
 
@@ -86,6 +87,13 @@ class HierFedAvg(Strategy):
     on_nan : str (default: "stop")
         A client update holding NaN/inf stops the run naming the round, edge and client
         ("stop"), or is dropped like a failed client ("skip-client").
+    diagnostics_every : int (default: 0)
+        At the initial model and every K cloud rounds, query every client's full local
+        gradient (``query.gradient``) and record the global / upward / downward divergences
+        and the client-level gradient diversity (docs/diagnostics.md). 0 = off.
+    regroup_every : int (default: 0)
+        Regroup the clients every K cloud rounds (the grouping draws with seed + round - 1;
+        ``gradient`` grouping uses the gradients at the current global model). 0 = never.
     """
 
     def __init__(
@@ -104,6 +112,8 @@ class HierFedAvg(Strategy):
         workload: Workload | None = None,
         min_clients_per_edge: int = 0,
         on_nan: str = "stop",
+        diagnostics_every: int = 0,
+        regroup_every: int = 0,
     ) -> None:
         self.periods = tuple(periods) if periods else (local_period, global_period)
         validate_periods(self.periods)
@@ -136,6 +146,8 @@ class HierFedAvg(Strategy):
         self.min_clients_per_edge = min_clients_per_edge
         self.on_nan = on_nan
         self.global_arrays: ArrayRecord | None = None
+        self.diagnostics_every = diagnostics_every
+        self.regroup_every = regroup_every
         self._cloud_round_index = 0
 
     # ------------------------------------------------------------------ set-up
@@ -153,7 +165,7 @@ class HierFedAvg(Strategy):
                 for node_id in grid.get_node_ids()]
 
     def aggregate_query(self, replies: Iterable[Message]) -> None:
-        """Order clients by partition id and build the hierarchy from their profiles."""
+        """Order clients by partition id; group them (all but the ``gradient`` grouping)."""
         profiles = []
         for reply in replies:
             if reply.has_error():
@@ -171,11 +183,14 @@ class HierFedAvg(Strategy):
         self.client_info = ClientInfo(
             label_histograms=np.array([p[3] for p in profiles], dtype=np.int64),
             num_examples=np.array([p[2] for p in profiles], dtype=np.int64))
-        self.hierarchy = build_hierarchy(self.periods, self.groups, self.grouping,
-                                         self.client_info, self.seed)
+        if self.grouping != GRADIENT_GROUPING:
+            self.hierarchy = build_hierarchy(self.periods, self.groups, self.grouping,
+                                             self.client_info, self.seed)
 
-    def setup(self, grid: Grid, config: ConfigRecord, timeout: float) -> None:
-        """Wait for nodes, query their profiles and group them into edges."""
+    def setup(self, grid: Grid, config: ConfigRecord, timeout: float,
+              arrays: ArrayRecord | None = None) -> None:
+        """Wait for nodes, query their profiles and group them into edges (the ``gradient``
+        grouping also queries their gradients at ``arrays``)."""
         deadline = time.time() + timeout
         while len(list(grid.get_node_ids())) < self.min_available_nodes:
             if time.time() > deadline:
@@ -184,6 +199,44 @@ class HierFedAvg(Strategy):
         self._query_config = config
         replies = grid.send_and_receive(self.configure_query(grid), timeout=timeout)
         self.aggregate_query(replies)
+        if self.grouping == GRADIENT_GROUPING:
+            if arrays is None:
+                raise ConfigError("the gradient grouping needs the model to take gradients at")
+            self.regroup(grid, arrays, config, timeout, self.seed)
+
+    def regroup(self, grid: Grid, arrays: ArrayRecord, config: ConfigRecord, timeout: float,
+                seed: int) -> None:
+        """(Re)build the hierarchy with the configured grouping, drawing with ``seed``."""
+        assert self.client_info is not None
+        grads = None
+        if self.grouping == GRADIENT_GROUPING:
+            grads = self.query_gradients(grid, arrays, config, timeout)
+            if grads is None:
+                raise RunFailureError("the gradient grouping needs every client's gradient")
+        self.hierarchy = build_hierarchy(self.periods, self.groups, self.grouping,
+                                         self.client_info, seed, client_grads=grads,
+                                         weights=self.client_weights())
+
+    def query_gradients(self, grid: Grid, arrays: ArrayRecord, config: ConfigRecord,
+                        timeout: float) -> torch.Tensor | None:
+        """Every client's full local gradient at ``arrays``, [n, P] by client; None (with a
+        warning) when a client does not answer."""
+        content = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
+        messages = [Message(content, message_type=f"{MessageType.QUERY}.gradient",
+                            dst_node_id=node) for node in self.node_ids]
+        replies = list(grid.send_and_receive(messages, timeout=timeout))
+        client_of_node = {node: client for client, node in enumerate(self.node_ids)}
+        grads: dict[int, torch.Tensor] = {}
+        for reply in replies:
+            if reply.has_error():
+                continue
+            grads[client_of_node[reply.metadata.src_node_id]] = (
+                reply.content["gradient"].to_torch_state_dict()["g"])
+        if len(grads) != len(self.node_ids):
+            log(WARNING, "gradient query: %d of %d clients answered", len(grads),
+                len(self.node_ids))
+            return None
+        return torch.stack([grads[c] for c in range(len(self.node_ids))])
 
     def client_weights(self) -> np.ndarray:
         """float64 [n]: each client's averaging weight under ``self.weighting``."""
@@ -434,7 +487,7 @@ class HierFedAvg(Strategy):
         # The ClientApp reads the run's configuration from every message: evaluation messages
         # carry the train config unless told otherwise.
         evaluate_config = train_config if evaluate_config is None else evaluate_config
-        self.setup(grid, train_config, timeout)
+        self.setup(grid, train_config, timeout, initial_arrays)
         self.summary()
         result = Result()
         result.arrays = initial_arrays
@@ -470,14 +523,29 @@ class HierFedAvg(Strategy):
                 if res is not None:
                     result.evaluate_metrics_serverapp[cloud_round] = res
                     record.update({k.replace("-", "_"): v for k, v in res.items()})
+            if diagnostics_due(cloud_round, self.diagnostics_every):
+                record.update(self.diagnose(grid, arrays, train_config, timeout))
             record.update(self.communication.as_dict())
             if on_cloud_round is not None:
                 on_cloud_round(record)
         return result
 
+    def diagnose(self, grid: Grid, arrays: ArrayRecord, config: ConfigRecord,
+                 timeout: float) -> dict[str, Any]:
+        """Divergences and client-level diversity of the clients' gradients at ``arrays``."""
+        grads = self.query_gradients(grid, arrays, config, timeout)
+        if grads is None:
+            return {}
+        return client_diagnostics(grads, self.client_weights(), self._require_setup())
+
     def _cloud_round(self, cloud_round: int, arrays: ArrayRecord, config: ConfigRecord,
                      grid: Grid, timeout: float, result: Result) -> dict[str, Any]:
         """Run the G / I edge rounds of one cloud round; store the new global model."""
+        regrouped: dict[str, Any] = {}
+        if self.regroup_every and cloud_round > 1 and (cloud_round - 1) % self.regroup_every == 0:
+            self.regroup(grid, arrays, config, timeout, self.seed + cloud_round - 1)
+            regrouped = {"regrouped": True,
+                         "client_to_edge": self._require_setup().edge_of_client().tolist()}
         hierarchy = self._require_setup()
         self.edge_arrays = [arrays] * hierarchy.num_nodes(1)
         self._cloud_round_index = cloud_round
@@ -501,7 +569,7 @@ class HierFedAvg(Strategy):
         result.train_metrics_clientapp[cloud_round] = MetricRecord(
             {"failed-clients": failed, "failed-edges": failed_edges})
         return {"local_train_loss": local_loss, "failed_clients": failed,
-                "failed_edges": failed_edges}
+                "failed_edges": failed_edges, **regrouped}
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -28,7 +28,8 @@ def run_hier(cfg: RunConfig, records: list | None = None) -> State:
                           weighting=cfg.weighting, seed=cfg.seed,
                           cloud_strategy=make_cloud_strategy(cfg.cloud_strategy, cfg.server_lr,
                                                              cfg.server_momentum),
-                          workload=cfg.workload())
+                          workload=cfg.workload(), diagnostics_every=cfg.diagnostics_every,
+                          regroup_every=cfg.regroup_every)
     result = strategy.start(grid, ArrayRecord(initial_state(cfg)), num_rounds=cfg.rounds,
                             train_config=ConfigRecord(cfg.to_run_config()),
                             on_cloud_round=records.append if records is not None else None)

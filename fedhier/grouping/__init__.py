@@ -13,6 +13,11 @@ import numpy as np
 
 from fedhier.errors import ConfigError
 from fedhier.grouping.base import ClientInfo, Grouping, balanced_sizes
+from fedhier.grouping.divergence import (
+    make_gradient_grouping,
+    max_divergence_grouping,
+    min_divergence_grouping,
+)
 from fedhier.grouping.simple import contiguous_grouping, random_grouping
 
 ENTRY_POINT_GROUP = "fedhier.grouping"
@@ -20,7 +25,11 @@ ENTRY_POINT_GROUP = "fedhier.grouping"
 BUILTIN_GROUPINGS: dict[str, Grouping] = {
     "random": random_grouping,
     "contiguous": contiguous_grouping,
+    "min-divergence": min_divergence_grouping,
+    "max-divergence": max_divergence_grouping,
 }
+#: Needs the clients' gradients at the current model: built with make_gradient_grouping.
+GRADIENT_GROUPING = "gradient"
 
 
 def _plugins() -> dict[str, object]:
@@ -29,11 +38,15 @@ def _plugins() -> dict[str, object]:
 
 def available_groupings() -> list[str]:
     """Built-in grouping names followed by installed plugin names."""
-    return list(BUILTIN_GROUPINGS) + sorted(set(_plugins()) - set(BUILTIN_GROUPINGS))
+    builtin = [*BUILTIN_GROUPINGS, GRADIENT_GROUPING]
+    return builtin + sorted(set(_plugins()) - set(builtin))
 
 
 def get_grouping(name: str) -> Grouping:
     """The grouping function registered under ``name``."""
+    if name == GRADIENT_GROUPING:
+        raise ConfigError("the 'gradient' grouping needs client gradients: build it with "
+                          "fedhier.grouping.make_gradient_grouping(grads)")
     if name in BUILTIN_GROUPINGS:
         return BUILTIN_GROUPINGS[name]
     plugins = _plugins()
@@ -46,12 +59,16 @@ def get_grouping(name: str) -> Grouping:
         f"unknown grouping '{name}'; choose one of {', '.join(available_groupings())}")
 
 
-def assign_groups(name: str, info: ClientInfo, num_groups: int, seed: int) -> np.ndarray:
-    """Run a grouping and check its result: int64 [n] covering every group."""
+def assign_groups(grouping: str | Grouping, info: ClientInfo, num_groups: int,
+                  seed: int) -> np.ndarray:
+    """Run a grouping (by name, or a function) and check its result: int64 [n] covering
+    every group."""
     if num_groups > info.num_clients:
         raise ConfigError(
             f"more groups ({num_groups}) than clients ({info.num_clients})")
-    result = np.asarray(get_grouping(name)(info, num_groups, seed))
+    function = get_grouping(grouping) if isinstance(grouping, str) else grouping
+    name = grouping if isinstance(grouping, str) else getattr(grouping, "__name__", "custom")
+    result = np.asarray(function(info, num_groups, seed))
     if result.shape != (info.num_clients,) or not np.issubdtype(result.dtype, np.integer):
         raise ConfigError(
             f"grouping '{name}' must return {info.num_clients} integer group ids, "
@@ -65,5 +82,6 @@ def assign_groups(name: str, info: ClientInfo, num_groups: int, seed: int) -> np
 
 __all__ = [
     "ClientInfo", "Grouping", "available_groupings", "assign_groups", "balanced_sizes",
-    "get_grouping", "BUILTIN_GROUPINGS", "ENTRY_POINT_GROUP",
+    "get_grouping", "BUILTIN_GROUPINGS", "ENTRY_POINT_GROUP", "GRADIENT_GROUPING",
+    "make_gradient_grouping",
 ]
