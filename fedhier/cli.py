@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     diversity.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     _add_config_flags(diversity)
 
+    from fedhier.experiments.cli import add_parser as add_experiment_parser
+
+    add_experiment_parser(sub)
+
     plot = sub.add_parser("plot", help="overlay the curves of several run folders")
     plot.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
     plot.add_argument("--out", type=Path, default=Path("runs/compare.png"),
@@ -232,7 +236,11 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers: dict[str, Any] = {"run": cmd_run, "plot": cmd_plot, "diversity": cmd_diversity}
+    from fedhier.experiments.cli import cmd_experiment
+
+    handlers: dict[str, Any] = {"run": cmd_run, "plot": cmd_plot, "diversity": cmd_diversity,
+                                "experiment": cmd_experiment}
+    args.argv = list(argv if argv is not None else sys.argv[1:])
     try:
         return int(handlers[args.command](args))
     except RunFailureError as exc:

@@ -108,15 +108,16 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
                                               cfg.seed))
         return MetricRecord(metrics)
 
-    done = {"round": resume.round if resume else 0}
+    # The last fully recorded cloud round and its model, replaced in one assignment, so that
+    # a Ctrl-C at any moment checkpoints a consistent pair.
+    done: dict[str, Any] = {"round": resume.round if resume else 0, "arrays": None,
+                            "strategy": None, "clients": {}}
 
     def checkpoint() -> None:
-        assert strategy.global_arrays is not None
-        clients = grid.export_client_states() if hasattr(grid, "export_client_states") else {}
         save_checkpoint(folder.path, Checkpoint(
-            round=done["round"], global_state=dict(strategy.global_arrays.to_torch_state_dict()),
-            strategy_state=strategy.state_dict(), wall_seconds=recorder.elapsed,
-            client_states=clients))
+            round=done["round"], global_state=dict(done["arrays"].to_torch_state_dict()),
+            strategy_state=done["strategy"], wall_seconds=recorder.elapsed,
+            client_states=done["clients"]))
 
     def on_cloud_round(record: dict[str, Any]) -> None:
         if record["round"] == 0:
@@ -124,7 +125,10 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
             recorder.write_groups(strategy.hierarchy, strategy.client_info, cfg.grouping,
                                   cfg.seed)
         recorder.record_round(record)
-        done["round"] = record["round"]
+        clients = grid.export_client_states() if hasattr(grid, "export_client_states") else {}
+        snapshot = {"round": record["round"], "arrays": strategy.global_arrays,
+                    "strategy": strategy.state_dict(), "clients": clients}
+        done.update(snapshot)  # one dict update: no KeyboardInterrupt between the keys
         if cfg.checkpoint_every and record["round"] % cfg.checkpoint_every == 0:
             checkpoint()
 
@@ -137,7 +141,7 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
                                 first_round=done["round"] + 1)
     except KeyboardInterrupt:
         recorder.close()
-        if strategy.global_arrays is not None and done["round"] > 0:
+        if done["arrays"] is not None and done["round"] > 0:
             checkpoint()
         raise
     finally:

@@ -9,6 +9,7 @@ round need no change to Flower.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -575,7 +576,7 @@ class HierFedAvg(Strategy):
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs besides the global model (picklable)."""
         return {"communication": self.communication.as_dict(),
-                "cloud_strategy": self.cloud_strategy}
+                "cloud_strategy": copy.deepcopy(self.cloud_strategy)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.communication = Communication(**state["communication"])

@@ -1,0 +1,241 @@
+"""The experiment suites that reproduce the papers' claims (algorithms.md §1-§4).
+
+Each suite turns a base configuration into arms, runs them over seeds
+(:mod:`fedhier.experiments.runner`) and reports: results.json (every arm's curves and final
+numbers, mean and std over seeds), results.md (the table and the claim check) and PNG figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from fedhier.config import RunConfig  # noqa: E402
+from fedhier.experiments.runner import Arm, run_arms  # noqa: E402
+from fedhier.experiments.stats import curve, final, first_reaching  # noqa: E402
+
+
+@dataclass
+class Report:
+    """What a suite writes: results.json content, the markdown, and claim checks."""
+
+    results: dict[str, Any]
+    markdown: str
+    claims: dict[str, bool]
+
+
+def _rounds_for(total_iterations: int, cfg: RunConfig) -> int:
+    return max(1, total_iterations // cfg.global_period)
+
+
+def _arm(name: str, label: str, base: RunConfig, total: int, **changes: Any) -> Arm:
+    cfg = base.replace(**changes)
+    return Arm(name, label, cfg.replace(rounds=_rounds_for(total, cfg)))
+
+
+def _summarise(arms: Sequence[Arm], results: dict[str, dict[int, list[dict[str, Any]]]],
+               keys: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for arm in arms:
+        runs = results[arm.name]
+        out[arm.name] = {
+            "label": arm.label,
+            "config": {k: v for k, v in arm.config.to_dict().items() if k != "out"},
+            "curves": {k: curve(runs, k) for k in keys if runs[next(iter(runs))][-1].get(k)
+                       is not None},
+            "final": {k: final(runs, k) for k in keys if runs[next(iter(runs))][-1].get(k)
+                      is not None},
+        }
+    return out
+
+
+def _plot_curves(summary: dict[str, Any], key: str, ylabel: str, path: Path,
+                 title: str) -> None:
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for arm in summary.values():
+        if key not in arm["curves"]:
+            continue
+        c = arm["curves"][key]
+        mean, std = np.array(c["mean"]), np.array(c["std"])
+        ax.plot(c["iteration"], mean, label=arm["label"])
+        ax.fill_between(c["iteration"], mean - std, mean + std, alpha=0.15)
+    ax.set(xlabel="local SGD iterations", ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _table(summary: dict[str, Any], keys: Sequence[tuple[str, str]]) -> str:
+    head = "| arm | " + " | ".join(label for _, label in keys) + " |"
+    lines = [head, "|" + "---|" * (len(keys) + 1)]
+    for arm in summary.values():
+        cells = []
+        for key, _ in keys:
+            f = arm["final"].get(key)
+            cells.append(f"{f['mean']:.4f} ± {f['std']:.4f}" if f else "–")
+        lines.append(f"| {arm['label']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- sandwich
+def sandwich(base: RunConfig, seeds: Sequence[int], out: Path, engine: str, jobs: int,
+             total: int) -> Report:
+    """H-SGD(I, G) against local SGD with periods I and G, mini-batch and centralised SGD."""
+    i, g = base.local_period, base.global_period
+    n, b = base.clients, base.batch_size or 0
+    arms = [
+        _arm("local-I", f"local SGD P=I={i}", base, total, local_period=i, global_period=i,
+             groups=(1,), periods=()),
+        _arm("hsgd", f"H-SGD I={i}, G={g}, N={base.num_edges}", base, total),
+        _arm("local-G", f"local SGD P=G={g}", base, total, local_period=g, global_period=g,
+             groups=(1,), periods=()),
+        _arm("minibatch", f"mini-batch SGD (I=G=1, batch {n}x{b})", base, total,
+             local_period=1, global_period=1, groups=(1,), periods=()),
+        _arm("central", f"centralised SGD (1 client, batch {n * b})", base, total,
+             clients=1, groups=(1,), partition="iid", local_period=1, global_period=1,
+             periods=(), batch_size=n * b),
+    ]
+    results = run_arms(arms, seeds, out, engine, jobs)
+    summary = _summarise(arms, results, ("test_accuracy", "test_loss", "train_loss"))
+    _plot_curves(summary, "test_accuracy", "test accuracy", out / "sandwich_accuracy.png",
+                 "Sandwich: H-SGD between local SGD with periods I and G")
+    _plot_curves(summary, "train_loss", "training loss f(w)", out / "sandwich_loss.png",
+                 "Training loss (global objective)")
+    acc = {name: summary[name]["final"]["test_accuracy"] for name in summary}
+    tol = max(acc["hsgd"]["std"], 1e-12)
+    claims = {"H-SGD final accuracy between local SGD P=G and P=I (±1 std)":
+              acc["local-G"]["mean"] - tol <= acc["hsgd"]["mean"] <= acc["local-I"]["mean"] + tol}
+    target = 0.95 * min(acc[a]["mean"] for a in ("local-I", "hsgd", "local-G"))
+    comm = []
+    for name in ("local-I", "hsgd", "local-G", "minibatch"):
+        cfg = next(a.config for a in arms if a.name == name)
+        reached = first_reaching(summary[name]["curves"]["test_accuracy"], target)
+        cloud_rounds = None if reached is None else reached // cfg.global_period
+        comm.append((summary[name]["label"], reached, cloud_rounds))
+    summary_json = {"arms": summary, "communication_target_accuracy": target,
+                    "communication": [{"arm": c[0], "iterations": c[1], "cloud_rounds": c[2]}
+                                      for c in comm], "claims": claims}
+    md = [_table(summary, [("test_accuracy", "final test accuracy"),
+                           ("test_loss", "final test loss"), ("train_loss", "final train loss")]),
+          "", f"Communication view: cloud rounds (and iterations) to reach mean test accuracy "
+          f"{target:.4f} (95% of the worst of the three H-SGD-family arms):", "",
+          "| arm | iterations | cloud rounds |", "|---|---|---|"]
+    md += [f"| {c[0]} | {c[1] if c[1] is not None else 'not reached'} | "
+           f"{c[2] if c[2] is not None else '–'} |" for c in comm]
+    md += ["", "![accuracy](sandwich_accuracy.png)", "![loss](sandwich_loss.png)"]
+    return Report(summary_json, "\n".join(md), claims)
+
+
+# --------------------------------------------------------------------------- grouping
+def grouping(base: RunConfig, seeds: Sequence[int], out: Path, engine: str, jobs: int,
+             total: int) -> Report:
+    """min-divergence, random, contiguous and max-divergence grouping at fixed (I, G)."""
+    every = max(1, _rounds_for(total, base) // 5)
+    names = ("min-divergence", "random", "contiguous", "max-divergence")
+    arms = [_arm(name, name, base, total, grouping=name, diagnostics_every=every)
+            for name in names]
+    results = run_arms(arms, seeds, out, engine, jobs)
+    keys = ("test_accuracy", "test_loss", "upward_divergence", "downward_divergence")
+    summary = _summarise(arms, results, keys)
+    first = {name: float(np.mean([runs[0]["upward_divergence"] for runs in
+                                  results[name].values()])) for name in names}
+    _plot_curves(summary, "test_accuracy", "test accuracy", out / "grouping_accuracy.png",
+                 "Grouping: test accuracy")
+    _plot_curves(summary, "upward_divergence", "upward divergence ε²",
+                 out / "grouping_upward.png", "Upward divergence during training")
+    _plot_curves(summary, "downward_divergence", "downward divergence Σ P_i ε_i²",
+                 out / "grouping_downward.png", "Downward divergence during training")
+    acc = {name: summary[name]["final"]["test_accuracy"]["mean"] for name in names}
+    claims = {"min-divergence beats max-divergence in final accuracy":
+              acc["min-divergence"] > acc["max-divergence"],
+              "initial upward divergence: min < random < max":
+              first["min-divergence"] < first["random"] < first["max-divergence"]}
+    md = [_table(summary, [("test_accuracy", "final test accuracy"),
+                           ("upward_divergence", "final upward div."),
+                           ("downward_divergence", "final downward div.")]), "",
+          "Upward divergence at the initial model: " + ", ".join(
+              f"{k} {v:.4f}" for k, v in first.items()), "",
+          "![accuracy](grouping_accuracy.png)", "![upward](grouping_upward.png)",
+          "![downward](grouping_downward.png)"]
+    return Report({"arms": summary, "initial_upward_divergence": first, "claims": claims},
+                  "\n".join(md), claims)
+
+
+# --------------------------------------------------------------------------- periods
+def periods(base: RunConfig, seeds: Sequence[int], out: Path, engine: str, jobs: int,
+            total: int, local_periods: Sequence[int] = (1, 2, 5, 10),
+            global_periods: Sequence[int] = (10, 20, 40)) -> Report:
+    """Final accuracy over a grid of (I, G) with G a multiple of I: the heatmap."""
+    arms = [_arm(f"I{i}-G{g}", f"I={i}, G={g}", base, total, local_period=i, global_period=g,
+                 periods=())
+            for i in local_periods for g in global_periods if g % i == 0]
+    results = run_arms(arms, seeds, out, engine, jobs)
+    summary = _summarise(arms, results, ("test_accuracy", "train_loss"))
+    grid = np.full((len(local_periods), len(global_periods)), np.nan)
+    for a, arm in enumerate(local_periods):
+        for b_, g in enumerate(global_periods):
+            if f"I{arm}-G{g}" in summary:
+                grid[a, b_] = summary[f"I{arm}-G{g}"]["final"]["test_accuracy"]["mean"]
+    fig, ax = plt.subplots(figsize=(5, 4))
+    image = ax.imshow(grid, cmap="viridis", origin="lower")
+    ax.set(xticks=range(len(global_periods)), xticklabels=global_periods,
+           yticks=range(len(local_periods)), yticklabels=local_periods,
+           xlabel="cloud period G", ylabel="edge period I",
+           title=f"Final test accuracy after {total} iterations")
+    for a in range(grid.shape[0]):
+        for b_ in range(grid.shape[1]):
+            if not np.isnan(grid[a, b_]):
+                ax.text(b_, a, f"{grid[a, b_]:.3f}", ha="center", va="center", fontsize=8,
+                        color="white")
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(out / "periods_heatmap.png", dpi=110)
+    plt.close(fig)
+    md = [_table(summary, [("test_accuracy", "final test accuracy"),
+                           ("train_loss", "final train loss")]), "",
+          "![heatmap](periods_heatmap.png)"]
+    return Report({"arms": summary, "grid": {"local_periods": list(local_periods),
+                                             "global_periods": list(global_periods),
+                                             "final_test_accuracy": grid.tolist()},
+                   "claims": {}}, "\n".join(md), {})
+
+
+# --------------------------------------------------------------------------- levels
+def levels(base: RunConfig, seeds: Sequence[int], out: Path, engine: str, jobs: int,
+           total: int) -> Report:
+    """Two- versus three-level hierarchies at equal cloud period G."""
+    i, g, n_edges = base.local_period, base.global_period, base.num_edges
+    regions = max(1, n_edges // 2)
+    middle = g // 2 if (g // 2) % i == 0 and g // 2 > i else i
+    arms = [
+        _arm("two-level", f"2 levels: I={i}, G={g}, {n_edges} edges", base, total),
+        _arm("three-level", f"3 levels: {i},{middle},{g}; {n_edges} edges / {regions} regions",
+             base, total, groups=(n_edges, regions), periods=(i, middle, g)),
+        _arm("local-G", f"local SGD P=G={g}", base, total, local_period=g, global_period=g,
+             groups=(1,), periods=()),
+    ]
+    results = run_arms(arms, seeds, out, engine, jobs)
+    summary = _summarise(arms, results, ("test_accuracy", "train_loss", "edge_cloud_messages",
+                                         "client_edge_messages"))
+    _plot_curves(summary, "test_accuracy", "test accuracy", out / "levels_accuracy.png",
+                 "Two vs three levels at equal cloud period")
+    md = [_table(summary, [("test_accuracy", "final test accuracy"),
+                           ("train_loss", "final train loss"),
+                           ("edge_cloud_messages", "messages above edges")]), "",
+          "![levels](levels_accuracy.png)"]
+    return Report({"arms": summary, "claims": {}}, "\n".join(md), {})
+
+
+SUITES: dict[str, Callable[..., Report]] = {
+    "sandwich": sandwich, "grouping": grouping, "periods": periods, "levels": levels,
+}
