@@ -16,13 +16,13 @@ from fedhier.results import write_json
 NAMES = ("sandwich", "grouping", "periods", "diversity", "levels")
 
 #: Base settings per size; flags given on the command line override them.
-QUICK = {"dataset": "digits", "clients": 20, "groups": 4, "alpha": 0.3,
-         "min_partition_size": 5, "local_period": 2, "global_period": 8, "batch_size": 16,
+QUICK = {"dataset": "digits", "clients": 20, "groups": 4, "alpha": 0.1,
+         "min_partition_size": 2, "local_period": 2, "global_period": 16, "batch_size": 16,
          "lr": 0.05}
 FULL = {"dataset": "digits", "clients": 50, "groups": 5, "alpha": 0.5,
         "min_partition_size": 5, "local_period": 5, "global_period": 20, "batch_size": 16,
         "lr": 0.05}
-ITERATIONS = {"quick": 240, "full": 1200}
+ITERATIONS = {"quick": 320, "full": 1200}
 
 
 def add_parser(sub: Any) -> None:
@@ -36,7 +36,7 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--quick", action="store_true", help="reduced size (tests, CI)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..K-1 (default 3)")
     parser.add_argument("--iterations", type=int, default=0,
-                        help="local SGD iterations T per arm (default 240 quick, 1200 full)")
+                        help="local SGD iterations T per arm (default 320 quick, 1200 full)")
     parser.add_argument("--jobs", type=int, default=0,
                         help="runs in parallel (default: the number of CPU cores)")
     parser.add_argument("--experiment-engine", default="vectorized",

@@ -1,0 +1,61 @@
+"""Experiment suites: the papers' claims on digits (quick sizes), files, and resume."""
+
+import json
+import os
+
+import pytest
+
+from fedhier.cli import main
+
+
+def run_suite(tmp_path, name, *extra):
+    out = tmp_path / name
+    assert main(["experiment", name, "--quick", "--out", str(out), *extra]) == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.slow
+def test_sandwich_claim_holds_on_digits(tmp_path):
+    out, results = run_suite(tmp_path, "sandwich", "--seeds", "3")
+    assert all(results["claims"].values()), results["claims"]
+    assert {"local-I", "hsgd", "local-G", "minibatch", "central"} == set(results["arms"])
+    assert (out / "sandwich_accuracy.png").exists() and "Claims" in (out / "results.md").read_text()
+    # A repeated command reruns nothing: the finished run folders stay untouched.
+    stamps = {p: p.stat().st_mtime for p in (out / "runs").rglob("summary.json")}
+    assert main(["experiment", "sandwich", "--quick", "--seeds", "3", "--out", str(out)]) == 0
+    assert stamps == {p: p.stat().st_mtime for p in (out / "runs").rglob("summary.json")}
+
+
+@pytest.mark.slow
+def test_grouping_claims_hold_on_digits(tmp_path):
+    _, results = run_suite(tmp_path, "grouping", "--seeds", "3")
+    assert all(results["claims"].values()), results["claims"]
+
+
+@pytest.mark.slow
+def test_diversity_claims_on_digits(tmp_path):
+    out, results = run_suite(tmp_path, "diversity", "--seeds", "1")
+    assert results["claims"] and all(results["claims"].values()), results["claims"]
+    variants = results["variants"]
+    bounds = {name.split()[0]: v["bound"] for name, v in variants.items()}
+    assert bounds["duplicates"] < bounds["original"] < bounds["dropout"]
+    assert (out / "diversity.png").exists()
+
+
+def test_periods_and_levels_write_their_outputs(tmp_path):
+    out, results = run_suite(tmp_path, "periods", "--seeds", "1", "--iterations", "32",
+                             "--local-period", "2", "--global-period", "16")
+    assert (out / "periods_heatmap.png").exists() and results["grid"]["final_test_accuracy"]
+    out, results = run_suite(tmp_path, "levels", "--seeds", "1", "--iterations", "32")
+    assert {"two-level", "three-level", "local-G"} == set(results["arms"])
+    three = results["arms"]["three-level"]["config"]
+    assert three["groups"] == [4, 2] and three["periods"] == [2, 8, 16]
+
+
+def test_interrupted_arm_is_started_over(tmp_path):
+    out, _ = run_suite(tmp_path, "levels", "--seeds", "1", "--iterations", "16")
+    run_dir = out / "runs" / "two-level" / "seed0"
+    os.remove(run_dir / "summary.json")  # as if the run had been killed before finishing
+    assert main(["experiment", "levels", "--quick", "--seeds", "1", "--iterations", "16",
+                 "--out", str(out)]) == 0
+    assert (run_dir / "summary.json").exists()
