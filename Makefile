@@ -5,7 +5,7 @@ PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.fedhier-installed
 RUN_ARGS   ?=
 
-.PHONY: run test test-fast lint bench clean
+.PHONY: run test test-fast lint bench experiments clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
@@ -29,6 +29,10 @@ test-fast: $(STAMP)
 ## bench: engines side by side on workload W1 (writes benchmarks/results/engines.json)
 bench: $(STAMP)
 	$(PY) benchmarks/engines.py
+
+## experiments: every suite at full size (long), then docs/results.md and docs/figures/
+experiments: $(STAMP)
+	$(PY) -m fedhier.experiments.publish
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -32,7 +32,8 @@ class RunConfig:
 
     # data
     dataset: str = field(default="digits", metadata=_help(
-        "dataset name (digits, fashion-mnist, synthetic) or a path to a dataset TOML"))
+        "dataset name (digits, fashion-mnist, synthetic, shakespeare, cifar10, femnist) or a "
+        "path to a dataset TOML"))
     data_path: str = field(default="", metadata=_help(
         "folder/file/hub name overriding the dataset's default location"))
     partition: str = field(default="dirichlet", metadata=_help(
@@ -116,7 +117,7 @@ class RunConfig:
         "momentum buffers: reset at each edge round, or keep per client across rounds"))
     client_holdout: float = field(default=0.0, metadata=_help(
         "fraction of each client's rows held out (seeded) for per-client evaluation"))
-    model: str = field(default="mlp", metadata=_help("model: logreg, mlp, cnn"))
+    model: str = field(default="mlp", metadata=_help("model: logreg, mlp, cnn, lstm (text)"))
     weighting: str = field(default="samples", metadata=_help(
         "averaging weights: samples (by client data size) or uniform (each client equal)"))
     # execution

@@ -48,7 +48,8 @@ class Federation:
 
     def client_tensors(self, client: int,
                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Client ``client``'s training data: x float32 [m, *input_shape], y int64 [m]."""
+        """Client ``client``'s training data: x [m, *input_shape] (the bundle's ``x_dtype``),
+        y int64 [m]."""
         key = (client, str(device))
         if key not in self._tensors:
             x, y = self.bundle.train_arrays()

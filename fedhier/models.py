@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
 
 from fedhier.errors import ConfigError
 
-MODELS = ("logreg", "mlp", "cnn")
+MODELS = ("logreg", "mlp", "cnn", "lstm")
 
 
 def _flat_features(input_shape: tuple[int, ...]) -> int:
@@ -73,11 +74,55 @@ class CNN(nn.Module):
         return self.out(x.flatten(1))
 
 
+class LSTM(nn.Module):
+    """Next-token model of LEAF's Shakespeare task: Embedding(vocab, 8) -> 2-layer LSTM -> Linear.
+
+    Input: int64 token ids [batch, seq_len]; output: logits [batch, vocab] read from the last
+    time step. The vocabulary is ``num_classes`` (the next token is the class). LEAF uses 256
+    hidden units; the default here is 128: on a small CPU its steps and its evaluation are
+    about 3x faster (see docs/data.md) and it learns about as fast per step early on. Pass
+    ``hidden=256`` for LEAF's size.
+    """
+
+    def __init__(
+        self,
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        hidden: int = 128,
+        embed_dim: int = 8,
+        layers: int = 2,
+    ) -> None:
+        super().__init__()
+        if len(input_shape) != 1:
+            raise ConfigError(
+                f"model 'lstm' needs token sequences of shape [seq_len], got shape "
+                f"{list(input_shape)}; use it with a text dataset such as 'shakespeare'"
+            )
+        self.embedding = nn.Embedding(num_classes, embed_dim)
+        self.lstm = nn.LSTM(embed_dim, hidden, num_layers=layers, batch_first=True)
+        self.out = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            raise ConfigError(
+                f"model 'lstm' needs integer token ids, got {x.dtype} input; use it with a "
+                "text dataset such as 'shakespeare'"
+            )
+        with warnings.catch_warnings():
+            # Under torch.func.vmap (the vectorized engine, per-example gradients) the LSTM
+            # kernel has no batching rule and runs client by client; torch warns about the
+            # speed on every call. The result is exact.
+            warnings.filterwarnings("ignore", message="There is a performance drop because we "
+                                    "have not yet implemented the batching rule")
+            hidden_states, _ = self.lstm(self.embedding(x))
+        return self.out(hidden_states[:, -1])
+
+
 def build_model(
     name: str, input_shape: tuple[int, ...], num_classes: int, seed: int | None = None
 ) -> nn.Module:
     """A model by name; with ``seed`` its initial weights are a function of the seed only."""
-    builders = {"logreg": LogReg, "mlp": MLP, "cnn": CNN}
+    builders = {"logreg": LogReg, "mlp": MLP, "cnn": CNN, "lstm": LSTM}
     if name not in builders:
         raise ConfigError(f"unknown model '{name}'; choose one of {', '.join(MODELS)}")
     if seed is None:

@@ -36,6 +36,11 @@ def quiet_flower() -> None:
 def prepare(cfg: RunConfig) -> Federation:
     """Load and partition the data; raises a one-line FedhierError on bad input."""
     fed = federation_for(cfg)
+    token_input = fed.bundle.x_dtype.startswith("int")
+    if token_input != (cfg.model == "lstm"):
+        kind = "token ids (text)" if token_input else "real-valued features"
+        raise ConfigError(f"dataset {cfg.dataset} has {kind}; model '{cfg.model}' does not fit: "
+                          f"use {'lstm' if token_input else 'logreg, mlp or cnn'}")
     if fed.num_clients != cfg.clients:
         raise ConfigError(
             f"the partition has {fed.num_clients} clients but clients={cfg.clients}; set "

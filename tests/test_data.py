@@ -62,7 +62,8 @@ def one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
 
 
 def test_available_datasets() -> None:
-    assert available_datasets() == ["digits", "fashion-mnist", "synthetic"]
+    assert available_datasets() == ["cifar10", "digits", "fashion-mnist", "femnist",
+                                    "shakespeare", "synthetic"]
 
 
 def test_digits_sizes_range_and_schema(digits: DataBundle) -> None:
@@ -237,8 +238,8 @@ def test_unknown_dataset_and_data_path_misuse() -> None:
     with pytest.raises(ConfigError) as exc:
         load_data("mnist", seed=0)
     assert one_line(exc) == (
-        "unknown dataset 'mnist'; choose one of digits, fashion-mnist, synthetic, or give a "
-        "path to a dataset TOML"
+        "unknown dataset 'mnist'; choose one of cifar10, digits, fashion-mnist, femnist, "
+        "shakespeare, synthetic, or give a path to a dataset TOML"
     )
     with pytest.raises(ConfigError) as exc:
         load_data("missing/file.toml", seed=0)

@@ -5,7 +5,7 @@
 indices into ``bundle.train``. See docs/data.md.
 """
 
-from fedhier.data.bundle import DataBundle
+from fedhier.data.bundle import DataBundle, majority_baseline
 from fedhier.data.loaders import available_datasets, clear_cache, load_data
 from fedhier.data.partition import PARTITION_SCHEMES, label_histogram, partition_clients
 from fedhier.data.synthetic import make_synthetic
@@ -17,6 +17,7 @@ __all__ = [
     "clear_cache",
     "label_histogram",
     "load_data",
+    "majority_baseline",
     "make_synthetic",
     "partition_clients",
 ]

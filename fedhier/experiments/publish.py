@@ -1,0 +1,66 @@
+"""``make experiments``: run every suite at full size and write docs/results.md.
+
+Each suite's results.md (table, claim checks, the exact command and the machine time) is
+copied into docs/results.md, and its figures into docs/figures/<run>/.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from fedhier.cli import main as fedhier_main
+
+RUNS: list[tuple[str, list[str]]] = [
+    ("sandwich-fmnist-a0.1", ["experiment", "sandwich", "--dataset", "fashion-mnist",
+                              "--alpha", "0.1"]),
+    ("sandwich-fmnist-a0.5", ["experiment", "sandwich", "--dataset", "fashion-mnist",
+                              "--alpha", "0.5"]),
+    ("sandwich-digits", ["experiment", "sandwich", "--dataset", "digits", "--clients", "20",
+                         "--groups", "4", "--alpha", "0.1", "--min-partition-size", "2"]),
+    ("grouping-fmnist-a0.1", ["experiment", "grouping", "--dataset", "fashion-mnist",
+                              "--alpha", "0.1"]),
+    ("grouping-digits", ["experiment", "grouping", "--dataset", "digits", "--clients", "40",
+                         "--groups", "4", "--alpha", "0.1", "--min-partition-size", "2"]),
+    ("periods-fmnist-a0.5", ["experiment", "periods", "--dataset", "fashion-mnist",
+                             "--alpha", "0.5", "--seeds", "2"]),
+    ("levels-fmnist-a0.1", ["experiment", "levels", "--dataset", "fashion-mnist",
+                            "--alpha", "0.1", "--groups", "10"]),
+    ("diversity-digits", ["experiment", "diversity", "--dataset", "digits"]),
+]
+
+
+def publish(root: Path, only: list[str] | None = None) -> None:
+    docs = root / "docs"
+    parts = ["# Results", "",
+             "Every table and figure below was produced by `make experiments` "
+             "(`python -m fedhier.experiments.publish`); each section names its exact command "
+             "and the machine time it took. Claims that do not hold are reported as measured.",
+             ""]
+    for name, args in RUNS:
+        out = root / "runs" / "experiments" / name
+        if only and name not in only:
+            if not (out / "results.md").exists():
+                continue
+        else:
+            started = time.time()
+            code = fedhier_main([*args, "--out", str(out)])
+            if code != 0:
+                parts += [f"## {name}", "", f"failed with exit code {code}", ""]
+                continue
+            print(f"{name}: {time.time() - started:.0f} s", flush=True)
+        figures = docs / "figures" / name
+        figures.mkdir(parents=True, exist_ok=True)
+        text = (out / "results.md").read_text()
+        for png in out.glob("*.png"):
+            shutil.copy(png, figures / png.name)
+            text = text.replace(f"]({png.name})", f"](figures/{name}/{png.name})")
+        parts += [text.replace("## ", f"## {name}: ", 1), ""]
+    (docs / "results.md").write_text("\n".join(parts))
+    print(f"wrote {docs / 'results.md'}")
+
+
+if __name__ == "__main__":
+    publish(Path.cwd(), only=sys.argv[1:] or None)
