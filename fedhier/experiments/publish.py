@@ -15,9 +15,9 @@ from fedhier.cli import main as fedhier_main
 
 RUNS: list[tuple[str, list[str]]] = [
     ("sandwich-fmnist-a0.1", ["experiment", "sandwich", "--dataset", "fashion-mnist",
-                              "--alpha", "0.1"]),
+                              "--alpha", "0.1", "--iterations", "400"]),
     ("sandwich-fmnist-a0.5", ["experiment", "sandwich", "--dataset", "fashion-mnist",
-                              "--alpha", "0.5"]),
+                              "--alpha", "0.5", "--iterations", "400"]),
     ("sandwich-digits", ["experiment", "sandwich", "--dataset", "digits", "--clients", "20",
                          "--groups", "4", "--alpha", "0.1", "--min-partition-size", "2"]),
     ("grouping-fmnist-a0.1", ["experiment", "grouping", "--dataset", "fashion-mnist",

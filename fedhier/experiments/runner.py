@@ -41,6 +41,14 @@ def pick_engine(cfg: RunConfig, preferred: str) -> RunConfig:
     return cfg.replace(engine=preferred)
 
 
+def _same_config(run_dir: Path, cfg: RunConfig) -> bool:
+    """Whether a finished run folder ran ``cfg`` (the engine may differ: same numbers)."""
+    saved = read_json(run_dir, "config.json")
+    mine = cfg.to_dict()
+    return all(saved.get(k) == (list(v) if isinstance(v, tuple) else v)
+               for k, v in mine.items() if k not in ("out", "engine"))
+
+
 def _run_one(cfg: RunConfig, run_dir: str) -> str:
     import torch
 
@@ -59,11 +67,11 @@ def run_arms(arms: Sequence[Arm], seeds: Sequence[int], out: Path, engine: str =
     for arm in arms:
         for seed in seeds:
             run_dir = out / "runs" / arm.name / f"seed{seed}"
-            if (run_dir / "summary.json").exists():
+            cfg = pick_engine(arm.config.replace(seed=seed, out=str(run_dir)), engine)
+            if (run_dir / "summary.json").exists() and _same_config(run_dir, cfg):
                 continue
             if run_dir.exists():
-                shutil.rmtree(run_dir)  # cut off mid-run: start it over
-            cfg = pick_engine(arm.config.replace(seed=seed, out=str(run_dir)), engine)
+                shutil.rmtree(run_dir)  # cut off mid-run, or another configuration: redo
             todo.append((cfg, str(run_dir)))
     if jobs > 1 and len(todo) > 1:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
