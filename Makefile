@@ -5,7 +5,7 @@ PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.fedhier-installed
 RUN_ARGS   ?=
 
-.PHONY: run test test-fast lint bench experiments clean
+.PHONY: run test test-fast lint bench experiments deploy-demo clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
@@ -29,6 +29,11 @@ test-fast: $(STAMP)
 ## bench: engines side by side on workload W1 (writes benchmarks/results/engines.json)
 bench: $(STAMP)
 	$(PY) benchmarks/engines.py
+
+DEPLOY_ARGS ?=
+## deploy-demo: SuperLink + 4 SuperNodes on 127.0.0.1 (TLS + SuperNode auth) via flwr run
+deploy-demo: $(STAMP)
+	$(VENV)/bin/fedhier deploy local --nodes 4 --groups 2 --grouping contiguous --local-period 5 --global-period 10 --rounds 2 $(DEPLOY_ARGS)
 
 ## experiments: every suite at full size (long), then docs/results.md and docs/figures/
 experiments: $(STAMP)

@@ -74,9 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     diversity.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     _add_config_flags(diversity)
 
+    from fedhier.deploy import add_parser as add_deploy_parser
     from fedhier.experiments.cli import add_parser as add_experiment_parser
 
     add_experiment_parser(sub)
+    add_deploy_parser(sub)
 
     plot = sub.add_parser("plot", help="overlay the curves of several run folders")
     plot.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
@@ -236,10 +238,11 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from fedhier.deploy import cmd_deploy
     from fedhier.experiments.cli import cmd_experiment
 
     handlers: dict[str, Any] = {"run": cmd_run, "plot": cmd_plot, "diversity": cmd_diversity,
-                                "experiment": cmd_experiment}
+                                "experiment": cmd_experiment, "deploy": cmd_deploy}
     args.argv = list(argv if argv is not None else sys.argv[1:])
     try:
         return int(handlers[args.command](args))

@@ -59,3 +59,14 @@ def test_multi_level_groups_and_periods():
         RunConfig.from_mapping({"periods": "5,20", "local_period": 4})
     with pytest.raises(ConfigError, match="multiple"):
         RunConfig.from_mapping({"groups": "4,2", "periods": "5,20,30"})
+
+
+def test_flower_app_config_declares_every_run_setting():
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml")
+                              .read_text())
+    declared = pyproject["tool"]["flwr"]["app"]["config"]
+    assert set(declared) == set(RunConfig().to_run_config())
+    RunConfig.from_mapping(declared, where="pyproject.toml")  # and the values are valid

@@ -40,10 +40,12 @@ def run_simulation_engine(cfg: RunConfig, folder: RunFolder, progress: bool = Tr
                                       resume=resume))
 
     num_gpus = 1.0 if cfg.device in ("cuda", "auto") and _cuda() else 0.0
+    init_args: dict[str, Any] = {"include_dashboard": False, "logging_level": "error"}
+    if not os.environ.get("RAY_ADDRESS"):  # joining a cluster: Ray refuses num_cpus
+        init_args["num_cpus"] = num_cpus or os.cpu_count() or 1
     backend_config = {
         "client_resources": {"num_cpus": 1, "num_gpus": num_gpus / max(cfg.clients, 1)},
-        "init_args": {"num_cpus": num_cpus or os.cpu_count() or 1,
-                      "include_dashboard": False, "logging_level": "error"},
+        "init_args": init_args,
     }
     run_simulation(server_app=server_app, client_app=client_app, num_supernodes=cfg.clients,
                    backend_config=backend_config)  # type: ignore[arg-type]
