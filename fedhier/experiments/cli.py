@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import time
@@ -51,13 +52,16 @@ def add_parser(sub: Any) -> None:
 def base_config(args: argparse.Namespace) -> RunConfig:
     from fedhier.cli import config_from_args
 
-    given = config_from_args(args)
-    defaults = RunConfig()
+    config_from_args(args)  # validates the flags and the config file, one-line errors
     size = QUICK if args.quick else FULL
-    explicit = {k: v for k, v in given.to_dict().items() if v != getattr(defaults, k)}
+    from fedhier.config import read_toml
+
+    explicit = {str(k).replace("-", "_"): v
+                for k, v in (read_toml(args.config) if args.config else {}).items()}
+    explicit.update({f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig)
+                     if getattr(args, f.name) is not None})
     values = {**size, **explicit}
     values.pop("out", None)
-    values.pop("periods", None) if "periods" not in explicit else None
     return RunConfig.from_mapping(values, where="experiment")
 
 
