@@ -1,0 +1,501 @@
+"""Engines side by side on workload W1, and the vectorized engine's scaling (``make bench``).
+
+W1: digits, 100 clients, Dirichlet(alpha=0.5) partition, 10 edges (random grouping), mlp
+64-128-10, I=5, G=20, batch 16, lr 0.1, 10 cloud rounds = 100 x 200 = 20,000 client SGD steps.
+(``min_partition_size`` is 3: digits' 1,437 training rows cannot give 100 Dirichlet clients the
+default 10 rows each; 64 of the 100 clients hold fewer than 16 rows and use all of them.)
+
+Measured, each in a fresh Python process (so peak memory is per engine):
+
+(a) ``plain``: a hand-written PyTorch loop over clients, as a researcher writes it without a
+    framework: deep-copy the edge model, ``torch.optim.SGD`` per client, the same edge/cloud
+    schedule and grouping, averaging state dicts in Python. Mini-batches are indexed from
+    in-memory tensors with fedhier's ``batch_indices`` (no DataLoader), so this loop is if
+    anything optimistic.
+(b) ``inprocess``: fedhier's Flower strategy + ClientApp on the in-process Grid.
+(c) ``flower``: Flower's Simulation Engine on Ray.
+(d) ``vectorized``: fedhier's batched engine.
+
+Timed window, the same for all four: from the record of cloud round 0 (initial model
+evaluated) to the record of the last cloud round. It contains every local step, every edge and
+cloud aggregation, and the per-round evaluation every engine does (the global model on all
+clients' training rows and on the test set). It excludes imports, data loading, model set-up,
+Ray's start-up, and the final save/plot. Each engine first does an untimed one-round warm-up run
+(except flower), then one timed run; ``--repeats`` passes over the engines, interleaved so
+that a busy spell on a shared machine hits every engine alike, and the table reports the
+median. Wall time is the headline; CPU time of the process (``time.process_time``, one torch
+thread) is reported too, as it is less sensitive to other load (flower: the driver only).
+
+Run ``python benchmarks/engines.py`` (all), ``--quick`` (3 rounds, no flower, no 10,000
+clients) or ``--skip-flower``; results go to benchmarks/results/engines.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "engines.json"
+ENGINES = ("plain", "inprocess", "flower", "vectorized")
+W1: dict[str, Any] = dict(
+    dataset="digits", clients=100, groups=(10,), partition="dirichlet", alpha=0.5,
+    min_partition_size=3, model="mlp", local_period=5, global_period=20, batch_size=16, lr=0.1,
+    rounds=10, seed=0)
+#: MACs per example of mlp 64-128-10 (weights; biases and ReLU not counted).
+MLP_MACS = 64 * 128 + 128 * 10
+FLOPS_PER_EXAMPLE = 3 * 2 * MLP_MACS  # forward 2*MACs + backward 4*MACs
+FLOPS_FORMULA = ("3 x 2 x MACs per example per step, MACs = 64*128 + 128*10 = 9,472 "
+                 "(forward 2*MACs, backward 4*MACs), summed over each client's real rows b_j")
+
+
+# ------------------------------------------------------------------------------ workers
+def w1_config(rounds: int, **changes: Any) -> Any:
+    from fedhier.config import RunConfig
+
+    return RunConfig(**{**W1, "rounds": rounds, **changes})
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def rss_mb() -> float:
+    """Current resident memory of this process."""
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class Marks:
+    """(round, wall, cpu) at every cloud-round record; the timed window is first -> last."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[int, float, float]] = []
+
+    def mark(self, cloud_round: int) -> None:
+        self.marks.append((cloud_round, time.perf_counter(), time.process_time()))
+
+    def window(self) -> dict[str, float]:
+        (_, w0, c0), (_, w1, c1) = self.marks[0], self.marks[-1]
+        return {"wall": w1 - w0, "cpu": c1 - c0}
+
+
+def instrument_recorder(marks: Marks) -> None:
+    """Mark every record the engines write through RunRecorder (benchmark-only patch)."""
+    from fedhier.recorder import RunRecorder
+
+    original = RunRecorder.record_round
+
+    def record_round(self: Any, record: dict[str, Any]) -> None:
+        original(self, record)
+        marks.mark(int(record["round"]))
+
+    RunRecorder.record_round = record_round  # type: ignore[method-assign]
+
+
+def plain_loop(cfg: Any, marks: Marks) -> float:
+    """(a) A hand-written PyTorch H-SGD loop over clients; returns the final test accuracy."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F  # noqa: N812 - the usual alias
+
+    from fedhier.aggregate import client_weights
+    from fedhier.grouping import ClientInfo
+    from fedhier.server import initial_model, prepare
+    from fedhier.topology import build_hierarchy
+    from fedhier.train import batch_indices
+
+    fed = prepare(cfg)
+    cpu = torch.device("cpu")
+    data = [fed.client_tensors(j, cpu) for j in range(cfg.clients)]
+    x_test, y_test = fed.test_tensors(cpu)
+    hierarchy = build_hierarchy(cfg.periods, cfg.groups, cfg.grouping,
+                                ClientInfo(fed.label_histograms, fed.client_sizes()), cfg.seed)
+    edge_of = hierarchy.edge_of_client()
+    weights = client_weights(cfg.weighting, fed.client_sizes())
+    model = initial_model(cfg, fed)
+
+    def evaluate(cloud_round: int) -> float:
+        with torch.no_grad():
+            losses, accs = [], []
+            for x, y in data:
+                logits = model(x)
+                losses.append(float(F.cross_entropy(logits, y)))
+                accs.append(float((logits.argmax(1) == y).float().mean()))
+            _ = float(np.dot(weights, losses) / weights.sum())  # train loss, as the engines do
+            logits = model(x_test)
+            _ = float(F.cross_entropy(logits, y_test))
+            accuracy = float((logits.argmax(1) == y_test).float().mean())
+        marks.mark(cloud_round)
+        return accuracy
+
+    accuracy = evaluate(0)
+    edge_rounds = cfg.global_period // cfg.local_period
+    for cloud_round in range(1, cfg.rounds + 1):
+        edge_models = [copy.deepcopy(model) for _ in range(hierarchy.num_nodes(1))]
+        for k in range(edge_rounds):
+            start = ((cloud_round - 1) * edge_rounds + k) * cfg.local_period
+            states = []
+            for j, (x, y) in enumerate(data):
+                local = copy.deepcopy(edge_models[edge_of[j]])
+                opt = torch.optim.SGD(local.parameters(), lr=cfg.lr)
+                for rows in batch_indices(cfg.seed, j, len(y), cfg.batch_size, start,
+                                          cfg.local_period):
+                    opt.zero_grad()
+                    loss = F.cross_entropy(local(x[rows]), y[rows])
+                    loss.backward()
+                    opt.step()
+                states.append(local.state_dict())
+            level = hierarchy.level_after(start + cfg.local_period - 1)
+            owner = hierarchy.ancestors(level)
+            edge_owner = hierarchy.edges_under(level)
+            for node in range(hierarchy.num_nodes(level)):
+                members = np.flatnonzero(owner == node)
+                total = weights[members].sum()
+                average = {key: sum(weights[j] * states[j][key] for j in members) / total
+                           for key in states[0]}
+                for edge in np.flatnonzero(edge_owner == node):
+                    edge_models[edge].load_state_dict(average)
+        model.load_state_dict(edge_models[0].state_dict())  # the cloud average
+        accuracy = evaluate(cloud_round)
+    return accuracy
+
+
+def run_engine(name: str, cfg: Any, marks: Marks, federation: Any = None) -> float:
+    """Run fedhier engine ``name`` in a temporary run folder; returns the final test accuracy."""
+    from fedhier.results import RunFolder
+
+    with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
+        folder = RunFolder.create(Path(tmp) / "run")
+        if name == "inprocess":
+            from fedhier.engines.inprocess import run_inprocess
+
+            summary = run_inprocess(cfg, folder, progress=False)
+        elif name == "flower":
+            from fedhier.engines.flower import run_simulation_engine
+
+            summary = run_simulation_engine(cfg.replace(engine="flower"), folder,
+                                            progress=False)
+        else:
+            from fedhier.engines.vectorized import run_vectorized
+
+            summary = run_vectorized(cfg.replace(engine="vectorized"), folder, progress=False,
+                                     federation=federation)
+    return float(summary["final_test_accuracy"])
+
+
+def replicated_federation(cfg: Any, clients: int) -> Any:
+    """W1's 100-client partition tiled to ``clients`` clients: client j holds the rows of W1
+    client j mod 100 (with its own batch order, drawn from its own id)."""
+    from fedhier.federation import Federation
+    from fedhier.server import prepare
+
+    base = prepare(w1_config(1))
+    parts = [base.partitions[j % len(base.partitions)] for j in range(clients)]
+    return Federation(bundle=base.bundle, partitions=parts)
+
+
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+    """One measurement in this (fresh) process; returns what the parent tabulates."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
+    out: dict[str, Any] = {"engine": args.worker, "threads": args.threads}
+    if args.worker == "matmul":
+        return {**out, **matmul_peak(args.threads)}
+    marks = Marks()
+    if args.worker != "plain":
+        instrument_recorder(marks)
+    if args.worker == "scaling":
+        cfg = w1_config(args.rounds, clients=args.clients, groups=(args.clients // 10,),
+                        client_chunk=args.client_chunk)
+        fed = replicated_federation(cfg, args.clients)
+        small = w1_config(1)  # warm-up: lazy initialisation (not at full size: minutes)
+        run_engine("vectorized", small, marks, replicated_federation(small, small.clients))
+        marks.marks.clear()
+        out["rss_before_mb"] = rss_mb()
+        run_engine("vectorized", cfg, marks, fed)
+        window = marks.window()
+        edge_rounds = args.rounds * cfg.global_period // cfg.local_period
+        out.update(clients=args.clients, edges=args.clients // 10, rounds=args.rounds,
+                   client_chunk=args.client_chunk, window=window,
+                   seconds_per_edge_round=window["wall"] / edge_rounds,
+                   client_steps_per_s=args.clients * args.rounds * cfg.global_period
+                   / window["wall"], peak_rss_mb=peak_rss_mb(), load_before=load_before,
+                   load_after=os.getloadavg()[0])
+        return out
+    cfg = w1_config(args.rounds)
+    repeats = 1 if args.worker == "flower" else args.repeats
+    if args.worker != "flower":  # warm-up: lazy initialisation, caches, allocator
+        if args.worker == "plain":
+            plain_loop(cfg.replace(rounds=1), marks)
+        else:
+            run_engine(args.worker, cfg.replace(rounds=1), marks)
+    out["rss_before_mb"] = rss_mb()
+    windows, accuracy = [], float("nan")
+    for _ in range(repeats):
+        marks.marks.clear()
+        if args.worker == "plain":
+            accuracy = plain_loop(cfg, marks)
+        else:
+            accuracy = run_engine(args.worker, cfg, marks)
+        windows.append(marks.window())
+    if args.profile and args.worker == "vectorized":  # one more, untimed run under cProfile
+        profiled(lambda: run_engine("vectorized", cfg, Marks()), out)
+    out.update(windows=windows, final_test_accuracy=accuracy, peak_rss_mb=peak_rss_mb(),
+               load_before=load_before, load_after=os.getloadavg()[0])
+    return out
+
+
+def profiled(run: Any, out: dict[str, Any]) -> float:
+    """Run under cProfile; keep the top functions by own time in ``out['profile']``."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    accuracy = profile.runcall(run)
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
+    out["profile"] = text.getvalue()
+    return float(accuracy)
+
+
+def matmul_peak(threads: int, size: int = 2048, repeats: int = 7) -> dict[str, Any]:
+    """float32 matmul throughput of square size x size matrices (median of ``repeats``)."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.matmul(a, b)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        times.append(time.perf_counter() - start)
+    return {"matmul_size": size, "matmul_gflops": 2 * size**3 / statistics.median(times) / 1e9,
+            "matmul_best_gflops": 2 * size**3 / min(times) / 1e9}
+
+
+# ------------------------------------------------------------------------------ parent
+def spawn(name: str, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    """Run one worker in a fresh interpreter and return its result."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name,
+           "--rounds", str(extra.pop("rounds", args.rounds)),
+           "--repeats", str(extra.pop("repeats", args.repeats)),
+           "--threads", str(extra.pop("threads", args.threads))]
+    for key, value in extra.items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    if args.profile and name == "vectorized":
+        cmd.append("--profile")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "FLWR_TELEMETRY_ENABLED": "0"}
+    print(f"  running {name} {extra or ''} ...", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"benchmark worker {name} failed:\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's results from several worker processes, as if from one."""
+    merged = dict(runs[0])
+    merged["windows"] = [w for run in runs for w in run["windows"]]
+    merged["peak_rss_mb"] = max(run["peak_rss_mb"] for run in runs)
+    merged["rss_before_mb"] = max(run["rss_before_mb"] for run in runs)
+    merged["load_before"] = [run["load_before"] for run in runs]
+    merged["load_after"] = [run["load_after"] for run in runs]
+    return merged
+
+
+def summarise(result: dict[str, Any], steps: int) -> dict[str, Any]:
+    walls = [w["wall"] for w in result["windows"]]
+    cpus = [w["cpu"] for w in result["windows"]]
+    wall = statistics.median(walls)
+    return {"window_seconds": walls, "median_seconds": wall,
+            "cpu_seconds_median": statistics.median(cpus),
+            "client_sgd_steps_per_s": steps / wall, "peak_rss_mb": result["peak_rss_mb"],
+            "rss_before_timing_mb": result["rss_before_mb"],
+            "final_test_accuracy": result["final_test_accuracy"],
+            "load_average_before_after": [result["load_before"], result["load_after"]],
+            **({"profile": result["profile"]} if "profile" in result else {})}
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    model = "unknown"
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {"cpu": model, "cores": os.cpu_count(), "gpu": torch.cuda.is_available(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "load_average_at_start": os.getloadavg()}
+
+
+def w1_stats() -> dict[str, Any]:
+    """Rows per client and the useful FLOPs of W1's 20,000 client steps."""
+    import numpy as np
+
+    from fedhier.server import prepare
+    from fedhier.train import effective_batch_size
+
+    cfg = w1_config(W1["rounds"])
+    sizes = prepare(cfg).client_sizes()
+    batch = np.array([effective_batch_size(cfg.batch_size, int(m)) for m in sizes])
+    return {"client_rows_min_median_max": [int(sizes.min()), int(np.median(sizes)),
+                                           int(sizes.max())],
+            "clients_with_fewer_rows_than_batch": int((sizes < cfg.batch_size).sum()),
+            "mean_rows_per_step": float(batch.mean()), "rows_per_step_total": int(batch.sum())}
+
+
+def parent(args: argparse.Namespace) -> dict[str, Any]:
+    steps_per_run = W1["clients"] * args.rounds * W1["global_period"]
+    report: dict[str, Any] = {
+        "command": "python benchmarks/engines.py " + " ".join(sys.argv[1:]),
+        "machine": machine(), "threads": args.threads, "repeats": args.repeats,
+        "workload": {**{k: list(v) if isinstance(v, tuple) else v for k, v in W1.items()},
+                     "rounds": args.rounds, "client_sgd_steps": steps_per_run, **w1_stats()},
+        "timed_window": "cloud-round-0 record -> last cloud-round record: local steps, "
+                        "aggregations and per-round evaluation (train metrics over all clients "
+                        "+ test set); excludes imports, data loading, set-up, Ray start-up, "
+                        "final save/plot. flower: one run; others: median over interleaved passes, "
+                        "each a fresh process with a one-round warm-up run.",
+    }
+    print(f"W1 on {report['machine']['cpu']} ({report['machine']['cores']} cores), "
+          f"{args.threads} torch thread(s), load average {os.getloadavg()[0]:.2f}")
+    engines = [e for e in ENGINES if not (e == "flower" and (args.skip_flower or args.quick))]
+    raw: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
+    for _ in range(args.repeats):  # interleaved, so a busy spell hits every engine alike
+        for name in engines:
+            if name != "flower" or not raw[name]:
+                raw[name].append(spawn(name, args, repeats=1))
+    results = {name: summarise(merge(runs), steps_per_run) for name, runs in raw.items()}
+    plain = results["plain"]
+    for res in results.values():
+        res["speedup_vs_plain"] = plain["median_seconds"] / res["median_seconds"]
+        res["cpu_speedup_vs_plain"] = plain["cpu_seconds_median"] / res["cpu_seconds_median"]
+    report["engines"] = results
+    if args.threads != 2 and not args.quick:
+        extra = summarise(spawn("vectorized", args, threads=2), steps_per_run)
+        extra["speedup_vs_plain"] = plain["median_seconds"] / extra["median_seconds"]
+        extra["cpu_speedup_vs_plain"] = plain["cpu_seconds_median"] / extra["cpu_seconds_median"]
+        report["vectorized_2_threads"] = extra
+    peak = spawn("matmul", args)
+    peak2 = spawn("matmul", args, threads=2) if args.threads != 2 else peak
+    flops = report["workload"]["rows_per_step_total"] * FLOPS_PER_EXAMPLE * (
+        args.rounds * W1["global_period"])
+    vec = results["vectorized"]
+    report["vectorized_flops"] = {
+        "formula": FLOPS_FORMULA, "flops_per_example": FLOPS_PER_EXAMPLE,
+        "useful_gflop_per_run": flops / 1e9,
+        "achieved_gflops": flops / vec["median_seconds"] / 1e9,
+        "matmul_peak_gflops": peak["matmul_gflops"],
+        "fraction_of_peak": flops / vec["median_seconds"] / 1e9 / peak["matmul_gflops"],
+        "matmul_peak_gflops_2_threads": peak2["matmul_gflops"],
+        "note": "achieved = useful FLOPs / timed window (the window also holds evaluation and "
+                "aggregation); the engine pads every client to 16 rows and skips the input "
+                "gradient of the first layer, so executed FLOPs differ from useful ones",
+    }
+    counts = [100, 1000] if args.quick else [100, 1000, 10000]
+    rounds = {100: max(2, min(args.rounds, 5)), 1000: 2, 10000: 1}
+    scaling = [spawn("scaling", args, clients=n, rounds=rounds[n]) for n in counts]
+    if not args.quick:
+        scaling.append(spawn("scaling", args, clients=10000, rounds=1, client_chunk=1000))
+    report["scaling"] = {
+        "workload": "W1 replicated: client j holds the rows of W1 client j mod 100 (its own "
+                    "batch order), 10 clients per edge, random grouping; per-client work equals "
+                    "W1's, so time per edge round should grow linearly with clients",
+        "runs": scaling}
+    inproc = results["inprocess"]
+    report["targets"] = {
+        "vectorized_steps_per_s>=25000": vec["client_sgd_steps_per_s"] >= 25000,
+        "vectorized>=30x_plain": vec["speedup_vs_plain"] >= 30,
+        "inprocess_no_slower_than_1.5x_plain": inproc["speedup_vs_plain"] >= 1 / 1.5,
+        "10000_clients_ran": any(r["clients"] == 10000 for r in scaling),
+    }
+    report["targets_by_cpu_time"] = {
+        "vectorized_steps_per_cpu_s>=25000": steps_per_run / vec["cpu_seconds_median"] >= 25000,
+        "vectorized>=30x_plain": vec["cpu_speedup_vs_plain"] >= 30,
+        "inprocess_no_slower_than_1.5x_plain": inproc["cpu_speedup_vs_plain"] >= 1 / 1.5,
+    }
+    return report
+
+
+def print_report(report: dict[str, Any]) -> None:
+    print()
+    print(f"{'engine':<22}{'seconds':>9}{'steps/s':>10}{'vs plain':>10}{'CPU s':>8}"
+          f"{'CPU vs plain':>14}{'peak RSS MB':>13}{'test acc':>10}")
+    rows = list(report["engines"].items())
+    if "vectorized_2_threads" in report:
+        rows.append(("vectorized, 2 threads", report["vectorized_2_threads"]))
+    for name, res in rows:
+        print(f"{name:<22}{res['median_seconds']:>9.2f}{res['client_sgd_steps_per_s']:>10,.0f}"
+              f"{res['speedup_vs_plain']:>9.1f}x{res['cpu_seconds_median']:>8.2f}"
+              f"{res['cpu_speedup_vs_plain']:>13.1f}x{res['peak_rss_mb']:>13,.0f}"
+              f"{res['final_test_accuracy']:>10.4f}")
+    f = report["vectorized_flops"]
+    print(f"\nvectorized: {f['achieved_gflops']:.1f} GFLOP/s useful ({f['formula']}); float32 "
+          f"matmul peak {f['matmul_peak_gflops']:.1f} GFLOP/s ({f['fraction_of_peak']:.0%})")
+    print(f"\n{'clients':>8}{'chunk':>7}{'s/edge round':>14}{'CPU s/edge round':>18}"
+          f"{'steps/s':>10}{'peak RSS MB':>13}")
+    for run in report["scaling"]["runs"]:
+        edge_rounds = run["window"]["wall"] / run["seconds_per_edge_round"]
+        print(f"{run['clients']:>8,}{run['client_chunk'] or 'all':>7}"
+              f"{run['seconds_per_edge_round']:>14.3f}"
+              f"{run['window']['cpu'] / edge_rounds:>18.3f}{run['client_steps_per_s']:>10,.0f}"
+              f"{run['peak_rss_mb']:>13,.0f}")
+    for key in ("targets", "targets_by_cpu_time"):
+        print(f"\n{key}:", ", ".join(f"{k}: {'met' if v else 'NOT met'}"
+                                     for k, v in report[key].items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="3 cloud rounds, one repeat, no flower, no 10,000 clients")
+    parser.add_argument("--skip-flower", action="store_true", help="skip the Ray engine")
+    parser.add_argument("--rounds", type=int, default=None, help="cloud rounds (default 10)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per engine")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads in every worker (default 1)")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the vectorized runs and print the top functions")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON output file")
+    parser.add_argument("--worker", choices=(*ENGINES, "matmul", "scaling"),
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--clients", type=int, default=100, help=argparse.SUPPRESS)
+    parser.add_argument("--client-chunk", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.rounds = args.rounds or (3 if args.quick else W1["rounds"])
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args)), flush=True)
+        return 0
+    report = parent(args)
+    print_report(report)
+    if args.profile and "profile" in report.get("engines", {}).get("vectorized", {}):
+        print(report["engines"]["vectorized"]["profile"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

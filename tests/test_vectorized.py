@@ -1,0 +1,200 @@
+"""The vectorized engine computes what the in-process (Flower strategy) engine computes.
+
+Same config and seed => the same metrics.jsonl values (every key but wall_seconds, 1e-4
+relative) and the same final parameters (1e-4), across hierarchy depths, unequal client sizes,
+weightings, batch sizes and models; chunking clients changes nothing at all.
+"""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.func import grad, vmap
+
+from fedhier.cli import main
+from fedhier.config import RunConfig
+from fedhier.engines.inprocess import run_inprocess
+from fedhier.engines.vectorized import (
+    linear_chain,
+    linear_chain_pass,
+    run_vectorized,
+    weighted_targets,
+)
+from fedhier.errors import ConfigError
+from fedhier.models import build_model
+from fedhier.results import RunFolder
+from fedhier.train import loss_fn, sgd_update
+
+TOL = 1e-4
+IGNORED = {"wall_seconds"}
+BASE = RunConfig(dataset="digits", clients=8, groups=(2,), local_period=2, global_period=4,
+                 rounds=2, batch_size=8, seed=11)
+# client sizes 48 .. 221 rows: with batch_size 100 the two smallest clients use all their
+# rows (b = 48, 79) while the others use 100, so three batch sizes run side by side.
+UNEQUAL = BASE.replace(clients=10, alpha=0.3, seed=3, batch_size=100)
+
+CASES = {
+    "two-level": BASE,
+    "three-level": BASE.replace(groups=(4, 2), periods=(2, 4, 8), rounds=2),
+    "unequal-sizes": UNEQUAL,
+    "uniform-weighting": UNEQUAL.replace(weighting="uniform"),
+    "full-batch": BASE.replace(batch_size=0, lr=0.5, weighting="uniform"),
+    "logreg": UNEQUAL.replace(model="logreg"),
+    "cnn": UNEQUAL.replace(model="cnn", rounds=1),
+    "lr-schedule": BASE.replace(lr_schedule="step", lr_step_every=3, lr_decay=0.5),
+    "momentum-weight-decay": BASE.replace(momentum=0.9, weight_decay=1e-3),
+    "momentum-kept-clipped": UNEQUAL.replace(momentum=0.5, optimizer_state="keep",
+                                             clip_norm=0.5),
+    "cnn-momentum-kept": BASE.replace(model="cnn", momentum=0.5, optimizer_state="keep",
+                                      batch_size=16, rounds=1),
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread is fastest, and robust on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "model_final.safetensors"))
+
+
+def assert_same_runs(a: Path, b: Path, tol: float) -> None:
+    """Every metrics key but wall_seconds within ``tol`` (relative), final params within tol."""
+    ma, mb = metrics(a), metrics(b)
+    assert len(ma) == len(mb)
+    for ra, rb in zip(ma, mb, strict=True):
+        assert ra.keys() == rb.keys()
+        for key in ra.keys() - IGNORED:
+            if isinstance(ra[key], float):
+                assert math.isclose(ra[key], rb[key], rel_tol=tol, abs_tol=tol * 1e-3), (
+                    key, ra["round"], ra[key], rb[key])
+            else:
+                assert ra[key] == rb[key], (key, ra["round"], ra[key], rb[key])
+    fa, fb = final_state(a), final_state(b)
+    assert fa.keys() == fb.keys()
+    assert max(float((fa[k] - fb[k]).abs().max()) for k in fa) <= tol
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_vectorized_equals_inprocess(case, tmp_path):
+    cfg = CASES[case]
+    run_inprocess(cfg, RunFolder.create(tmp_path / "inprocess"), progress=False)
+    summary = run_vectorized(cfg.replace(engine="vectorized"),
+                             RunFolder.create(tmp_path / "vectorized"), progress=False)
+    assert summary["engine"] == "vectorized"
+    assert_same_runs(tmp_path / "inprocess", tmp_path / "vectorized", TOL)
+    for name in ("groups.json", "partition.json"):
+        assert (json.loads((tmp_path / "inprocess" / name).read_text())
+                == json.loads((tmp_path / "vectorized" / name).read_text()))
+    initial = load_file(str(tmp_path / "vectorized" / "model_initial.safetensors"))
+    final = final_state(tmp_path / "vectorized")
+    assert max(float((initial[k] - final[k]).abs().max()) for k in final) > 1e-3  # it trained
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_client_chunks_change_nothing(model, tmp_path):
+    cfg = UNEQUAL.replace(model=model, rounds=1)
+    run_vectorized(cfg, RunFolder.create(tmp_path / "all"), progress=False)
+    run_vectorized(cfg.replace(client_chunk=3), RunFolder.create(tmp_path / "chunks"),
+                   progress=False)
+    assert_same_runs(tmp_path / "all", tmp_path / "chunks", tol=0.0)
+    fa, fb = final_state(tmp_path / "all"), final_state(tmp_path / "chunks")
+    assert all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
+@pytest.mark.parametrize("model", ["mlp", "logreg"])
+def test_hand_batched_gradient_is_autograd_of_loss_fn(model):
+    """linear_chain_pass == vmap(grad(loss_fn)) per client, padded batches included."""
+    torch.manual_seed(0)
+    net = build_model(model, (1, 8, 8), 10, seed=1)
+    layers = linear_chain(net)
+    assert layers is not None
+    sizes = [5, 3, 5, 1]  # b_j per client; width 5, padding rows hold garbage
+    c, width = len(sizes), max(sizes)
+    params = {k: v.detach() + 0.1 * torch.randn(c, *v.shape)  # c different clients
+              for k, v in net.state_dict().items()}
+    x = torch.randn(c, width, 1, 8, 8)
+    y = torch.randint(0, 10, (c, width))
+    weight = torch.zeros(c, width)
+    for j, b in enumerate(sizes):
+        weight[j, :b] = 1.0 / b
+    target = weighted_targets(y, weight, 10)
+    grads, loss = linear_chain_pass(params, layers, x, target, weight.unsqueeze(1))
+    for j, b in enumerate(sizes):
+        one = {k: v[j] for k, v in params.items()}
+        expected = grad(lambda p, j=j, b=b: loss_fn(net, p, x[j, :b], y[j, :b]))(one)
+        for k in params:
+            torch.testing.assert_close(grads[k][j], expected[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(loss[j], loss_fn(net, one, x[j, :b], y[j, :b]),
+                                   rtol=1e-5, atol=1e-6)
+    # The fused in-place step is the sgd_update rule applied to those gradients.
+    stepped = {k: v.clone() for k, v in params.items()}
+    linear_chain_pass(stepped, layers, x, target, weight.unsqueeze(1), lr=0.3)
+    expected_step = sgd_update(params, grads, 0.3)
+    for k in params:
+        torch.testing.assert_close(stepped[k], expected_step[k], rtol=1e-5, atol=1e-6)
+
+
+def test_vmap_gradient_on_equal_batches_matches_per_client_loop():
+    net = build_model("cnn", (1, 8, 8), 10, seed=2)
+    params = {k: v.detach().unsqueeze(0).repeat(3, *([1] * v.dim()))
+              for k, v in net.state_dict().items()}
+    x, y = torch.randn(3, 4, 1, 8, 8), torch.randint(0, 10, (3, 4))
+    batched = vmap(grad(lambda p, a, b: loss_fn(net, p, a, b)))(params, x, y)
+    for j in range(3):
+        single = grad(lambda p, j=j: loss_fn(net, p, x[j], y[j]))({k: v[j] for k, v in
+                                                                   params.items()})
+        for k in params:
+            torch.testing.assert_close(batched[k][j], single[k], rtol=1e-5, atol=1e-6)
+
+
+def test_cli_runs_the_vectorized_engine(tmp_path):
+    out = tmp_path / "run"
+    code = main(["run", "--engine", "vectorized", "--clients", "6", "--groups", "2",
+                 "--local-period", "2", "--global-period", "4", "--rounds", "1",
+                 "--client-chunk", "4", "--no-progress", "--out", str(out)])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["engine"] == "vectorized"
+    assert json.loads((out / "config.json").read_text())["engine"] == "vectorized"
+    assert len(metrics(out)) == 2
+
+
+@pytest.mark.parametrize("knob", [{"participation": 0.5}, {"fail_rate": 0.1},
+                                  {"cloud_strategy": "fedavgm"}])
+def test_unsupported_knobs_are_refused(knob, tmp_path):
+    name = next(iter(knob))
+    if name not in {f.name for f in dataclasses.fields(RunConfig)}:
+        pytest.skip(f"this RunConfig has no {name}")
+    with pytest.raises(ConfigError, match=f"vectorized engine does not support {name}"):
+        run_vectorized(BASE.replace(**knob), RunFolder.create(tmp_path / "run"), progress=False)
+
+
+def test_minibatch_rows_come_from_batch_indices():
+    from fedhier.engines.vectorized import ClientRows
+    from fedhier.server import prepare
+    from fedhier.train import batch_indices
+
+    fed = prepare(UNEQUAL)
+    rows = ClientRows.build(fed, UNEQUAL.batch_size, torch.device("cpu"))
+    block = rows.minibatch_rows(UNEQUAL.seed, UNEQUAL.batch_size, start=6, steps=4)
+    for j, part in enumerate(fed.partitions):
+        local = batch_indices(UNEQUAL.seed, j, len(part), UNEQUAL.batch_size, 6, 4)
+        b = local.shape[1]
+        np.testing.assert_array_equal(block[:, j, :b], np.asarray(part)[local])
+        assert float(rows.weight[j, :b].sum()) == pytest.approx(1.0)
+        assert float(rows.weight[j, b:].sum()) == 0.0
