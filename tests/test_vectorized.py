@@ -52,6 +52,11 @@ CASES = {
                                              clip_norm=0.5),
     "cnn-momentum-kept": BASE.replace(model="cnn", momentum=0.5, optimizer_state="keep",
                                       batch_size=16, rounds=1),
+    "diagnostics": UNEQUAL.replace(diagnostics_every=1),
+    "regroup": BASE.replace(regroup_every=1, rounds=3),
+    "gradient-grouping": BASE.replace(groups=(4, 2), periods=(2, 4, 8), grouping="gradient",
+                                      regroup_every=2, diagnostics_every=2,
+                                      diagnostics_max_samples=20, rounds=3),
 }
 
 
@@ -79,11 +84,16 @@ def assert_same_runs(a: Path, b: Path, tol: float) -> None:
     for ra, rb in zip(ma, mb, strict=True):
         assert ra.keys() == rb.keys()
         for key in ra.keys() - IGNORED:
-            if isinstance(ra[key], float):
-                assert math.isclose(ra[key], rb[key], rel_tol=tol, abs_tol=tol * 1e-3), (
-                    key, ra["round"], ra[key], rb[key])
+            va, vb = ra[key], rb[key]
+            if isinstance(va, list) and va and isinstance(va[0], float):  # e.g. one per edge
+                assert len(va) == len(vb), key
+                assert all(math.isclose(u, v, rel_tol=tol, abs_tol=tol * 1e-3)
+                           for u, v in zip(va, vb, strict=True)), (key, ra["round"], va, vb)
+            elif isinstance(va, float):
+                assert math.isclose(va, vb, rel_tol=tol, abs_tol=tol * 1e-3), (
+                    key, ra["round"], va, vb)
             else:
-                assert ra[key] == rb[key], (key, ra["round"], ra[key], rb[key])
+                assert va == vb, (key, ra["round"], va, vb)
     fa, fb = final_state(a), final_state(b)
     assert fa.keys() == fb.keys()
     assert max(float((fa[k] - fb[k]).abs().max()) for k in fa) <= tol

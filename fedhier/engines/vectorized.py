@@ -4,7 +4,8 @@ It computes what the Flower path (``HierFedAvg`` + the ClientApp) computes, with
 building blocks, and only executes it differently:
 
 - the schedule: ``Hierarchy.level_after(step)`` from :func:`fedhier.topology.build_hierarchy`,
-  with the groups HierFedAvg builds from the clients' profiles;
+  with the groups HierFedAvg builds from the clients' profiles (and, for the ``gradient``
+  grouping, their full gradients), regrouped as HierFedAvg does with ``regroup_every``;
 - the mini-batches: :func:`fedhier.train.batch_indices`, a pure function of (seed, client,
   step), precomputed for whole cloud rounds and gathered once per edge round;
 - the local step: the gradient of :func:`fedhier.train.loss_fn` (mean cross-entropy) followed
@@ -14,7 +15,8 @@ building blocks, and only executes it differently:
 - the averaging: :func:`fedhier.aggregate.segment_weighted_mean` with
   :func:`fedhier.aggregate.client_weights`, at the level the schedule names;
 - the records: :class:`fedhier.recorder.RunRecorder` and :class:`Communication`, with the
-  records HierFedAvg's ``on_cloud_round`` produces.
+  records HierFedAvg's ``on_cloud_round`` produces, diagnostics included
+  (:mod:`fedhier.round_diagnostics`).
 
 Every client's parameters live in one tensor per parameter name with a leading client axis,
 ``[n, *shape]``. An edge round's local steps run for a chunk of clients at once
@@ -55,12 +57,18 @@ from fedhier.config import RunConfig
 from fedhier.errors import ConfigError
 from fedhier.faults import RunFailureError
 from fedhier.federation import Federation
-from fedhier.grouping import ClientInfo
+from fedhier.grouping import GRADIENT_GROUPING, ClientInfo
 from fedhier.models import MLP, LogReg
 from fedhier.optim import LocalOptimizer
 from fedhier.recorder import RunRecorder
 from fedhier.results import RunFolder
-from fedhier.server import initial_model, prepare, test_metrics
+from fedhier.round_diagnostics import (
+    client_diagnostics,
+    diagnostics_due,
+    direct_client_gradients,
+    sample_diagnostics,
+)
+from fedhier.server import initial_model, pooled_train_tensors, prepare, test_metrics
 from fedhier.topology import Hierarchy, build_hierarchy
 from fedhier.train import (
     batch_indices,
@@ -324,6 +332,8 @@ class VectorizedRun:
 
     cfg: RunConfig
     model: nn.Module
+    fed: Federation
+    info: ClientInfo  # the clients' profiles: label histograms and sizes
     data: ClientRows
     hierarchy: Hierarchy
     weights: np.ndarray  # float64 [n], client_weights(cfg.weighting, m)
@@ -416,6 +426,25 @@ class VectorizedRun:
             buffer.copy_(value.unsqueeze(0).expand_as(buffer))
         return dict(self.buffers)
 
+    def regroup(self, cloud_round: int, params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Regroup before a cloud round when ``regroup_every`` says so (as HierFedAvg: seed
+        + cloud_round - 1, at the global model); returns the keys it adds to the record."""
+        cfg = self.cfg
+        if not cfg.regroup_every or cloud_round <= 1 or (cloud_round - 1) % cfg.regroup_every:
+            return {}
+        grads = self.client_gradients(params) if cfg.grouping == GRADIENT_GROUPING else None
+        self.hierarchy = build_hierarchy(cfg.periods, cfg.groups, cfg.grouping, self.info,
+                                         cfg.seed + cloud_round - 1, client_grads=grads,
+                                         weights=self.weights)
+        return {"regrouped": True, "client_to_edge": self.hierarchy.edge_of_client().tolist()}
+
+    def client_gradients(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Every client's full local gradient at ``params`` [n, P], on the rows the ClientApp's
+        gradient query uses (``fedhier.round_diagnostics.direct_client_gradients``)."""
+        return direct_client_gradients(self.model, dict(params), self.fed,
+                                       self.cfg.diagnostics_max_samples, self.cfg.seed,
+                                       self.device)
+
     @property
     def keep_momentum(self) -> bool:
         """Momentum buffers persist per client across edge rounds (``optimizer_state=keep``)."""
@@ -467,7 +496,8 @@ class VectorizedRun:
                 yield rows[k * g:(k + 1) * g]
 
     def cloud_record(self, cloud_round: int, params: Mapping[str, torch.Tensor],
-                     fed: Federation, local_loss: float | None) -> dict[str, Any]:
+                     local_loss: float | None,
+                     regrouped: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The metrics record of a cloud round, keyed as HierFedAvg's ``on_cloud_round``."""
         cfg = self.cfg
         record: dict[str, Any] = {
@@ -475,7 +505,8 @@ class VectorizedRun:
             "edge_rounds": cloud_round * (cfg.global_period // cfg.local_period)}
         record.update(self.train_metrics(params))
         record.update({"local_train_loss": local_loss, "failed_clients": 0, "failed_edges": 0})
-        record.update(test_metrics(self.model, dict(params), fed, self.device))
+        record.update(regrouped or {})
+        record.update(test_metrics(self.model, dict(params), self.fed, self.device))
         record.update(round_diagnostics(self, cloud_round, params))
         record.update(self.communication.as_dict())
         return record
@@ -508,28 +539,25 @@ class VectorizedRun:
 
 def round_diagnostics(run: VectorizedRun, cloud_round: int,
                       params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """Diagnostics recorded with a cloud round (divergences, gradient diversity).
-
-    HOOK, empty for now: the Flower engines record them every ``diagnostics_every`` cloud
-    rounds (``fedhier/round_diagnostics.py``), and until this engine does too,
-    ``diagnostics_every`` > 0 is refused (:data:`UNSUPPORTED`). To add them here, when
-    ``diagnostics_due(cloud_round, cfg.diagnostics_every)``: take every client's full local
-    gradient at ``params`` on the rows ``diagnostic_rows`` picks (batched:
-    ``vmap(grad(loss_fn))`` over clients, or ``direct_client_gradients``), return
-    ``client_diagnostics(grads, run.weights, run.hierarchy)`` plus ``sample_diagnostics`` on
-    the pooled rows, drop ``diagnostics_every`` from :data:`UNSUPPORTED`, and add a case to
-    tests/test_vectorized.py, which then compares the keys like every other metric.
-    """
-    return {}
+    """Divergences and gradient diversity at the global model, every ``diagnostics_every``
+    cloud rounds (and round 0): the keys and numbers the Flower engines record, from the same
+    functions (``fedhier.round_diagnostics``): sample-level diversity on the pooled training
+    rows (the server's part), then the divergences of the clients' full gradients."""
+    cfg = run.cfg
+    if not diagnostics_due(cloud_round, cfg.diagnostics_every):
+        return {}
+    x, y = pooled_train_tensors(run.fed, run.device)
+    out = sample_diagnostics(run.model, dict(params), x, y, cfg.diagnostics_max_samples,
+                             cfg.seed)
+    out.update(client_diagnostics(run.client_gradients(params), run.weights, run.hierarchy))
+    return out
 
 
 #: RunConfig knobs this engine does not implement yet. A non-default value is refused, so a
 #: vectorized run never silently computes something other than the Flower path.
 UNSUPPORTED = ("cloud_strategy", "participation", "straggler_fraction", "normalize_updates",
                "fail_rate", "dropout_fraction", "on_nan", "checkpoint_every",
-               "client_holdout", "regroup_every", "diagnostics_every")
-#: Groupings that need more than the clients' profiles (their gradients).
-UNSUPPORTED_GROUPINGS = ("gradient",)
+               "client_holdout")
 
 
 def check_supported(cfg: RunConfig) -> None:
@@ -537,8 +565,6 @@ def check_supported(cfg: RunConfig) -> None:
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     changed = [f"{name}={getattr(cfg, name)!r}" for name in UNSUPPORTED
                if name in defaults and getattr(cfg, name) != defaults[name]]
-    if cfg.grouping in UNSUPPORTED_GROUPINGS:
-        changed.append(f"grouping={cfg.grouping!r}")
     if changed:
         raise ConfigError(f"the vectorized engine does not support {', '.join(changed)} yet; "
                           "use --engine inprocess")
@@ -550,13 +576,19 @@ def build_run(cfg: RunConfig, fed: Federation, model: nn.Module,
     from flwr.app import ArrayRecord  # only to count a model's bytes exactly as Flower does
 
     info = ClientInfo(label_histograms=fed.label_histograms, num_examples=fed.client_sizes())
-    hierarchy = build_hierarchy(cfg.periods, cfg.groups, cfg.grouping, info, cfg.seed)
+    weights = client_weights(cfg.weighting, info.num_examples)
+    grads = (direct_client_gradients(model, params_of(model), fed, cfg.diagnostics_max_samples,
+                                     cfg.seed, device)
+             if cfg.grouping == GRADIENT_GROUPING else None)  # at the initial model
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     return VectorizedRun(
-        cfg=cfg, model=model, data=ClientRows.build(fed, cfg.batch_size, device),
-        hierarchy=hierarchy, weights=client_weights(cfg.weighting, info.num_examples),
-        train=local_training_for(model), model_bytes=ArrayRecord(state).count_bytes(),
-        device=device, communication=Communication(), optimizer=cfg.local_optimizer())
+        cfg=cfg, model=model, fed=fed, info=info,
+        data=ClientRows.build(fed, cfg.batch_size, device),
+        hierarchy=build_hierarchy(cfg.periods, cfg.groups, cfg.grouping, info, cfg.seed,
+                                  client_grads=grads, weights=weights),
+        weights=weights, train=local_training_for(model),
+        model_bytes=ArrayRecord(state).count_bytes(), device=device,
+        communication=Communication(), optimizer=cfg.local_optimizer())
 
 
 def run_vectorized(cfg: RunConfig, folder: RunFolder, progress: bool = True, *,
@@ -585,12 +617,12 @@ def run_vectorized(cfg: RunConfig, folder: RunFolder, progress: bool = True, *,
     run = build_run(cfg, fed, model, device)
     params = params_of(model)
     try:
-        recorder.write_groups(run.hierarchy, ClientInfo(fed.label_histograms, fed.client_sizes()),
-                              cfg.grouping, cfg.seed)
-        recorder.record_round(run.cloud_record(0, params, fed, None))
+        recorder.write_groups(run.hierarchy, run.info, cfg.grouping, cfg.seed)
+        recorder.record_round(run.cloud_record(0, params, None))
         for cloud_round, rows in enumerate(run.minibatch_schedule(), start=1):
+            regrouped = run.regroup(cloud_round, params)
             params, local_loss = run.train_cloud_round(cloud_round, params, rows)
-            recorder.record_round(run.cloud_record(cloud_round, params, fed, local_loss))
+            recorder.record_round(run.cloud_record(cloud_round, params, local_loss, regrouped))
     finally:
         recorder.close()
     final = {k: v.detach().cpu() for k, v in params.items()}
