@@ -63,3 +63,19 @@ def test_flwr_run_dot_completes_and_matches(tmp_path):
     assert_same_run(tmp_path / "inprocess", out)
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "flwr-home")], capture_output=True)
     assert leftover.returncode != 0, "flwr run left a SuperLink running"
+
+
+@pytest.mark.slow
+def test_knobs_and_faults_are_the_same_on_the_simulation_engine(tmp_path):
+    """Participation, kept momentum, a schedule and injected faults: same numbers on Ray."""
+    from fedhier.engines.flower import run_simulation_engine
+
+    cfg = SMALL.replace(participation=0.5, momentum=0.9, optimizer_state="keep",
+                        lr_schedule="cosine", fail_rate=0.3, client_holdout=0.2)
+    run_inprocess(cfg, RunFolder.create(tmp_path / "inprocess"), progress=False)
+    run_simulation_engine(cfg.replace(engine="flower"), RunFolder.create(tmp_path / "flower"),
+                          progress=False)
+    assert_same_run(tmp_path / "inprocess", tmp_path / "flower")
+    records = metrics(tmp_path / "flower")
+    assert sum(r["failed_clients"] for r in records) > 0
+    assert "client_accuracy_mean" in records[-1]
