@@ -90,6 +90,14 @@ def _run_cli(args: list[str]) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _run_cli_to_end(args: list[str]) -> None:
+    """A whole run in a fresh process: bit-identity needs the same thread settings, which
+    tests in this process may have changed."""
+    proc = _run_cli(args)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+
+
 def _wait_for_rounds(run_dir: Path, rounds: int, proc: subprocess.Popen) -> None:
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -114,14 +122,14 @@ SLOW_RUN = [*TINY, "--rounds", "8", "--momentum", "0.9", "--optimizer-state", "k
 @pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical(tmp_path):
     reference = tmp_path / "reference"
-    assert main(["run", *SLOW_RUN, "--out", str(reference)]) == 0
+    _run_cli_to_end([*SLOW_RUN, "--out", str(reference)])
     killed = tmp_path / "killed"
     proc = _run_cli([*SLOW_RUN, "--out", str(killed)])
     _wait_for_rounds(killed, 3, proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert (killed / "checkpoint.pt").exists() and not (killed / "summary.json").exists()
-    assert main(["run", "--resume", str(killed), "--no-progress"]) == 0
+    _run_cli_to_end(["--resume", str(killed), "--no-progress"])
     assert _same_final(reference, killed)
     rounds = [json.loads(x)["round"] for x in (killed / "metrics.jsonl").read_text().splitlines()]
     assert rounds == list(range(9))  # no duplicated rounds after the resume
@@ -134,7 +142,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
 def test_ctrl_c_writes_a_checkpoint_and_resume_finishes(tmp_path):
     reference = tmp_path / "reference"
     args = [*TINY, "--rounds", "6"]
-    assert main(["run", *args, "--out", str(reference)]) == 0
+    _run_cli_to_end([*args, "--out", str(reference)])
     stopped = tmp_path / "stopped"
     proc = _run_cli([*args, "--out", str(stopped)])  # no --checkpoint-every: only on Ctrl-C
     _wait_for_rounds(stopped, 2, proc)
@@ -142,7 +150,7 @@ def test_ctrl_c_writes_a_checkpoint_and_resume_finishes(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "--resume" in err
     assert (stopped / "checkpoint.pt").exists()
-    assert main(["run", "--resume", str(stopped), "--no-progress"]) == 0
+    _run_cli_to_end(["--resume", str(stopped), "--no-progress"])
     assert _same_final(reference, stopped)
 
 
