@@ -38,15 +38,16 @@ def publish(root: Path, only: list[str] | None = None) -> None:
              "Every table and figure below was produced by `make experiments` "
              "(`python -m fedhier.experiments.publish`); each section names its exact command "
              "and the machine time it took. Claims that do not hold are reported as measured.",
-             ""]
+             "", "Sections appear for the runs that have been made; `make experiments` runs all "
+             "of them (`python -m fedhier.experiments.publish NAME ...` runs some).", ""]
     for name, args in RUNS:
-        out = root / "runs" / "experiments" / name
+        out = root / "runs" / "experiments" / name  # run from the repository root
         if only and name not in only:
             if not (out / "results.md").exists():
                 continue
         else:
             started = time.time()
-            code = fedhier_main([*args, "--out", str(out)])
+            code = fedhier_main([*args, "--out", str(out.relative_to(root))])
             if code != 0:
                 parts += [f"## {name}", "", f"failed with exit code {code}", ""]
                 continue
