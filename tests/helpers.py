@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp.strategy import Strategy
+from safetensors.torch import load_file
 
 from fedhier.clients.app import app as client_app
 from fedhier.cloud import make_cloud_strategy
@@ -49,3 +54,27 @@ def run_flower_strategy(cfg: RunConfig, strategy: Strategy, local_steps: int,
 def max_abs_diff(a: State, b: State) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+#: metrics.jsonl keys that differ between equal runs.
+IGNORED_KEYS = {"wall_seconds"}
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_run(a: Path, b: Path, rounds: int, tol: float = 1e-5) -> None:
+    """Two run folders hold the same metrics (floats to ``tol``) and final model."""
+    ma, mb = metrics(a), metrics(b)
+    assert len(ma) == len(mb) == rounds + 1
+    for ra, rb in zip(ma, mb, strict=True):
+        assert ra.keys() == rb.keys()
+        for key in ra.keys() - IGNORED_KEYS:
+            if isinstance(ra[key], float):
+                assert math.isclose(ra[key], rb[key], rel_tol=tol, abs_tol=tol), key
+            else:
+                assert ra[key] == rb[key], key
+    fa = load_file(str(a / "model_final.safetensors"))
+    fb = load_file(str(b / "model_final.safetensors"))
+    assert max(float((fa[k] - fb[k]).abs().max()) for k in fa) <= tol

@@ -23,7 +23,6 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
-from safetensors.torch import load_file
 
 from fedhier import deploy
 from fedhier.certs import Certificates, generate_certificates, make_supernode_key
@@ -31,6 +30,7 @@ from fedhier.config import RunConfig
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.errors import ConfigError
 from fedhier.results import RunFolder
+from tests.helpers import assert_same_run, metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 # Small enough for a 2-core machine: every message starts a fresh ClientApp process.
@@ -38,29 +38,9 @@ TINY = RunConfig(dataset="digits", clients=3, groups=2, local_period=2, global_p
                  rounds=1, batch_size=8, seed=11)
 TINY_FLAGS = ["--groups", "2", "--local-period", "2", "--global-period", "4", "--rounds", "1",
               "--batch-size", "8", "--seed", "11"]
-IGNORED = {"wall_seconds"}
 
 
 # ---------------------------------------------------------------------------- helpers
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def assert_same_run(a: Path, b: Path, rounds: int, tol: float = 1e-5) -> None:
-    ma, mb = metrics(a), metrics(b)
-    assert len(ma) == len(mb) == rounds + 1
-    for ra, rb in zip(ma, mb, strict=True):
-        assert ra.keys() == rb.keys()
-        for key in ra.keys() - IGNORED:
-            if isinstance(ra[key], float):
-                assert math.isclose(ra[key], rb[key], rel_tol=tol, abs_tol=tol), key
-            else:
-                assert ra[key] == rb[key], key
-    fa = load_file(str(a / "model_final.safetensors"))
-    fb = load_file(str(b / "model_final.safetensors"))
-    assert max(float((fa[k] - fb[k]).abs().max()) for k in fa) <= tol
-
-
 def leftovers(ports: range) -> str:
     """Processes whose command line names one of ``ports`` on 127.0.0.1 (ours)."""
     alternatives = "|".join(str(p) for p in ports)

@@ -27,14 +27,7 @@ from fedhier.train import loss_fn, params_of
 NUM_CLIENTS, NUM_EDGES = 40, 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """These tests run many tiny torch ops; on a busy 2-core machine torch's thread pool makes
-    each one wait for a second core (index_add_ took 4 ms instead of 20 us). Restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @dataclass(frozen=True)

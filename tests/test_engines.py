@@ -1,43 +1,20 @@
 """The same config and seed give the same numbers on every engine (1e-5)."""
 
 import json
-import math
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
 from fedhier.config import RunConfig
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.results import RunFolder
+from tests.helpers import assert_same_run, metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = RunConfig(dataset="digits", clients=6, groups=2, local_period=2, global_period=4,
                   rounds=2, batch_size=8, seed=11)
-IGNORED = {"wall_seconds"}
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def assert_same_run(a: Path, b: Path, tol: float = 1e-5) -> None:
-    ma, mb = metrics(a), metrics(b)
-    assert len(ma) == len(mb) == SMALL.rounds + 1
-    for ra, rb in zip(ma, mb, strict=True):
-        assert ra.keys() == rb.keys()
-        for key in ra.keys() - IGNORED:
-            if isinstance(ra[key], float):
-                assert math.isclose(ra[key], rb[key], rel_tol=tol, abs_tol=tol), key
-            else:
-                assert ra[key] == rb[key], key
-    fa = load_file(str(a / "model_final.safetensors"))
-    fb = load_file(str(b / "model_final.safetensors"))
-    assert max(float((fa[k] - fb[k]).abs().max()) for k in fa) <= tol
-
-
 @pytest.mark.slow
 def test_inprocess_equals_simulation_engine(tmp_path):
     from fedhier.engines.flower import run_simulation_engine
@@ -45,7 +22,7 @@ def test_inprocess_equals_simulation_engine(tmp_path):
     run_inprocess(SMALL, RunFolder.create(tmp_path / "inprocess"), progress=False)
     run_simulation_engine(SMALL.replace(engine="flower"), RunFolder.create(tmp_path / "flower"),
                           progress=False)
-    assert_same_run(tmp_path / "inprocess", tmp_path / "flower")
+    assert_same_run(tmp_path / "inprocess", tmp_path / "flower", SMALL.rounds)
     assert json.loads((tmp_path / "flower" / "summary.json").read_text())["engine"] == "flower"
 
 
@@ -60,7 +37,7 @@ def test_flwr_run_dot_completes_and_matches(tmp_path):
                           env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "summary.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert_same_run(tmp_path / "inprocess", out)
+    assert_same_run(tmp_path / "inprocess", out, SMALL.rounds)
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "flwr-home")], capture_output=True)
     assert leftover.returncode != 0, "flwr run left a SuperLink running"
 
@@ -75,7 +52,7 @@ def test_knobs_and_faults_are_the_same_on_the_simulation_engine(tmp_path):
     run_inprocess(cfg, RunFolder.create(tmp_path / "inprocess"), progress=False)
     run_simulation_engine(cfg.replace(engine="flower"), RunFolder.create(tmp_path / "flower"),
                           progress=False)
-    assert_same_run(tmp_path / "inprocess", tmp_path / "flower")
+    assert_same_run(tmp_path / "inprocess", tmp_path / "flower", SMALL.rounds)
     records = metrics(tmp_path / "flower")
     assert sum(r["failed_clients"] for r in records) > 0
     assert "client_accuracy_mean" in records[-1]

@@ -21,14 +21,7 @@ from tests.test_diagnostics import NUM_EDGES, digits_clients
 RANDOM_SEEDS = range(100)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """These tests run many tiny torch ops; on a busy 2-core machine torch's thread pool makes
-    each one wait for a second core (index_add_ took 4 ms instead of 20 us). Restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def label_div(edges: np.ndarray) -> float:
