@@ -245,9 +245,6 @@ class HierFedAvg(Strategy):
         return client_weights(self.weighting, self.client_info.num_examples)
 
     # ------------------------------------------------------------------ training
-    def steps_per_edge_round(self) -> int:
-        return self.local_period
-
     def edge_rounds_per_cloud_round(self) -> int:
         return self.global_period // self.local_period
 

@@ -83,9 +83,5 @@ def run_arms(arms: Sequence[Arm], seeds: Sequence[int], out: Path, engine: str =
                        for seed in seeds} for arm in arms}
 
 
-def summaries(out: Path, arm: Arm, seeds: Sequence[int]) -> list[dict[str, Any]]:
-    return [read_json(out / "runs" / arm.name / f"seed{seed}", "summary.json") for seed in seeds]
-
-
 def default_jobs() -> int:
     return max(1, (os.cpu_count() or 1))
