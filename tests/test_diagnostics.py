@@ -235,7 +235,8 @@ def test_sample_gradient_diversity_matches_per_example_gradients():
     delta, used = sample_gradient_diversity(d.model, d.params, x, y, None, seed=0, chunk=16)
     per_example = per_example_gradients(d.model, d.params, x, y)
     assert used == len(rows)
-    assert delta == pytest.approx(gradient_diversity(per_example), rel=1e-9)
+    # per-chunk norms and sums are float32 reductions (the gradients' own precision)
+    assert delta == pytest.approx(gradient_diversity(per_example), rel=1e-6)
     assert delta >= 1 / used
 
     x, y = d.x[:300], d.y[:300]
@@ -243,7 +244,7 @@ def test_sample_gradient_diversity_matches_per_example_gradients():
     assert used == 50
     picked = np.sort(generator(4, "diversity-sample").choice(300, size=50, replace=False))
     expected = gradient_diversity(per_example_gradients(d.model, d.params, x[picked], y[picked]))
-    assert delta == pytest.approx(expected, rel=1e-9)
+    assert delta == pytest.approx(expected, rel=1e-6)
     assert sample_gradient_diversity(d.model, d.params, x, y, 50, seed=4) == (delta, used)
     assert sample_gradient_diversity(d.model, d.params, x, y, 50, seed=5)[0] != delta
     assert sample_gradient_diversity(d.model, d.params, x, y, 1000, seed=4)[1] == 300
