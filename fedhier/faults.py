@@ -17,6 +17,15 @@ class RunFailureError(FedhierError):
     """A run stopped on purpose: too many failed clients, or non-finite numbers."""
 
 
+def non_finite_message(client: int, edge: int, edge_round: int,
+                       edge_rounds_per_cloud_round: int) -> str:
+    """The one-line stop message for a client update holding NaN or inf (every engine)."""
+    cloud_round = (edge_round - 1) // edge_rounds_per_cloud_round + 1
+    return (f"non-finite values in the update of client {client} (edge {edge}) in edge round "
+            f"{edge_round} (cloud round {cloud_round}); the last checkpoint is kept (lower "
+            "--lr, clip with --clip-norm, or --on-nan skip-client)")
+
+
 class InjectedFaultError(RuntimeError):
     """Raised by a ClientApp that the fault model makes fail this round."""
 

@@ -33,7 +33,7 @@ from flwr.supercore import log
 from fedhier.aggregate import client_weights, presence_weights, segment_weighted_mean
 from fedhier.communication import Communication
 from fedhier.errors import ConfigError
-from fedhier.faults import RunFailureError
+from fedhier.faults import RunFailureError, non_finite_message
 from fedhier.grouping import GRADIENT_GROUPING, ClientInfo
 from fedhier.plan import Workload, plan_edge_round
 from fedhier.round_diagnostics import client_diagnostics, diagnostics_due
@@ -150,6 +150,7 @@ class HierFedAvg(Strategy):
         self.diagnostics_every = diagnostics_every
         self.regroup_every = regroup_every
         self._cloud_round_index = 0
+        self._restored_hierarchy: Hierarchy | None = None
 
     # ------------------------------------------------------------------ set-up
     def summary(self) -> None:
@@ -184,7 +185,9 @@ class HierFedAvg(Strategy):
         self.client_info = ClientInfo(
             label_histograms=np.array([p[3] for p in profiles], dtype=np.int64),
             num_examples=np.array([p[2] for p in profiles], dtype=np.int64))
-        if self.grouping != GRADIENT_GROUPING:
+        if self._restored_hierarchy is not None:  # a resumed run keeps its grouping
+            self.hierarchy = self._restored_hierarchy
+        elif self.grouping != GRADIENT_GROUPING:
             self.hierarchy = build_hierarchy(self.periods, self.groups, self.grouping,
                                              self.client_info, self.seed)
 
@@ -200,7 +203,7 @@ class HierFedAvg(Strategy):
         self._query_config = config
         replies = grid.send_and_receive(self.configure_query(grid), timeout=timeout)
         self.aggregate_query(replies)
-        if self.grouping == GRADIENT_GROUPING:
+        if self.grouping == GRADIENT_GROUPING and self._restored_hierarchy is None:
             if arrays is None:
                 raise ConfigError("the gradient grouping needs the model to take gradients at")
             self.regroup(grid, arrays, config, timeout, self.seed)
@@ -340,14 +343,12 @@ class HierFedAvg(Strategy):
     def _non_finite(self, client: int, server_round: int) -> None:
         """A client sent NaN/inf: stop the run, or (``on_nan="skip-client"``) drop it."""
         hierarchy = self._require_setup()
-        where = (f"client {client} (edge {int(hierarchy.edge_of_client()[client])}) in edge "
-                 f"round {server_round} (cloud round "
-                 f"{(server_round - 1) // self.edge_rounds_per_cloud_round() + 1})")
+        message = non_finite_message(client, int(hierarchy.edge_of_client()[client]),
+                                     server_round, self.edge_rounds_per_cloud_round())
         if self.on_nan == "stop":
-            raise RunFailureError(
-                f"non-finite values in the update of {where}; the last checkpoint is kept "
-                "(lower --lr, clip with --clip-norm, or --on-nan skip-client)")
-        log(WARNING, "dropping the non-finite update of %s", where)
+            raise RunFailureError(message)
+        log(WARNING, "dropping the non-finite update of client %d in edge round %d", client,
+            server_round)
 
     def _check_edges(self, clients: list[int], server_round: int) -> int:
         """Count edges left with no surviving client; enforce ``min_clients_per_edge``."""
@@ -573,12 +574,16 @@ class HierFedAvg(Strategy):
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs besides the global model (picklable)."""
         return {"communication": self.communication.as_dict(),
-                "cloud_strategy": copy.deepcopy(self.cloud_strategy)}
+                "cloud_strategy": copy.deepcopy(self.cloud_strategy),
+                "hierarchy": self.hierarchy}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.communication = Communication(**state["communication"])
         if state.get("cloud_strategy") is not None:
             self.cloud_strategy = state["cloud_strategy"]
+        # The grouping in force when the checkpoint was taken (a regrouped one, or the
+        # gradient grouping at the initial model): setup() must not draw a new one.
+        self._restored_hierarchy = state.get("hierarchy")
 
     def _require_setup(self) -> Hierarchy:
         if self.hierarchy is None:

@@ -116,6 +116,7 @@ def _same_final(a: Path, b: Path) -> bool:
 
 
 SLOW_RUN = [*TINY, "--rounds", "8", "--momentum", "0.9", "--optimizer-state", "keep",
+            "--regroup-every", "2",
             "--checkpoint-every", "1"]
 
 
