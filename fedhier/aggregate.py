@@ -37,6 +37,26 @@ def segment_weighted_mean(
     return mean.reshape(num_segments, *values.shape[1:]).to(values.dtype)
 
 
+def occupied_segments(segments: np.ndarray, num_segments: int) -> tuple[np.ndarray, np.ndarray]:
+    """The segments that have members, and each member's index among them.
+
+    Averaging over only some clients (failures, sampling) can leave a node without members;
+    its mean is undefined and the caller keeps that node's model instead.
+
+    Args:
+        segments: int64 [k], each member's segment in [0, num_segments).
+
+    Returns:
+        (occupied int64 [s]: sorted segment ids with at least one member, compact int64 [k]:
+        each member's position in ``occupied``). With every segment occupied, compact ==
+        segments.
+    """
+    has = np.zeros(num_segments, dtype=bool)
+    has[segments] = True
+    position = np.cumsum(has) - 1
+    return np.flatnonzero(has), position[segments].astype(np.int64)
+
+
 def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Weighted mean over the first axis: [n, *shape] -> [*shape]."""
     segments = torch.zeros(values.shape[0], dtype=torch.int64)

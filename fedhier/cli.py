@@ -157,11 +157,9 @@ def run_engine(cfg: RunConfig, folder: Any, progress: bool, resume: Any) -> dict
 
         return run_simulation_engine(cfg, folder, progress=progress, resume=resume)
     if cfg.engine == "vectorized":
-        if resume is not None:
-            raise FedhierError("--resume is supported on the inprocess and flower engines")
         from fedhier.engines.vectorized import run_vectorized
 
-        return run_vectorized(cfg, folder, progress=progress)
+        return run_vectorized(cfg, folder, progress=progress, resume=resume)
     from fedhier.engines.inprocess import run_inprocess
 
     return run_inprocess(cfg, folder, progress=progress, resume=resume)

@@ -9,12 +9,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from fedhier.errors import ConfigError, FedhierError
 from fedhier.rng import generator
 
 
 class RunFailureError(FedhierError):
     """A run stopped on purpose: too many failed clients, or non-finite numbers."""
+
+
+def failed_edges(edge_of_client: np.ndarray, sent: np.ndarray, alive: np.ndarray,
+                 num_edges: int, min_clients_per_edge: int, edge_round: int) -> int:
+    """Edges of an edge round left with no surviving client (they keep their model).
+
+    Args:
+        edge_of_client: int64 [n]; sent, alive: int64 client ids that were sent the round's
+            work and that came back usable.
+
+    Raises:
+        RunFailureError: an edge kept fewer clients than ``min_clients_per_edge`` (or than
+            it sent, if fewer).
+    """
+    sent_per_edge = np.bincount(edge_of_client[sent], minlength=num_edges)
+    alive_per_edge = np.bincount(edge_of_client[alive], minlength=num_edges)
+    short = np.flatnonzero(alive_per_edge < np.minimum(sent_per_edge, min_clients_per_edge))
+    if len(short):
+        edge = int(short[0])
+        raise RunFailureError(
+            f"edge {edge} kept {int(alive_per_edge[edge])} of {int(sent_per_edge[edge])} "
+            f"clients in edge round {edge_round}, fewer than --min-clients-per-edge "
+            f"{min_clients_per_edge}")
+    return int(((sent_per_edge > 0) & (alive_per_edge == 0)).sum())
 
 
 def non_finite_message(client: int, edge: int, edge_round: int,

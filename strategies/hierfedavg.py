@@ -30,10 +30,15 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
-from fedhier.aggregate import client_weights, presence_weights, segment_weighted_mean
+from fedhier.aggregate import (
+    client_weights,
+    occupied_segments,
+    presence_weights,
+    segment_weighted_mean,
+)
 from fedhier.communication import Communication
 from fedhier.errors import ConfigError
-from fedhier.faults import RunFailureError, non_finite_message
+from fedhier.faults import RunFailureError, failed_edges, non_finite_message
 from fedhier.grouping import GRADIENT_GROUPING, ClientInfo
 from fedhier.plan import Workload, plan_edge_round
 from fedhier.round_diagnostics import client_diagnostics, diagnostics_due
@@ -353,20 +358,9 @@ class HierFedAvg(Strategy):
     def _check_edges(self, clients: list[int], server_round: int) -> int:
         """Count edges left with no surviving client; enforce ``min_clients_per_edge``."""
         hierarchy = self._require_setup()
-        edge_of = hierarchy.edge_of_client()
-        num_edges = hierarchy.num_nodes(1)
-        sent = np.bincount(edge_of[self._sent], minlength=num_edges)
-        alive = np.bincount(edge_of[clients], minlength=num_edges) if clients else np.zeros(
-            num_edges, dtype=np.int64)
-        need = np.minimum(sent, self.min_clients_per_edge)
-        short = np.flatnonzero(alive < need)
-        if len(short):
-            edge = int(short[0])
-            raise RunFailureError(
-                f"edge {edge} kept {int(alive[edge])} of {int(sent[edge])} clients in edge "
-                f"round {server_round}, fewer than --min-clients-per-edge "
-                f"{self.min_clients_per_edge}")
-        return int(((sent > 0) & (alive == 0)).sum())
+        return failed_edges(hierarchy.edge_of_client(), np.array(self._sent, dtype=np.int64),
+                            np.array(clients, dtype=np.int64), hierarchy.num_nodes(1),
+                            self.min_clients_per_edge, server_round)
 
     def _average(self, states: list[dict[str, torch.Tensor]], clients: np.ndarray,
                  weights: np.ndarray, level: int) -> tuple[dict[int, ArrayRecord], np.ndarray]:
@@ -376,18 +370,18 @@ class HierFedAvg(Strategy):
         bool mask [num_nodes(level)] of those nodes.
         """
         hierarchy = self._require_setup()
-        owner = hierarchy.ancestors(level)[clients]
         num_nodes = hierarchy.num_nodes(level)
+        nodes, compact = occupied_segments(hierarchy.ancestors(level)[clients], num_nodes)
         averaged = {
             key: segment_weighted_mean(torch.stack([s[key] for s in states]),
                                        torch.as_tensor(weights[clients]),
-                                       torch.as_tensor(owner), num_nodes)
+                                       torch.as_tensor(compact), len(nodes))
             for key in states[0]
         }
         has_survivor = np.zeros(num_nodes, dtype=bool)
-        has_survivor[owner] = True
-        records = {int(node): ArrayRecord({k: v[node] for k, v in averaged.items()})
-                   for node in np.flatnonzero(has_survivor)}
+        has_survivor[nodes] = True
+        records = {int(node): ArrayRecord({k: v[i] for k, v in averaged.items()})
+                   for i, node in enumerate(nodes)}
         return records, has_survivor
 
     def _cloud_step(self, server_round: int, states: list[dict[str, torch.Tensor]],

@@ -58,26 +58,33 @@ def test_dropout_span_only_hits_those_rounds():
     assert counts == expected_failures(cfg)
 
 
-def test_min_clients_per_edge_stops_with_one_line(tmp_path, capsys):
-    code = main(["run", *TINY, "--rounds", "2", "--fail-rate", "0.9",
+ENGINES = pytest.mark.parametrize("engine", ["inprocess", "vectorized"])
+
+
+@ENGINES
+def test_min_clients_per_edge_stops_with_one_line(engine, tmp_path, capsys):
+    code = main(["run", *TINY, "--engine", engine, "--rounds", "2", "--fail-rate", "0.9",
                  "--min-clients-per-edge", "2", "--out", str(tmp_path / "r")])
     assert code == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "min-clients-per-edge" in err[0]
 
 
-def test_nan_stops_naming_round_edge_and_client(tmp_path, capsys):
-    code = main(["run", *TINY, "--rounds", "1", "--lr", "1e30", "--out", str(tmp_path / "r")])
+@ENGINES
+def test_nan_stops_naming_round_edge_and_client(engine, tmp_path, capsys):
+    code = main(["run", *TINY, "--engine", engine, "--rounds", "1", "--lr", "1e30",
+                 "--out", str(tmp_path / "r")])
     assert code == 3
     err = capsys.readouterr().err.strip()
     assert "non-finite" in err and "client" in err and "edge" in err and "round" in err
     assert "\n" not in err
 
 
-def test_nan_skip_client_keeps_the_global_model(tmp_path):
+@ENGINES
+def test_nan_skip_client_keeps_the_global_model(engine, tmp_path):
     out = tmp_path / "r"
-    assert main(["run", *TINY, "--rounds", "1", "--lr", "1e30", "--on-nan", "skip-client",
-                 "--out", str(out)]) == 0
+    assert main(["run", *TINY, "--engine", engine, "--rounds", "1", "--lr", "1e30",
+                 "--on-nan", "skip-client", "--out", str(out)]) == 0
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["failed_clients"] == 6 * 2  # everyone, both edge rounds
     first = load_file(str(out / "model_initial.safetensors"))
@@ -153,6 +160,40 @@ def test_ctrl_c_writes_a_checkpoint_and_resume_finishes(tmp_path):
     assert (stopped / "checkpoint.pt").exists()
     _run_cli_to_end(["--resume", str(stopped), "--no-progress"])
     assert _same_final(reference, stopped)
+
+
+@pytest.mark.parametrize("engine", ["inprocess", "vectorized"])
+def test_interrupted_run_resumes_bit_identically(engine, tmp_path, monkeypatch):
+    """Ctrl-C during cloud round 4 checkpoints round 3; --resume then ends where an
+    uninterrupted run ends, with kept momentum, participation, faults and regrouping."""
+    from fedhier.recorder import RunRecorder
+
+    args = ["run", *TINY, "--engine", engine, "--rounds", "6", "--momentum", "0.9",
+            "--optimizer-state", "keep", "--participation", "0.7", "--fail-rate", "0.2",
+            "--regroup-every", "2"]
+    assert main([*args, "--out", str(tmp_path / "reference")]) == 0
+    record_round = RunRecorder.record_round
+
+    def interrupt_at_round_4(self, record):
+        if record["round"] == 4:
+            raise KeyboardInterrupt
+        record_round(self, record)
+
+    monkeypatch.setattr(RunRecorder, "record_round", interrupt_at_round_4)
+    stopped = tmp_path / "stopped"
+    assert main([*args, "--out", str(stopped)]) == 130
+    monkeypatch.setattr(RunRecorder, "record_round", record_round)
+    assert not (stopped / "summary.json").exists()
+    assert main(["run", "--resume", str(stopped), "--no-progress"]) == 0
+    assert _same_final(tmp_path / "reference", stopped)
+    ref, res = (read_lines(tmp_path / "reference"), read_lines(stopped))
+    assert [r["round"] for r in res] == list(range(7))
+    assert [r["test_loss"] for r in ref] == [r["test_loss"] for r in res]
+    assert [r["failed_clients"] for r in ref] == [r["failed_clients"] for r in res]
+
+
+def read_lines(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_resume_refuses_config_flags_and_missing_checkpoint(tmp_path, capsys):

@@ -57,6 +57,16 @@ CASES = {
     "gradient-grouping": BASE.replace(groups=(4, 2), periods=(2, 4, 8), grouping="gradient",
                                       regroup_every=2, diagnostics_every=2,
                                       diagnostics_max_samples=20, rounds=3),
+    "participation": BASE.replace(participation=0.5, rounds=3),
+    "participation-momentum-kept": UNEQUAL.replace(participation=0.5, momentum=0.5,
+                                                   optimizer_state="keep", rounds=3),
+    "fail-rate": UNEQUAL.replace(fail_rate=0.3, rounds=3),
+    # edges and regions left without survivors; with seed 32 the cloud step of cloud round 3
+    # has none (the global model is kept)
+    "failed-edges-three-level": BASE.replace(groups=(4, 2), periods=(2, 4, 8), fail_rate=0.7,
+                                             rounds=4, seed=32),
+    "dropout-span": BASE.replace(dropout_fraction=0.5, dropout_rounds="2-2", rounds=3),
+    "client-holdout": UNEQUAL.replace(client_holdout=0.2),
 }
 
 
@@ -184,8 +194,7 @@ def test_cli_runs_the_vectorized_engine(tmp_path):
     assert len(metrics(out)) == 2
 
 
-@pytest.mark.parametrize("knob", [{"participation": 0.5}, {"fail_rate": 0.1},
-                                  {"cloud_strategy": "fedavgm"}])
+@pytest.mark.parametrize("knob", [{"straggler_fraction": 0.5}, {"cloud_strategy": "fedavgm"}])
 def test_unsupported_knobs_are_refused(knob, tmp_path):
     name = next(iter(knob))
     if name not in {f.name for f in dataclasses.fields(RunConfig)}:

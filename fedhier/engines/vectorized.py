@@ -51,15 +51,22 @@ import torch
 from torch import nn
 from torch.func import grad_and_value, vmap
 
-from fedhier.aggregate import client_weights, segment_weighted_mean
+from fedhier.aggregate import (
+    client_weights,
+    occupied_segments,
+    presence_weights,
+    segment_weighted_mean,
+)
+from fedhier.checkpoint import Checkpoint, save_checkpoint
 from fedhier.communication import Communication
 from fedhier.config import RunConfig
 from fedhier.errors import ConfigError
-from fedhier.faults import RunFailureError
+from fedhier.faults import FaultModel, RunFailureError, failed_edges, non_finite_message
 from fedhier.federation import Federation
 from fedhier.grouping import GRADIENT_GROUPING, ClientInfo
 from fedhier.models import MLP, LogReg
 from fedhier.optim import LocalOptimizer
+from fedhier.plan import Workload, plan_edge_round
 from fedhier.recorder import RunRecorder
 from fedhier.results import RunFolder
 from fedhier.round_diagnostics import (
@@ -69,10 +76,12 @@ from fedhier.round_diagnostics import (
     sample_diagnostics,
 )
 from fedhier.server import initial_model, pooled_train_tensors, prepare, test_metrics
+from fedhier.strategies.hierfedavg import client_accuracy_summary
 from fedhier.topology import Hierarchy, build_hierarchy
 from fedhier.train import (
     batch_indices,
     effective_batch_size,
+    evaluate,
     loss_fn,
     params_of,
     resolve_device,
@@ -342,6 +351,8 @@ class VectorizedRun:
     device: torch.device
     communication: Communication
     optimizer: LocalOptimizer = dataclasses.field(default_factory=LocalOptimizer)
+    workload: Workload = dataclasses.field(default_factory=Workload)
+    faults: FaultModel = dataclasses.field(default_factory=FaultModel)
     buffers: Params = dataclasses.field(default_factory=dict)  # clients' params [n, *shape]
     momentum: Params = dataclasses.field(default_factory=dict)  # kept buffers [n, *shape]
     next_momentum: Params = dataclasses.field(default_factory=dict)  # being filled
@@ -367,8 +378,8 @@ class VectorizedRun:
         return max(1, min(self.cfg.rounds, INDEX_BLOCK_ENTRIES // max(per_round, 1)))
 
     def train_cloud_round(self, cloud_round: int, global_params: Params,
-                          rows: torch.Tensor) -> tuple[Params, float]:
-        """G / I edge rounds from ``global_params``; returns (new global model, local loss).
+                          rows: torch.Tensor) -> tuple[Params, dict[str, Any]]:
+        """G / I edge rounds from ``global_params``; returns (new global model, its record).
 
         Args:
             cloud_round: 1-based index of this cloud round.
@@ -376,54 +387,170 @@ class VectorizedRun:
             rows: int64 [G, n, width] pool rows of this cloud round's mini-batches.
 
         Returns:
-            The cloud average and HierFedAvg's ``local_train_loss``: the mean over edge rounds
-            of the client-weighted mean of each client's mean mini-batch loss.
+            The cloud average (the old global model when no client survived the cloud step)
+            and HierFedAvg's training keys: ``local_train_loss`` (the mean over edge rounds
+            of the client-weighted mean of each surviving client's mean mini-batch loss),
+            ``failed_clients`` and ``failed_edges``.
         """
-        cfg, data, hierarchy = self.cfg, self.data, self.hierarchy
-        n, period = data.num_clients, cfg.local_period
-        weights = torch.as_tensor(self.weights, device=self.device)
-        params = self.client_params(global_params)  # every client starts from the global model
-        averaged: Params = {}
-        edge_losses = []
+        cfg, hierarchy = self.cfg, self.hierarchy
+        period = cfg.local_period
+        edge_rounds = cfg.global_period // period
+        num_edges = hierarchy.num_nodes(1)
+        edge_of = torch.as_tensor(hierarchy.edge_of_client(), device=self.device)
+        # every edge starts the cloud round from the global model
+        edge_models = {k: v.unsqueeze(0).repeat(num_edges, *([1] * v.dim()))
+                       for k, v in global_params.items()}
+        new_global = dict(global_params)
+        edge_losses: list[torch.Tensor] = []
+        failed = failed_edge_count = 0
         round_start = (cloud_round - 1) * cfg.global_period  # global index of its first step
-        for first_step in range(0, cfg.global_period, period):  # steps counted within the round
-            rates = [float(r) for r in cfg.learning_rates(round_start + first_step, period)]
-            losses = torch.empty(n, dtype=torch.float64, device=self.device)
-            momentum = self.momentum if self.momentum else None  # kept buffers, or fresh ones
-            for lo, hi in self.chunks:
-                index = rows[first_step:first_step + period, lo:hi]  # [I, c, width]
-                batches = EdgeRoundBatches(x=data.x[index], y=data.y[index],
-                                           weight=data.weight[lo:hi], batch=data.batch[lo:hi])
-                losses[lo:hi], buffers = self.train(
-                    {k: v[lo:hi] for k, v in params.items()}, batches, rates, self.optimizer,
-                    None if momentum is None else {k: v[lo:hi] for k, v in momentum.items()})
-                if self.keep_momentum and buffers is not None:
-                    self.store_momentum(buffers, lo, hi)
+        for k in range(edge_rounds):
+            first_step = k * period  # steps counted within the cloud round
+            edge_round = (cloud_round - 1) * edge_rounds + k + 1
+            sent, trains = self.who_trains(edge_round, cloud_round)
+            params = self.start_params(edge_models, edge_of)
+            losses = self.local_training(params, rows[first_step:first_step + period],
+                                         cfg.learning_rates(round_start + first_step, period),
+                                         trains)
             # the periods divide G, so the level only depends on the step modulo G
             level = hierarchy.level_after(first_step + period - 1)
-            owner = torch.as_tensor(hierarchy.ancestors(level), device=self.device)
-            averaged = {k: average(v, weights, owner, hierarchy.num_nodes(level))
-                        for k, v in params.items()}  # name -> [nodes, *shape]
-            self.check_finite(losses, params, averaged, (round_start + first_step) // period + 1)
-            edge_losses.append((weights * losses / period).sum() / weights.sum())
-            for key, value in averaged.items():  # each client continues from its node's model
-                torch.index_select(value, 0, owner, out=params[key])
-            self.communication.add_edge_round(n, n, self.model_bytes)
+            alive, averaged, nodes = self.aggregate(params, losses, trains, level, edge_round)
+            failed += int(sent.sum() - alive.sum())
+            failed_edge_count += failed_edges(
+                hierarchy.edge_of_client(), np.flatnonzero(sent), np.flatnonzero(alive),
+                num_edges, cfg.min_clients_per_edge, edge_round)
+            self.communication.add_edge_round(int(sent.sum()), int(alive.sum()),
+                                              self.model_bytes)
+            if not alive.any():
+                continue  # nothing came back: every edge keeps its model
+            weights = torch.as_tensor(self.weights[alive], device=self.device)
+            edge_losses.append((weights * losses[torch.as_tensor(alive, device=self.device)]
+                                / period).sum() / weights.sum())
             self.communication.add_aggregation(hierarchy, level, self.model_bytes)
-        assert level == hierarchy.num_levels, "a cloud round ends with a cloud aggregation"
-        local_loss = float(torch.stack(edge_losses).mean())
-        return {k: v[0] for k, v in averaged.items()}, local_loss
+            # edges under a node with a survivor take its average; the others keep theirs
+            position = np.full(hierarchy.num_nodes(level), -1, dtype=np.int64)
+            position[nodes] = np.arange(len(nodes))
+            source = position[hierarchy.edges_under(level)]
+            updated = np.flatnonzero(source >= 0)
+            src = torch.as_tensor(source[updated], device=self.device)
+            dst = torch.as_tensor(updated, device=self.device)
+            for key, value in averaged.items():
+                edge_models[key].index_copy_(0, dst, value.index_select(0, src))
+            if level == hierarchy.num_levels:
+                new_global = {key: value[0] for key, value in averaged.items()}
+        local_loss = float(torch.stack(edge_losses).mean()) if edge_losses else None
+        return new_global, {"local_train_loss": local_loss, "failed_clients": failed,
+                            "failed_edges": failed_edge_count}
 
-    def client_params(self, global_params: Mapping[str, torch.Tensor]) -> Params:
-        """name -> [n, *shape]: the global model copied to every client, into buffers reused
-        from round to round (fresh multi-MB tensors cost page faults at 10,000 clients)."""
+    def who_trains(self, edge_round: int, cloud_round: int) -> tuple[np.ndarray, np.ndarray]:
+        """bool [n] masks: the clients sent this edge round's work (participation), and those
+        of them that run it (not failing by the fault model), as HierFedAvg and the
+        ClientApp decide it."""
+        cfg, n = self.cfg, self.data.num_clients
+        plan = plan_edge_round(self.hierarchy, self.workload, self.weights, cfg.seed,
+                               edge_round)
+        sent = plan.steps > 0
+        trains = sent.copy()
+        if self.faults != FaultModel():
+            for client in np.flatnonzero(sent):
+                trains[client] = not self.faults.fails(cfg.seed, int(client), edge_round,
+                                                       cloud_round)
+        assert len(sent) == n
+        return sent, trains
+
+    def local_training(self, params: Params, rows: torch.Tensor, rates: Sequence[float],
+                       trains: np.ndarray) -> torch.Tensor:
+        """One edge round of local steps for every client, in place on ``params``.
+
+        Every client is computed (a batch is cheaper than a gather); only those in ``trains``
+        are used, and only theirs update the kept momentum buffers.
+
+        Args:
+            params: name -> [n, *shape], each client's start model; rows: int64 [I, n, width].
+
+        Returns:
+            float64 [n], each client's summed mini-batch loss over the I steps.
+        """
+        data = self.data
+        losses = torch.empty(data.num_clients, dtype=torch.float64, device=self.device)
+        previous = self.momentum  # kept buffers of every client, or {} (fresh ones)
+        rates = [float(r) for r in rates]
+        for lo, hi in self.chunks:
+            index = rows[:, lo:hi]  # [I, c, width]
+            batches = EdgeRoundBatches(x=data.x[index], y=data.y[index],
+                                       weight=data.weight[lo:hi], batch=data.batch[lo:hi])
+            losses[lo:hi], buffers = self.train(
+                {k: v[lo:hi] for k, v in params.items()}, batches, rates, self.optimizer,
+                {k: v[lo:hi] for k, v in previous.items()} if previous else None)
+            if self.keep_momentum and buffers is not None:
+                self.store_momentum(buffers, lo, hi)
+        if self.keep_momentum and self.momentum and not trains.all():
+            idle = torch.as_tensor(np.flatnonzero(~trains), device=self.device)
+            for key, value in self.momentum.items():  # idle clients keep what they had
+                value.index_copy_(0, idle, previous[key].index_select(0, idle) if previous
+                                  else torch.zeros_like(value.index_select(0, idle)))
+        return losses
+
+    def aggregate(self, params: Params, losses: torch.Tensor, trains: np.ndarray, level: int,
+                  edge_round: int) -> tuple[np.ndarray, Params, np.ndarray]:
+        """Average the surviving clients' models per level-``level`` node.
+
+        A client whose loss or model is NaN/inf stops the run (``on_nan="stop"``) or is
+        dropped (``skip-client``). Weights renormalise over the survivors
+        (:func:`presence_weights`), as in HierFedAvg.
+
+        Returns:
+            (alive bool [n]: the survivors, averages name -> [s, *shape] of the s nodes that
+            have a survivor, those nodes' ids int64 [s]).
+        """
+        alive = trains.copy()
+        averaged, nodes = self.node_means(params, alive, level)
+        if all(bool(torch.isfinite(v).all()) for v in averaged.values()) and bool(
+                torch.isfinite(losses[torch.as_tensor(alive, device=self.device)]).all()):
+            return alive, averaged, nodes  # a non-finite survivor makes its node's mean so
+        bad = torch.isfinite(losses)
+        for value in params.values():
+            bad &= torch.isfinite(value.reshape(len(bad), -1)).all(dim=1)
+        bad_clients = np.flatnonzero(alive & ~bad.cpu().numpy())
+        if self.cfg.on_nan == "stop":
+            client = int(bad_clients[0])
+            raise RunFailureError(non_finite_message(
+                client, int(self.hierarchy.edge_of_client()[client]), edge_round,
+                self.cfg.global_period // self.cfg.local_period))
+        alive[bad_clients] = False
+        averaged, nodes = self.node_means(params, alive, level)
+        return alive, averaged, nodes
+
+    def node_means(self, params: Params, alive: np.ndarray,
+                   level: int) -> tuple[Params, np.ndarray]:
+        """``segment_weighted_mean`` of the ``alive`` clients' models at ``level``, over the
+        nodes that have one (:func:`occupied_segments`), with :func:`presence_weights`."""
+        hierarchy = self.hierarchy
+        members = np.flatnonzero(alive)
+        if len(members) == 0:
+            return {}, np.zeros(0, dtype=np.int64)
+        everyone = len(members) == len(alive)
+        weights = (self.weights if everyone else
+                   presence_weights(self.weights, alive, hierarchy.edge_of_client()))[members]
+        nodes, compact = occupied_segments(hierarchy.ancestors(level)[members],
+                                           hierarchy.num_nodes(level))
+        index = torch.as_tensor(members, device=self.device)
+        w = torch.as_tensor(weights, device=self.device)
+        owner = torch.as_tensor(compact, device=self.device)
+        return {k: average(v if everyone else v.index_select(0, index), w, owner, len(nodes))
+                for k, v in params.items()}, nodes
+
+    def start_params(self, edge_models: Mapping[str, torch.Tensor],
+                     edge_of: torch.Tensor) -> Params:
+        """name -> [n, *shape]: each client's edge model, gathered into buffers reused from
+        round to round (fresh multi-MB tensors cost page faults at 10,000 clients)."""
         n = self.data.num_clients
-        for key, value in global_params.items():
+        for key, value in edge_models.items():
             buffer = self.buffers.get(key)
             if buffer is None:
-                buffer = self.buffers[key] = torch.empty(n, *value.shape, dtype=value.dtype,
+                buffer = self.buffers[key] = torch.empty(n, *value.shape[1:], dtype=value.dtype,
                                                          device=self.device)
-            buffer.copy_(value.unsqueeze(0).expand_as(buffer))
+            torch.index_select(value, 0, edge_of, out=buffer)
         return dict(self.buffers)
 
     def regroup(self, cloud_round: int, params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -461,42 +588,39 @@ class VectorizedRun:
         if hi == self.data.num_clients:  # the edge round's last chunk: buffers complete
             self.momentum, self.next_momentum = self.next_momentum, {}
 
-    def check_finite(self, losses: torch.Tensor, params: Params, averaged: Params,
-                     edge_round: int) -> None:
-        """Stop like HierFedAvg (``on_nan="stop"``) when a client's loss or model is NaN/inf.
-
-        A non-finite client model makes its node's average non-finite (weights are > 0), so
-        only the losses [n] and the averages [nodes, ...] are scanned on the common path.
-        """
-        bad = ~torch.isfinite(losses)
-        if all(bool(torch.isfinite(v).all()) for v in averaged.values()) and not bool(bad.any()):
-            return
-        for value in params.values():
-            bad |= ~torch.isfinite(value.reshape(len(bad), -1)).all(dim=1)
-        client = int(torch.nonzero(bad)[0])
-        edge = int(self.hierarchy.edge_of_client()[client])
-        cloud_round = (edge_round - 1) // (self.cfg.global_period // self.cfg.local_period) + 1
-        raise RunFailureError(
-            f"non-finite values in the update of client {client} (edge {edge}) in edge round "
-            f"{edge_round} (cloud round {cloud_round}); lower --lr")
-
-    def minibatch_schedule(self) -> Iterator[torch.Tensor]:
-        """For each cloud round, int64 [G, n, width]: the pool rows of its mini-batches.
+    def minibatch_schedule(self, first_round: int = 1) -> Iterator[tuple[int, torch.Tensor]]:
+        """For each cloud round from ``first_round`` on: (round, int64 [G, n, width], the pool
+        rows of its mini-batches).
 
         Computed with :meth:`ClientRows.minibatch_rows` for blocks of cloud rounds at once
         (:meth:`index_blocks`) and moved to the device once per block.
         """
         cfg, g = self.cfg, self.cfg.global_period
         block = self.index_blocks()
-        for first in range(0, cfg.rounds, block):
+        for first in range(first_round - 1, cfg.rounds, block):
             count = min(block, cfg.rounds - first)
             rows = torch.as_tensor(self.data.minibatch_rows(cfg.seed, cfg.batch_size, first * g,
                                                             count * g), device=self.device)
             for k in range(count):
-                yield rows[k * g:(k + 1) * g]
+                yield first + k + 1, rows[k * g:(k + 1) * g]
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs besides the global model: the communication counters,
+        the grouping in force and the clients' kept momentum buffers [n, *shape].
+
+        A snapshot without copies: training replaces ``self.momentum`` by new tensors every
+        edge round and never writes into the ones returned here.
+        """
+        return {"communication": self.communication.as_dict(), "hierarchy": self.hierarchy,
+                "momentum": dict(self.momentum)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.communication = Communication(**state["communication"])
+        self.hierarchy = state["hierarchy"]
+        self.momentum = {k: v.to(self.device) for k, v in state.get("momentum", {}).items()}
 
     def cloud_record(self, cloud_round: int, params: Mapping[str, torch.Tensor],
-                     local_loss: float | None,
+                     trained: Mapping[str, Any] | None = None,
                      regrouped: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The metrics record of a cloud round, keyed as HierFedAvg's ``on_cloud_round``."""
         cfg = self.cfg
@@ -504,12 +628,28 @@ class VectorizedRun:
             "round": cloud_round, "iteration": cloud_round * cfg.global_period,
             "edge_rounds": cloud_round * (cfg.global_period // cfg.local_period)}
         record.update(self.train_metrics(params))
-        record.update({"local_train_loss": local_loss, "failed_clients": 0, "failed_edges": 0})
+        record.update(self.holdout_metrics(params))
+        record.update(trained or {"local_train_loss": None, "failed_clients": 0,
+                                  "failed_edges": 0})
         record.update(regrouped or {})
         record.update(test_metrics(self.model, dict(params), self.fed, self.device))
         record.update(round_diagnostics(self, cloud_round, params))
         record.update(self.communication.as_dict())
         return record
+
+    def holdout_metrics(self, params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Each client's accuracy on its held-out rows (``client_holdout``), summarised as
+        HierFedAvg does (:func:`client_accuracy_summary`); {} without held-out rows."""
+        fed = self.fed
+        if not fed.holdouts:
+            return {}
+        accuracies = np.full(fed.num_clients, np.nan)
+        with torch.no_grad():
+            for client in range(fed.num_clients):
+                x, y = fed.holdout_tensors(client, self.device)
+                if len(y):
+                    accuracies[client] = evaluate(self.model, dict(params), x, y)[1]
+        return client_accuracy_summary(accuracies)
 
     def train_metrics(self, params: Mapping[str, torch.Tensor]) -> dict[str, float]:
         """train_loss / train_accuracy: the global model on every client's training rows,
@@ -555,9 +695,7 @@ def round_diagnostics(run: VectorizedRun, cloud_round: int,
 
 #: RunConfig knobs this engine does not implement yet. A non-default value is refused, so a
 #: vectorized run never silently computes something other than the Flower path.
-UNSUPPORTED = ("cloud_strategy", "participation", "straggler_fraction", "normalize_updates",
-               "fail_rate", "dropout_fraction", "on_nan", "checkpoint_every",
-               "client_holdout")
+UNSUPPORTED = ("cloud_strategy", "straggler_fraction")
 
 
 def check_supported(cfg: RunConfig) -> None:
@@ -588,12 +726,17 @@ def build_run(cfg: RunConfig, fed: Federation, model: nn.Module,
                                   client_grads=grads, weights=weights),
         weights=weights, train=local_training_for(model),
         model_bytes=ArrayRecord(state).count_bytes(), device=device,
-        communication=Communication(), optimizer=cfg.local_optimizer())
+        communication=Communication(), optimizer=cfg.local_optimizer(),
+        workload=cfg.workload(), faults=cfg.faults())
 
 
 def run_vectorized(cfg: RunConfig, folder: RunFolder, progress: bool = True, *,
-                   federation: Federation | None = None) -> dict[str, Any]:
+                   federation: Federation | None = None,
+                   resume: Checkpoint | None = None) -> dict[str, Any]:
     """Run ``cfg`` with every client batched; writes the same run folder as ``inprocess``.
+
+    Writes ``checkpoint.pt`` every ``cfg.checkpoint_every`` cloud rounds and, on Ctrl-C, after
+    the last completed round before re-raising; ``resume`` continues from one.
 
     Args:
         cfg: the run configuration (``client_chunk`` and ``device`` are honoured).
@@ -601,6 +744,7 @@ def run_vectorized(cfg: RunConfig, folder: RunFolder, progress: bool = True, *,
         progress: show a progress bar over cloud rounds.
         federation: the data to use instead of ``prepare(cfg)`` (benchmarks use it to build
             federations the partitioners cannot, e.g. replicated clients).
+        resume: a checkpoint of this run to continue from.
 
     Returns:
         summary.json's dict.
@@ -612,17 +756,44 @@ def run_vectorized(cfg: RunConfig, folder: RunFolder, progress: bool = True, *,
     check_supported(cfg)
     device = resolve_device(cfg.device)
     model = initial_model(cfg, fed).to(device)
-    recorder = RunRecorder(folder, cfg, fed, "vectorized", progress)
-    recorder.save_initial(model.state_dict())
+    recorder = RunRecorder(folder, cfg, fed, "vectorized", progress,
+                           resume_round=resume.round if resume else None,
+                           elapsed=resume.wall_seconds if resume else 0.0)
     run = build_run(cfg, fed, model, device)
     params = params_of(model)
+    done = 0  # the last recorded cloud round; params and state are the run after it
+    if resume is None:
+        recorder.save_initial(model.state_dict())
+    else:
+        done = resume.round
+        params = {k: v.to(device) for k, v in resume.global_state.items()}
+        run.load_state_dict(resume.strategy_state)
+    state = run.state_dict()
+
+    def checkpoint() -> None:
+        saved = {**state, "momentum": {k: v.cpu() for k, v in state["momentum"].items()}}
+        save_checkpoint(folder.path, Checkpoint(
+            round=done, global_state={k: v.detach().cpu() for k, v in params.items()},
+            strategy_state=saved, wall_seconds=recorder.elapsed))
+
     try:
-        recorder.write_groups(run.hierarchy, run.info, cfg.grouping, cfg.seed)
-        recorder.record_round(run.cloud_record(0, params, None))
-        for cloud_round, rows in enumerate(run.minibatch_schedule(), start=1):
+        if resume is None:
+            recorder.write_groups(run.hierarchy, run.info, cfg.grouping, cfg.seed)
+            recorder.record_round(run.cloud_record(0, params))
+        for cloud_round, rows in run.minibatch_schedule(done + 1):
             regrouped = run.regroup(cloud_round, params)
-            params, local_loss = run.train_cloud_round(cloud_round, params, rows)
-            recorder.record_round(run.cloud_record(cloud_round, params, local_loss, regrouped))
+            new_params, trained = run.train_cloud_round(cloud_round, params, rows)
+            record = run.cloud_record(cloud_round, new_params, trained, regrouped)
+            recorder.record_round(record)
+            # one tuple assignment: a Ctrl-C sees the round, its model and its state together
+            params, done, state = new_params, cloud_round, run.state_dict()
+            if cfg.checkpoint_every and cloud_round % cfg.checkpoint_every == 0:
+                checkpoint()
+    except KeyboardInterrupt:
+        recorder.close()
+        if done > 0:
+            checkpoint()
+        raise
     finally:
         recorder.close()
     final = {k: v.detach().cpu() for k, v in params.items()}
