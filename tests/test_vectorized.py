@@ -67,6 +67,13 @@ CASES = {
                                              rounds=4, seed=32),
     "dropout-span": BASE.replace(dropout_fraction=0.5, dropout_rounds="2-2", rounds=3),
     "client-holdout": UNEQUAL.replace(client_holdout=0.2),
+    "stragglers": BASE.replace(local_period=4, global_period=8, straggler_fraction=0.5,
+                               rounds=2),
+    "stragglers-fednova-momentum-kept": UNEQUAL.replace(
+        local_period=4, global_period=8, straggler_fraction=0.6, normalize_updates=True,
+        momentum=0.5, optimizer_state="keep", participation=0.7, rounds=2),
+    "stragglers-cnn": BASE.replace(model="cnn", local_period=3, global_period=6,
+                                   straggler_fraction=0.5, normalize_updates=True, rounds=1),
 }
 
 
@@ -194,7 +201,7 @@ def test_cli_runs_the_vectorized_engine(tmp_path):
     assert len(metrics(out)) == 2
 
 
-@pytest.mark.parametrize("knob", [{"straggler_fraction": 0.5}, {"cloud_strategy": "fedavgm"}])
+@pytest.mark.parametrize("knob", [{"cloud_strategy": "fedavgm"}])
 def test_unsupported_knobs_are_refused(knob, tmp_path):
     name = next(iter(knob))
     if name not in {f.name for f in dataclasses.fields(RunConfig)}:

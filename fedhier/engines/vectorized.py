@@ -66,7 +66,7 @@ from fedhier.federation import Federation
 from fedhier.grouping import GRADIENT_GROUPING, ClientInfo
 from fedhier.models import MLP, LogReg
 from fedhier.optim import LocalOptimizer
-from fedhier.plan import Workload, plan_edge_round
+from fedhier.plan import EdgeRoundPlan, Workload, plan_edge_round
 from fedhier.recorder import RunRecorder
 from fedhier.results import RunFolder
 from fedhier.round_diagnostics import (
@@ -407,11 +407,14 @@ class VectorizedRun:
         for k in range(edge_rounds):
             first_step = k * period  # steps counted within the cloud round
             edge_round = (cloud_round - 1) * edge_rounds + k + 1
-            sent, trains = self.who_trains(edge_round, cloud_round)
+            sent, trains, plan = self.who_trains(edge_round, cloud_round)
+            steps = np.where(sent, plan.steps, period)  # unsent clients' work is discarded
             params = self.start_params(edge_models, edge_of)
             losses = self.local_training(params, rows[first_step:first_step + period],
                                          cfg.learning_rates(round_start + first_step, period),
-                                         trains)
+                                         trains, steps)
+            if (plan.scale != 1.0).any():  # FedNova: w_start + s (w_local - w_start)
+                self.scale_updates(params, edge_models, plan.scale)
             # the periods divide G, so the level only depends on the step modulo G
             level = hierarchy.level_after(first_step + period - 1)
             alive, averaged, nodes = self.aggregate(params, losses, trains, level, edge_round)
@@ -424,8 +427,9 @@ class VectorizedRun:
             if not alive.any():
                 continue  # nothing came back: every edge keeps its model
             weights = torch.as_tensor(self.weights[alive], device=self.device)
-            edge_losses.append((weights * losses[torch.as_tensor(alive, device=self.device)]
-                                / period).sum() / weights.sum())
+            mean_loss = losses / torch.as_tensor(steps, device=self.device)
+            edge_losses.append((weights * mean_loss[torch.as_tensor(alive, device=self.device)]
+                                ).sum() / weights.sum())
             self.communication.add_aggregation(hierarchy, level, self.model_bytes)
             # edges under a node with a survivor take its average; the others keep theirs
             position = np.full(hierarchy.num_nodes(level), -1, dtype=np.int64)
@@ -442,10 +446,11 @@ class VectorizedRun:
         return new_global, {"local_train_loss": local_loss, "failed_clients": failed,
                             "failed_edges": failed_edge_count}
 
-    def who_trains(self, edge_round: int, cloud_round: int) -> tuple[np.ndarray, np.ndarray]:
+    def who_trains(self, edge_round: int,
+                   cloud_round: int) -> tuple[np.ndarray, np.ndarray, EdgeRoundPlan]:
         """bool [n] masks: the clients sent this edge round's work (participation), and those
         of them that run it (not failing by the fault model), as HierFedAvg and the
-        ClientApp decide it."""
+        ClientApp decide it; and the round's plan (steps and update scale per client)."""
         cfg, n = self.cfg, self.data.num_clients
         plan = plan_edge_round(self.hierarchy, self.workload, self.weights, cfg.seed,
                                edge_round)
@@ -456,32 +461,57 @@ class VectorizedRun:
                 trains[client] = not self.faults.fails(cfg.seed, int(client), edge_round,
                                                        cloud_round)
         assert len(sent) == n
-        return sent, trains
+        return sent, trains, plan
 
     def local_training(self, params: Params, rows: torch.Tensor, rates: Sequence[float],
-                       trains: np.ndarray) -> torch.Tensor:
+                       trains: np.ndarray, steps: np.ndarray) -> torch.Tensor:
         """One edge round of local steps for every client, in place on ``params``.
 
         Every client is computed (a batch is cheaper than a gather); only those in ``trains``
-        are used, and only theirs update the kept momentum buffers.
+        are used, and only theirs update the kept momentum buffers. Client j stops after
+        ``steps[j]`` <= I steps (stragglers): the I steps run in segments that end where some
+        client stops, and a stopped client's model, buffers and loss are set aside until the
+        round ends.
 
         Args:
-            params: name -> [n, *shape], each client's start model; rows: int64 [I, n, width].
+            params: name -> [n, *shape], each client's start model; rows: int64 [I, n, width];
+            rates: the I learning rates; trains: bool [n]; steps: int64 [n] in 1..I.
 
         Returns:
-            float64 [n], each client's summed mini-batch loss over the I steps.
+            float64 [n], each client's summed mini-batch loss over its steps.
         """
         data = self.data
-        losses = torch.empty(data.num_clients, dtype=torch.float64, device=self.device)
+        losses = torch.zeros(data.num_clients, dtype=torch.float64, device=self.device)
         previous = self.momentum  # kept buffers of every client, or {} (fresh ones)
         rates = [float(r) for r in rates]
+        bounds = [0, *np.unique(steps).tolist()]
         for lo, hi in self.chunks:
-            index = rows[:, lo:hi]  # [I, c, width]
-            batches = EdgeRoundBatches(x=data.x[index], y=data.y[index],
-                                       weight=data.weight[lo:hi], batch=data.batch[lo:hi])
-            losses[lo:hi], buffers = self.train(
-                {k: v[lo:hi] for k, v in params.items()}, batches, rates, self.optimizer,
-                {k: v[lo:hi] for k, v in previous.items()} if previous else None)
+            chunk = {k: v[lo:hi] for k, v in params.items()}
+            buffers = {k: v[lo:hi] for k, v in previous.items()} if previous else None
+            stopped: dict[int, tuple[Params, Params | None]] = {}  # segment end -> saved
+            for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+                index = rows[start:end, lo:hi]  # [steps, c, width]
+                batches = EdgeRoundBatches(x=data.x[index], y=data.y[index],
+                                           weight=data.weight[lo:hi], batch=data.batch[lo:hi])
+                running = torch.as_tensor(steps[lo:hi] >= end, device=self.device)
+                segment_loss, buffers = self.train(chunk, batches, rates[start:end],
+                                                   self.optimizer, buffers)
+                losses[lo:hi] += torch.where(running, segment_loss, 0.0)
+                done = np.flatnonzero(steps[lo:hi] == end)
+                if end < bounds[-1] and len(done):
+                    rows_done = torch.as_tensor(done, device=self.device)
+                    stopped[end] = (
+                        {k: v.index_select(0, rows_done) for k, v in chunk.items()},
+                        None if buffers is None else
+                        {k: v.index_select(0, rows_done) for k, v in buffers.items()})
+            for end, (saved, saved_buffers) in stopped.items():
+                rows_done = torch.as_tensor(np.flatnonzero(steps[lo:hi] == end),
+                                            device=self.device)
+                for key, value in saved.items():
+                    chunk[key].index_copy_(0, rows_done, value)
+                if buffers is not None and saved_buffers is not None:
+                    for key, value in saved_buffers.items():
+                        buffers[key].index_copy_(0, rows_done, value)
             if self.keep_momentum and buffers is not None:
                 self.store_momentum(buffers, lo, hi)
         if self.keep_momentum and self.momentum and not trains.all():
@@ -490,6 +520,20 @@ class VectorizedRun:
                 value.index_copy_(0, idle, previous[key].index_select(0, idle) if previous
                                   else torch.zeros_like(value.index_select(0, idle)))
         return losses
+
+    def scale_updates(self, params: Params, edge_models: Mapping[str, torch.Tensor],
+                      scale: np.ndarray) -> None:
+        """FedNova-style: client j's model becomes w_start + scale[j] * (w_j - w_start), with
+        w_start its edge's model (what the ClientApp does with ``update-scale``)."""
+        clients = np.flatnonzero(scale != 1.0)
+        index = torch.as_tensor(clients, device=self.device)
+        edges = torch.as_tensor(self.hierarchy.edge_of_client()[clients], device=self.device)
+        factor = torch.as_tensor(scale[clients], device=self.device)
+        for key, value in params.items():
+            start = edge_models[key].index_select(0, edges)
+            local = value.index_select(0, index)
+            f = factor.reshape(-1, *([1] * (local.dim() - 1))).to(local.dtype)
+            value.index_copy_(0, index, start + f * (local - start))
 
     def aggregate(self, params: Params, losses: torch.Tensor, trains: np.ndarray, level: int,
                   edge_round: int) -> tuple[np.ndarray, Params, np.ndarray]:
@@ -695,7 +739,7 @@ def round_diagnostics(run: VectorizedRun, cloud_round: int,
 
 #: RunConfig knobs this engine does not implement yet. A non-default value is refused, so a
 #: vectorized run never silently computes something other than the Flower path.
-UNSUPPORTED = ("cloud_strategy", "straggler_fraction")
+UNSUPPORTED = ("cloud_strategy",)
 
 
 def check_supported(cfg: RunConfig) -> None:
