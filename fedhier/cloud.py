@@ -8,6 +8,12 @@ its ``aggregate_train`` to the edges' models at each cloud step (see
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
 from flwr.serverapp.strategy import (
     FedAdagrad,
     FedAdam,
@@ -16,6 +22,7 @@ from flwr.serverapp.strategy import (
     FedYogi,
     Strategy,
 )
+from flwr.supercore.run import Run
 
 from fedhier.errors import ConfigError
 
@@ -44,3 +51,77 @@ def make_cloud_strategy(name: str, server_lr: float = 0.0,
         return optimisers[name](**common, **lr)  # type: ignore[arg-type]
     raise ConfigError(f"unknown cloud strategy '{name}'; choose one of "
                       f"{', '.join(CLOUD_STRATEGIES)}")
+
+
+def cloud_update(strategy: Strategy, cloud_round: int, children: Mapping[int, ArrayRecord],
+                 child_weights: Mapping[int, float]) -> ArrayRecord:
+    """The cloud's new model from the wrapped Flower strategy, over the cloud's children.
+
+    Each child of the cloud (an edge, or a top region of a deeper tree) is one reply to
+    ``strategy.aggregate_train`` carrying its average model and, as ``num-examples``, the sum
+    of its clients' weights.
+
+    Args:
+        children: child index -> its average model (children without survivors left out).
+        child_weights: child index -> the sum of its surviving clients' weights.
+    """
+    replies = [
+        Message(RecordDict({
+            "arrays": children[child],
+            "metrics": MetricRecord({"num-examples": float(child_weights[child])})}),
+            message_type=MessageType.TRAIN, dst_node_id=child + 1)
+        for child in sorted(children)
+    ]
+    arrays, _ = strategy.aggregate_train(cloud_round, replies)
+    if arrays is None:
+        raise RuntimeError(f"cloud strategy {type(strategy).__name__} returned no model")
+    # Flower's server optimisers (FedAdam, FedYogi, FedAdagrad) compute in float64 numpy;
+    # the model keeps its own dtypes (clients cannot train a float32 model on float64 weights).
+    dtypes = {k: v.dtype for k, v in children[min(children)].items()}
+    if any(v.dtype != dtypes[k] for k, v in arrays.items()):
+        state = arrays.to_torch_state_dict()
+        arrays = ArrayRecord({k: v.to(_torch_dtype(dtypes[k])) for k, v in state.items()})
+    return arrays
+
+
+def _torch_dtype(numpy_dtype: str) -> torch.dtype:
+    """The torch dtype of a Flower Array's numpy dtype string (e.g. '<f4')."""
+    return torch.from_numpy(np.zeros(0, dtype=np.dtype(numpy_dtype))).dtype
+
+
+class ChildrenGrid(Grid):
+    """The cloud's children as the nodes of a Grid that sends nothing.
+
+    A cloud strategy's ``configure_train`` records the current model (FedAvgM, FedAdam, ...)
+    and samples node ids; engines without messages (``vectorized``) hand it this Grid.
+    """
+
+    def __init__(self, num_children: int) -> None:
+        self.num_children = num_children
+
+    def get_node_ids(self) -> Iterable[int]:
+        return range(1, self.num_children + 1)
+
+    @property
+    def run(self) -> Run:
+        raise NotImplementedError(NO_MESSAGES)
+
+    def set_run(self, run: Run) -> None:
+        raise NotImplementedError(NO_MESSAGES)
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int,
+                       group_id: str, ttl: float | None = None) -> Message:
+        raise NotImplementedError(NO_MESSAGES)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        raise NotImplementedError(NO_MESSAGES)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        raise NotImplementedError(NO_MESSAGES)
+
+    def send_and_receive(self, messages: Iterable[Message], *,
+                         timeout: float | None = None) -> Iterable[Message]:
+        raise NotImplementedError(NO_MESSAGES)
+
+
+NO_MESSAGES = "ChildrenGrid only lists node ids; it sends no messages"

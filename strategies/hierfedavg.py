@@ -36,6 +36,7 @@ from fedhier.aggregate import (
     presence_weights,
     segment_weighted_mean,
 )
+from fedhier.cloud import cloud_update
 from fedhier.communication import Communication
 from fedhier.errors import ConfigError
 from fedhier.faults import RunFailureError, failed_edges, non_finite_message
@@ -398,18 +399,8 @@ class HierFedAvg(Strategy):
         records, has_child = self._average(states, clients, weights, child_level)
         child_weight = np.bincount(hierarchy.ancestors(child_level)[clients],
                                    weights=weights[clients], minlength=len(has_child))
-        replies = [
-            Message(RecordDict({
-                "arrays": records[child],
-                "metrics": MetricRecord({"num-examples": float(child_weight[child])})}),
-                message_type=MessageType.TRAIN, dst_node_id=child + 1)
-            for child in sorted(records)
-        ]
-        arrays, _ = self.cloud_strategy.aggregate_train(self._cloud_round_index, replies)
-        if arrays is None:
-            raise RuntimeError(f"cloud strategy {type(self.cloud_strategy).__name__} "
-                               "returned no model")
-        return arrays
+        return cloud_update(self.cloud_strategy, self._cloud_round_index, records,
+                            dict(enumerate(child_weight.tolist())))
 
     # ------------------------------------------------------------------ evaluation
     def configure_evaluate(

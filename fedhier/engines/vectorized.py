@@ -30,7 +30,7 @@ Every client's parameters live in one tensor per parameter name with a leading c
   (:func:`vmap_training`).
 
 The host waits for the device once per edge round (the NaN check), and once per cloud round
-for the metrics. Knobs this engine does not implement are refused (:data:`UNSUPPORTED`).
+for the metrics. Every RunConfig knob is implemented, tested against the Flower path.
 
 Clients with fewer rows than ``batch_size`` use all their rows, so the per-step batch size b_j
 differs between clients. Mini-batches are padded to the largest b_j of the run; padding rows
@@ -40,6 +40,7 @@ cross-entropy. The vmap path instead runs one vmap per distinct b_j (no padding 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from flwr.app import ArrayRecord, ConfigRecord
+from flwr.serverapp.strategy import Strategy
 from torch import nn
 from torch.func import grad_and_value, vmap
 
@@ -58,6 +61,7 @@ from fedhier.aggregate import (
     segment_weighted_mean,
 )
 from fedhier.checkpoint import Checkpoint, save_checkpoint
+from fedhier.cloud import ChildrenGrid, cloud_update, make_cloud_strategy
 from fedhier.communication import Communication
 from fedhier.config import RunConfig
 from fedhier.errors import ConfigError
@@ -351,6 +355,7 @@ class VectorizedRun:
     device: torch.device
     communication: Communication
     optimizer: LocalOptimizer = dataclasses.field(default_factory=LocalOptimizer)
+    cloud_strategy: Strategy | None = None  # "hierarchical X" (fedhier.cloud), None = average
     workload: Workload = dataclasses.field(default_factory=Workload)
     faults: FaultModel = dataclasses.field(default_factory=FaultModel)
     buffers: Params = dataclasses.field(default_factory=dict)  # clients' params [n, *shape]
@@ -401,6 +406,10 @@ class VectorizedRun:
         edge_models = {k: v.unsqueeze(0).repeat(num_edges, *([1] * v.dim()))
                        for k, v in global_params.items()}
         new_global = dict(global_params)
+        if self.cloud_strategy is not None:  # lets server optimisers see the current model
+            self.cloud_strategy.configure_train(
+                cloud_round, to_record(global_params), ConfigRecord(),
+                ChildrenGrid(hierarchy.num_nodes(hierarchy.num_levels - 1)))
         edge_losses: list[torch.Tensor] = []
         failed = failed_edge_count = 0
         round_start = (cloud_round - 1) * cfg.global_period  # global index of its first step
@@ -418,6 +427,8 @@ class VectorizedRun:
             # the periods divide G, so the level only depends on the step modulo G
             level = hierarchy.level_after(first_step + period - 1)
             alive, averaged, nodes = self.aggregate(params, losses, trains, level, edge_round)
+            if level == hierarchy.num_levels and self.cloud_strategy is not None and alive.any():
+                averaged, nodes = self.cloud_step(cloud_round, params, alive), np.zeros(1, int)
             failed += int(sent.sum() - alive.sum())
             failed_edge_count += failed_edges(
                 hierarchy.edge_of_client(), np.flatnonzero(sent), np.flatnonzero(alive),
@@ -565,6 +576,24 @@ class VectorizedRun:
         averaged, nodes = self.node_means(params, alive, level)
         return alive, averaged, nodes
 
+    def cloud_step(self, cloud_round: int, params: Params, alive: np.ndarray) -> Params:
+        """The cloud's update with the wrapped Flower strategy (``cloud_update``) over the
+        averages of the cloud's children; returns name -> [1, *shape]."""
+        assert self.cloud_strategy is not None
+        hierarchy = self.hierarchy
+        child_level = hierarchy.num_levels - 1
+        children, nodes = self.node_means(params, alive, child_level)
+        weights = presence_weights(self.weights, alive, hierarchy.edge_of_client())
+        child_weight = np.bincount(hierarchy.ancestors(child_level)[alive],
+                                   weights=weights[alive],
+                                   minlength=hierarchy.num_nodes(child_level))
+        records = {int(node): to_record({k: v[i] for k, v in children.items()})
+                   for i, node in enumerate(nodes)}
+        arrays = cloud_update(self.cloud_strategy, cloud_round, records,
+                              {int(node): float(child_weight[node]) for node in nodes})
+        return {k: v.to(self.device).unsqueeze(0)
+                for k, v in arrays.to_torch_state_dict().items()}
+
     def node_means(self, params: Params, alive: np.ndarray,
                    level: int) -> tuple[Params, np.ndarray]:
         """``segment_weighted_mean`` of the ``alive`` clients' models at ``level``, over the
@@ -652,16 +681,20 @@ class VectorizedRun:
         """What a resumed run needs besides the global model: the communication counters,
         the grouping in force and the clients' kept momentum buffers [n, *shape].
 
-        A snapshot without copies: training replaces ``self.momentum`` by new tensors every
-        edge round and never writes into the ones returned here.
+        A snapshot without copies of the momentum: training replaces ``self.momentum`` by new
+        tensors every edge round and never writes into the ones returned here. The cloud
+        strategy (with its server optimiser state) is copied.
         """
         return {"communication": self.communication.as_dict(), "hierarchy": self.hierarchy,
-                "momentum": dict(self.momentum)}
+                "momentum": dict(self.momentum),
+                "cloud_strategy": copy.deepcopy(self.cloud_strategy)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.communication = Communication(**state["communication"])
         self.hierarchy = state["hierarchy"]
         self.momentum = {k: v.to(self.device) for k, v in state.get("momentum", {}).items()}
+        if state.get("cloud_strategy") is not None:
+            self.cloud_strategy = state["cloud_strategy"]
 
     def cloud_record(self, cloud_round: int, params: Mapping[str, torch.Tensor],
                      trained: Mapping[str, Any] | None = None,
@@ -721,6 +754,11 @@ class VectorizedRun:
                 "train_accuracy": float(np.dot(w, client_acc) / w.sum())}
 
 
+def to_record(params: Mapping[str, torch.Tensor]) -> ArrayRecord:
+    """A model as the ArrayRecord a Flower strategy expects (on the CPU)."""
+    return ArrayRecord({k: v.detach().cpu() for k, v in params.items()})
+
+
 def round_diagnostics(run: VectorizedRun, cloud_round: int,
                       params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """Divergences and gradient diversity at the global model, every ``diagnostics_every``
@@ -737,26 +775,9 @@ def round_diagnostics(run: VectorizedRun, cloud_round: int,
     return out
 
 
-#: RunConfig knobs this engine does not implement yet. A non-default value is refused, so a
-#: vectorized run never silently computes something other than the Flower path.
-UNSUPPORTED = ("cloud_strategy",)
-
-
-def check_supported(cfg: RunConfig) -> None:
-    """Raise ConfigError if ``cfg`` asks for something this engine does not implement."""
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    changed = [f"{name}={getattr(cfg, name)!r}" for name in UNSUPPORTED
-               if name in defaults and getattr(cfg, name) != defaults[name]]
-    if changed:
-        raise ConfigError(f"the vectorized engine does not support {', '.join(changed)} yet; "
-                          "use --engine inprocess")
-
-
 def build_run(cfg: RunConfig, fed: Federation, model: nn.Module,
               device: torch.device) -> VectorizedRun:
     """Everything a vectorized run needs besides the recorder."""
-    from flwr.app import ArrayRecord  # only to count a model's bytes exactly as Flower does
-
     info = ClientInfo(label_histograms=fed.label_histograms, num_examples=fed.client_sizes())
     weights = client_weights(cfg.weighting, info.num_examples)
     grads = (direct_client_gradients(model, params_of(model), fed, cfg.diagnostics_max_samples,
@@ -769,9 +790,11 @@ def build_run(cfg: RunConfig, fed: Federation, model: nn.Module,
         hierarchy=build_hierarchy(cfg.periods, cfg.groups, cfg.grouping, info, cfg.seed,
                                   client_grads=grads, weights=weights),
         weights=weights, train=local_training_for(model),
-        model_bytes=ArrayRecord(state).count_bytes(), device=device,
+        model_bytes=ArrayRecord(state).count_bytes(), device=device,  # as Flower counts
         communication=Communication(), optimizer=cfg.local_optimizer(),
-        workload=cfg.workload(), faults=cfg.faults())
+        workload=cfg.workload(), faults=cfg.faults(),
+        cloud_strategy=make_cloud_strategy(cfg.cloud_strategy, cfg.server_lr,
+                                           cfg.server_momentum))
 
 
 def run_vectorized(cfg: RunConfig, folder: RunFolder, progress: bool = True, *,
@@ -797,7 +820,6 @@ def run_vectorized(cfg: RunConfig, folder: RunFolder, progress: bool = True, *,
     if fed.num_clients != cfg.clients:
         raise ConfigError(f"the federation has {fed.num_clients} clients but "
                           f"clients={cfg.clients}")
-    check_supported(cfg)
     device = resolve_device(cfg.device)
     model = initial_model(cfg, fed).to(device)
     recorder = RunRecorder(folder, cfg, fed, "vectorized", progress,

@@ -42,8 +42,7 @@ def add_parser(sub: Any) -> None:
                         help="runs in parallel (default: the number of CPU cores)")
     parser.add_argument("--experiment-engine", default="vectorized",
                         choices=("vectorized", "inprocess", "flower"),
-                        help="engine for the arms (vectorized falls back to inprocess for "
-                        "settings it does not support)")
+                        help="engine for the arms (default vectorized)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     parser.add_argument("--config", type=Path, metavar="FILE.toml", help="base config keys")
     _add_config_flags(parser)

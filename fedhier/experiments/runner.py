@@ -28,19 +28,6 @@ class Arm:
     config: RunConfig
 
 
-def pick_engine(cfg: RunConfig, preferred: str) -> RunConfig:
-    """Use the vectorized engine when asked and it supports the configuration."""
-    if preferred == "vectorized":
-        from fedhier.engines.vectorized import check_supported
-        from fedhier.errors import ConfigError
-
-        try:
-            check_supported(cfg.replace(engine="vectorized"))
-        except ConfigError:
-            return cfg.replace(engine="inprocess")
-    return cfg.replace(engine=preferred)
-
-
 def _same_config(run_dir: Path, cfg: RunConfig) -> bool:
     """Whether a finished run folder ran ``cfg`` (the engine may differ: same numbers)."""
     saved = read_json(run_dir, "config.json")
@@ -67,7 +54,7 @@ def run_arms(arms: Sequence[Arm], seeds: Sequence[int], out: Path, engine: str =
     for arm in arms:
         for seed in seeds:
             run_dir = out / "runs" / arm.name / f"seed{seed}"
-            cfg = pick_engine(arm.config.replace(seed=seed, out=str(run_dir)), engine)
+            cfg = arm.config.replace(seed=seed, out=str(run_dir), engine=engine)
             if (run_dir / "summary.json").exists() and _same_config(run_dir, cfg):
                 continue
             if run_dir.exists():
