@@ -24,10 +24,16 @@ RUNS: list[tuple[str, list[str]]] = [
                               "--alpha", "0.1"]),
     ("grouping-digits", ["experiment", "grouping", "--dataset", "digits", "--clients", "40",
                          "--groups", "4", "--alpha", "0.1", "--min-partition-size", "2"]),
+    ("grouping-fmnist-a0.5", ["experiment", "grouping", "--dataset", "fashion-mnist",
+                              "--alpha", "0.5"]),
     ("periods-fmnist-a0.5", ["experiment", "periods", "--dataset", "fashion-mnist",
-                             "--alpha", "0.5", "--seeds", "2"]),
+                             "--alpha", "0.5"]),
+    ("periods-fmnist-a0.1", ["experiment", "periods", "--dataset", "fashion-mnist",
+                             "--alpha", "0.1"]),
     ("levels-fmnist-a0.1", ["experiment", "levels", "--dataset", "fashion-mnist",
                             "--alpha", "0.1", "--groups", "10"]),
+    ("levels-fmnist-a0.5", ["experiment", "levels", "--dataset", "fashion-mnist",
+                            "--alpha", "0.5", "--groups", "10"]),
     ("diversity-digits", ["experiment", "diversity", "--dataset", "digits"]),
 ]
 
