@@ -27,6 +27,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from fedhier.aggregate import segment_weighted_mean
+from fedhier.models import linear_chain
 from fedhier.rng import generator
 from fedhier.train import loss_fn
 
@@ -105,6 +106,42 @@ def _per_example_chunks(model: nn.Module, params: Params, x: torch.Tensor, y: to
         yield per_example(diff, x[start:start + chunk], y[start:start + chunk])
 
 
+def _linear_chain_sums(layers: list[tuple[str, str]], params: Params, x: torch.Tensor,
+                       y: torch.Tensor, chunk: int = 4096) -> tuple[float, torch.Tensor]:
+    """Σ_k ||g_k||² and Σ_k g_k (float64 [P]) of the per-example gradients of a Linear/ReLU
+    chain, without forming them.
+
+    Example k's gradient of layer i is δ_k a_kᵀ (weight) and δ_k (bias), with a_k the layer's
+    input and δ_k the loss gradient at its output, so its squared norm is
+    ||δ_k||² (||a_k||² + 1). Σ_k g_k is δᵀa and Σ_k δ_k. Same numbers as the vmap path
+    (tests/test_diagnostics.py), about 50x faster on Fashion-MNIST's mlp.
+    """
+    sum_sq = 0.0
+    totals: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for start in range(0, int(y.shape[0]), chunk):
+            acts = [x[start:start + chunk].flatten(1)]  # layer inputs [c, features]
+            for i, (w_key, b_key) in enumerate(layers):
+                z = torch.addmm(params[b_key], acts[-1], params[w_key].T)
+                acts.append(z.relu() if i + 1 < len(layers) else z)
+            logits = acts.pop()
+            delta = torch.softmax(logits, dim=1)
+            delta[torch.arange(len(delta)), y[start:start + chunk]] -= 1.0  # d CE / d logits
+            for i in range(len(layers) - 1, -1, -1):
+                w_key, b_key = layers[i]
+                a = acts[i]
+                norms = torch.linalg.vecdot(delta, delta).to(torch.float64)
+                inputs = torch.linalg.vecdot(a, a).to(torch.float64)
+                sum_sq += float((norms * (inputs + 1.0)).sum())
+                for key, part in ((w_key, delta.T @ a), (b_key, delta.sum(0))):
+                    part64 = part.to(torch.float64)
+                    totals[key] = totals[key] + part64 if key in totals else part64
+                if i > 0:
+                    delta = (delta @ params[w_key]) * (a > 0)
+    total = torch.cat([totals[k].flatten() for k in params if k in totals])
+    return sum_sq, total
+
+
 def _diversity(sum_sq: float, total: torch.Tensor) -> float:
     denominator = float(torch.dot(total, total))
     if denominator == 0.0:
@@ -148,6 +185,10 @@ def sample_gradient_diversity(model: nn.Module, params: Params, x: torch.Tensor,
             num_rows, size=max_samples, replace=False))
         rows = torch.as_tensor(picked, device=y.device)
         x, y = x[rows], y[rows]
+    layers = linear_chain(model)
+    if layers is not None:
+        sum_sq, total = _linear_chain_sums(layers, params, x, y)
+        return _diversity(sum_sq, total), int(y.shape[0])
     # Per chunk: row norms and the column sum in float32 (a few dozen rows each), then
     # accumulated in float64. Up-casting whole [rows, P] chunks instead costs 5x the time.
     sum_sq = 0.0

@@ -40,6 +40,19 @@ class MLP(nn.Module):
         return self.out(torch.relu(self.hidden(x.flatten(1))))
 
 
+def linear_chain(model: nn.Module) -> list[tuple[str, str]] | None:
+    """(weight, bias) names of a model that is Linear (-> ReLU -> Linear)*, else None.
+
+    Such models have per-example gradients of rank one per layer (delta a^T), which the
+    vectorized engine and the diagnostics exploit.
+    """
+    if isinstance(model, LogReg):
+        return [("linear.weight", "linear.bias")]
+    if isinstance(model, MLP):
+        return [("hidden.weight", "hidden.bias"), ("out.weight", "out.bias")]
+    return None
+
+
 class CNN(nn.Module):
     """Two 3x3 conv blocks (16, 32 channels; 2x2 max-pool while the map is >= 4 px) + linear.
 

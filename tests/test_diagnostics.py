@@ -250,6 +250,22 @@ def test_sample_gradient_diversity_matches_per_example_gradients():
     assert sample_gradient_diversity(d.model, d.params, x, y, 1000, seed=4)[1] == 300
 
 
+@pytest.mark.parametrize("name", ["logreg", "mlp", "cnn"])
+def test_sample_gradient_diversity_of_every_model_matches_per_example_gradients(name):
+    """logreg and mlp take the closed form ||δ aᵀ||² = ||δ||² ||a||² (no per-example
+    gradients), cnn the vmap path; all must equal Δ of the explicit per-example gradients."""
+    bundle = load_data("digits", seed=0)
+    x_np, y_np = bundle.train_arrays()
+    x, y = torch.from_numpy(x_np[:500]), torch.from_numpy(y_np[:500])
+    model = build_model(name, bundle.input_shape, bundle.num_classes, seed=1)
+    params = params_of(model)
+    params = {k: v + 0.05 * torch.randn_like(v) for k, v in params.items()}  # ReLUs off and on
+    delta, used = sample_gradient_diversity(model, params, x, y, None, seed=0)
+    expected = gradient_diversity(per_example_gradients(model, params, x, y))
+    assert used == 500
+    assert delta == pytest.approx(expected, rel=1e-5)
+
+
 # ---------------------------------------------------------------- label proxy
 
 

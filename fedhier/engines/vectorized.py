@@ -68,7 +68,7 @@ from fedhier.errors import ConfigError
 from fedhier.faults import FaultModel, RunFailureError, failed_edges, non_finite_message
 from fedhier.federation import Federation
 from fedhier.grouping import GRADIENT_GROUPING, ClientInfo
-from fedhier.models import MLP, LogReg
+from fedhier.models import linear_chain
 from fedhier.optim import LocalOptimizer
 from fedhier.plan import EdgeRoundPlan, Workload, plan_edge_round
 from fedhier.recorder import RunRecorder
@@ -185,15 +185,6 @@ LocalTraining = Callable[[Params, EdgeRoundBatches, Sequence[float], LocalOptimi
 
 
 # ------------------------------------------------------------------------------ local steps
-def linear_chain(model: nn.Module) -> list[tuple[str, str]] | None:
-    """(weight, bias) names of a model that is Linear (-> ReLU -> Linear)*, else None."""
-    if isinstance(model, LogReg):
-        return [("linear.weight", "linear.bias")]
-    if isinstance(model, MLP):
-        return [("hidden.weight", "hidden.bias"), ("out.weight", "out.bias")]
-    return None
-
-
 def weighted_targets(y: torch.Tensor, weight: torch.Tensor, num_classes: int) -> torch.Tensor:
     """weight[j, r] * onehot(y[..., j, r]), class-major: y [..., c, b] -> [..., c, classes, b]."""
     onehot = nn.functional.one_hot(y, num_classes).to(weight.dtype)  # [..., c, b, classes]
