@@ -12,7 +12,7 @@ from typing import Any
 
 from fedhier.config import RunConfig
 from fedhier.errors import FedhierError
-from fedhier.results import write_json
+from fedhier.results import read_json, write_json
 
 NAMES = ("sandwich", "grouping", "periods", "diversity", "levels")
 
@@ -94,17 +94,24 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         report = SUITES[args.name](base, seeds, out, args.experiment_engine,
                                    args.jobs or default_jobs(), total)
     seconds = time.time() - started
+    run_seconds = [float(read_json(path.parent, "summary.json")["wall_seconds"])
+                   for path in sorted((out / "runs").glob("*/seed*/summary.json"))]
     command = "fedhier " + " ".join(args.argv)
-    meta = {"suite": args.name, "command": command, "seconds": seconds, "seeds": seeds,
+    meta = {"suite": args.name, "command": command, "seconds": seconds,
+            "run_seconds_total": sum(run_seconds), "runs": len(run_seconds), "seeds": seeds,
             "iterations": total, "base_config": base.to_dict(),
             "machine": f"{platform.processor() or platform.machine()}, "
                        f"{__import__('os').cpu_count()} cores"}
     write_json(out / "results.json", {**meta, **report.results})
     claims = "\n".join(f"- {'holds' if ok else 'does NOT hold'}: {text}"
                        for text, ok in report.claims.items())
+    # Finished runs are reused across invocations, so the runs' own times are the true cost.
+    cost = (f"; its {len(run_seconds)} runs took {sum(run_seconds) / 60:.1f} min in all, "
+            "including any reused from an earlier invocation" if run_seconds else "")
     (out / "results.md").write_text(
-        f"## {args.name}\n\nCommand: `{command}` ({seconds / 60:.1f} min on {meta['machine']}; "
-        f"seeds {seeds}, T = {total} iterations per arm)\n\n{report.markdown}\n\n"
+        f"## {args.name}\n\nCommand: `{command}` ({seconds / 60:.1f} min wall clock on "
+        f"{meta['machine']}{cost}; seeds {seeds}, T = {total} iterations per arm)\n\n"
+        f"{report.markdown}\n\n"
         + (f"Claims:\n{claims}\n" if claims else ""))
     print(json.dumps(report.claims, indent=1) if report.claims else "")
     print(f"wrote {out / 'results.md'} and {out / 'results.json'} in {seconds:.0f} s")
