@@ -19,12 +19,11 @@ from fedhier.cli import main
 from fedhier.config import RunConfig
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.engines.vectorized import (
-    linear_chain,
     linear_chain_pass,
     run_vectorized,
     weighted_targets,
 )
-from fedhier.models import build_model
+from fedhier.models import build_model, linear_chain
 from fedhier.results import RunFolder
 from fedhier.train import loss_fn, sgd_update
 
