@@ -334,11 +334,11 @@ def _int_tuple(key: str, value: Any, where: str) -> tuple[int, ...]:
         items = [value]
     out = []
     for item in items:
-        if isinstance(item, bool):
+        if isinstance(item, bool) or (isinstance(item, float) and not item.is_integer()):
             raise ConfigError(f"{key} in {where} must be integers, got {value!r}")
         try:
             out.append(int(item))
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(
                 f"{key} in {where} must be an integer or a comma-separated list of integers, "
                 f"got {value!r}") from None

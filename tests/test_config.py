@@ -70,3 +70,10 @@ def test_flower_app_config_declares_every_run_setting():
     declared = pyproject["tool"]["flwr"]["app"]["config"]
     assert set(declared) == set(RunConfig().to_run_config())
     RunConfig.from_mapping(declared, where="pyproject.toml")  # and the values are valid
+
+
+@pytest.mark.parametrize("value", [2.5, float("inf"), float("nan"), [4, 1.5]])
+def test_group_counts_must_be_whole_numbers(value):
+    """int() would silently truncate 2.5 to 2 and raise OverflowError on inf."""
+    with pytest.raises(ConfigError, match="must be integers"):
+        RunConfig.from_mapping({"groups": value})
