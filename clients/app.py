@@ -22,6 +22,7 @@ from fedhier.diagnostics import flat_gradient
 from fedhier.faults import InjectedFaultError
 from fedhier.federation import Federation, federation_for
 from fedhier.models import build_model
+from fedhier.records import to_record, to_tensors
 from fedhier.round_diagnostics import diagnostic_rows
 from fedhier.train import batch_indices, evaluate, local_sgd, resolve_device
 
@@ -58,8 +59,9 @@ def _setup(msg: Message, context: Context) -> tuple[RunConfig, Federation, int, 
     return cfg, fed, partition_id, resolve_device(cfg.device)
 
 
-def _params(arrays: ArrayRecord, device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device) for k, v in arrays.to_torch_state_dict().items()}
+def _params(arrays: ArrayRecord, device: torch.device,
+            remember: bool = True) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in to_tensors(arrays, remember).items()}
 
 
 @app.train()
@@ -85,7 +87,7 @@ def train(msg: Message, context: Context) -> Message:
     keep = optimizer.has_state and cfg.optimizer_state == "keep"
     buffers = None
     if keep and OPTIMIZER_STATE_KEY in context.state:
-        buffers = _params(context.state[OPTIMIZER_STATE_KEY], device)
+        buffers = _params(context.state[OPTIMIZER_STATE_KEY], device, remember=False)
     params, loss, buffers = local_sgd(
         model, start_params, x, y, lr=cfg.learning_rates(start, steps),
         indices=batch_indices(cfg.seed, pid, len(y), cfg.batch_size, start, steps),
@@ -96,7 +98,7 @@ def train(msg: Message, context: Context) -> Message:
     if scale != 1.0:
         params = {k: start_params[k] + scale * (params[k] - start_params[k]) for k in params}
     reply = RecordDict({
-        "arrays": ArrayRecord({k: v.detach().cpu() for k, v in params.items()}),
+        "arrays": to_record(params),
         "metrics": MetricRecord({"num-examples": len(y), "train-loss": loss,
                                  "partition-id": pid, "local-steps": steps}),
     })

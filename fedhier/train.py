@@ -7,6 +7,8 @@ Mini-batch order is a pure function of (seed, client, step): see :func:`batch_in
 
 from __future__ import annotations
 
+import copy
+import weakref
 from collections.abc import Mapping
 
 import numpy as np
@@ -79,9 +81,14 @@ def local_sgd(model: nn.Module, params: Params, x: torch.Tensor, y: torch.Tensor
     rates = np.broadcast_to(np.asarray(lr, dtype=np.float64), (len(indices),))
     rows = torch.as_tensor(indices, device=x.device)
     total = torch.zeros((), dtype=torch.float64, device=x.device)
+    resident = _resident(model) if len(indices) else None
     for step_rows, rate in zip(rows, rates, strict=True):
-        leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-        loss = loss_fn(model, leaves, x[step_rows], y[step_rows])
+        leaves = resident.load(params) if resident is not None else None
+        if resident is not None and leaves is not None:  # as below, without re-binding
+            loss = nn.functional.cross_entropy(resident.module(x[step_rows]), y[step_rows])
+        else:
+            leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+            loss = loss_fn(model, leaves, x[step_rows], y[step_rows])
         grads = torch.autograd.grad(loss, tuple(leaves.values()))
         with torch.no_grad():
             params, buffers = optimizer.step({k: v.detach() for k, v in leaves.items()},
@@ -89,6 +96,54 @@ def local_sgd(model: nn.Module, params: Params, x: torch.Tensor, y: torch.Tensor
                                              float(rate), buffers)
         total += loss.detach().to(torch.float64)
     return params, float(total) / max(len(indices), 1), buffers
+
+
+class _Resident:
+    """A private copy of a model whose own parameters hold each local step's values.
+
+    ``loss_fn`` re-binds the parameters into the module on every call (``functional_call``),
+    which costs more than a small model's forward pass; copying the values into this copy's
+    parameters instead gives the same forward and gradients bit for bit, as long as shapes,
+    dtypes, devices and strides agree (otherwise :meth:`load` declines).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.module = copy.deepcopy(model)
+        self.params = dict(self.module.named_parameters())
+        for param in self.params.values():
+            param.requires_grad_(True)
+
+    def load(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """This copy's parameters (in the order of ``params``) now holding ``params``, or None
+        when ``params`` is not exactly a set of tensors laid out like them."""
+        if params.keys() != self.params.keys():
+            return None
+        for key, value in params.items():
+            own = self.params[key]
+            if (value.shape != own.shape or value.dtype != own.dtype
+                    or value.device != own.device or value.stride() != own.stride()):
+                return None
+        with torch.no_grad():
+            for key, value in params.items():
+                self.params[key].copy_(value)
+        return {key: self.params[key] for key in params}
+
+
+_RESIDENTS: weakref.WeakKeyDictionary[nn.Module, _Resident | None] = (
+    weakref.WeakKeyDictionary())
+
+
+def _resident(model: nn.Module) -> _Resident | None:
+    """The model's :class:`_Resident` (None for a model that cannot be copied)."""
+    if model not in _RESIDENTS:
+        try:
+            _RESIDENTS[model] = _Resident(model)
+        except (TypeError, RuntimeError, copy.Error):
+            _RESIDENTS[model] = None
+    resident = _RESIDENTS[model]
+    if resident is not None:
+        resident.module.train(model.training)
+    return resident
 
 
 @torch.no_grad()

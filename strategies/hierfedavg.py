@@ -42,6 +42,7 @@ from fedhier.errors import ConfigError
 from fedhier.faults import RunFailureError, failed_edges, non_finite_message
 from fedhier.grouping import GRADIENT_GROUPING, ClientInfo
 from fedhier.plan import Workload, plan_edge_round
+from fedhier.records import to_tensors
 from fedhier.round_diagnostics import client_diagnostics, diagnostics_due
 from fedhier.topology import Hierarchy, build_hierarchy, validate_periods
 
@@ -270,7 +271,7 @@ class HierFedAvg(Strategy):
         self._sent = []
         for client in plan.participants:
             node_id = self.node_ids[client]
-            cfg = ConfigRecord(dict(config))
+            cfg = config.copy()  # its values were checked when set
             cfg["local-steps"] = int(plan.steps[client])
             if plan.scale[client] != 1.0:
                 cfg["update-scale"] = float(plan.scale[client])
@@ -305,7 +306,7 @@ class HierFedAvg(Strategy):
                     reply.error.reason.splitlines()[0] if reply.error.reason else "")
                 continue
             client = client_of_node[reply.metadata.src_node_id]
-            state = reply.content[self.arrayrecord_key].to_torch_state_dict()
+            state = to_tensors(reply.content[self.arrayrecord_key], remember=False)
             loss = float(reply.content["metrics"]["train-loss"])
             if not (math.isfinite(loss) and all(bool(torch.isfinite(v).all())
                                                 for v in state.values())):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 from fedhier.checkpoint import Checkpoint
@@ -16,5 +17,16 @@ def run_inprocess(cfg: RunConfig, folder: RunFolder, progress: bool = True,
                   resume: Checkpoint | None = None) -> dict[str, Any]:
     """Run ``cfg`` on an :class:`InProcessGrid` of ``cfg.clients`` nodes."""
     grid = InProcessGrid(client_app, cfg.clients, seed=cfg.seed)
-    return run_federation(grid, cfg, folder, engine="inprocess", progress=progress,
-                          resume=resume)
+    # Messages allocate many small Python objects, which sets off full garbage collections
+    # that scan everything alive (~400k objects: imports, data); exempting what exists before
+    # the run cuts each from ~0.25 s to a few ms on W1. Objects made during the run are
+    # collected as usual.
+    freeze = gc.get_freeze_count() == 0  # leave a caller's own frozen set alone
+    if freeze:
+        gc.freeze()
+    try:
+        return run_federation(grid, cfg, folder, engine="inprocess", progress=progress,
+                              resume=resume)
+    finally:
+        if freeze:
+            gc.unfreeze()

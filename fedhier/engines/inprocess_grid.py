@@ -7,9 +7,9 @@ sent; a ClientApp exception becomes an error reply, as on Flower's engines.
 
 from __future__ import annotations
 
+import itertools
 import traceback
 from collections.abc import Iterable
-from uuid import uuid4
 
 import torch
 from flwr.app import ArrayRecord, Context, Error, Message, RecordDict
@@ -42,6 +42,7 @@ class InProcessGrid(Grid):
             for i, node_id in enumerate(node_ids)
         }
         self._replies: dict[str, Message] = {}
+        self._message_ids = itertools.count(1)
 
     def export_client_states(self) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
         """Each client's ArrayRecords in ``context.state`` (for checkpoints), by partition id."""
@@ -76,7 +77,7 @@ class InProcessGrid(Grid):
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids = []
         for msg in messages:
-            msg.metadata.__dict__["_message_id"] = str(uuid4())
+            msg.metadata.__dict__["_message_id"] = str(next(self._message_ids))
             context = self.contexts[msg.metadata.dst_node_id]
             try:
                 reply = self.client_app(msg, context)
