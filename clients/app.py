@@ -151,3 +151,23 @@ def gradient(msg: Message, context: Context) -> Message:
                                  "partition-id": pid}),
     })
     return Message(reply, reply_to=msg)
+
+
+@app.query("state")
+def export_state(msg: Message, context: Context) -> Message:
+    """This client's kept state (every ArrayRecord in ``context.state``, e.g. momentum
+    buffers), for the server's checkpoints; a client that keeps nothing sends none."""
+    _, _, pid, _ = _setup(msg, context)
+    reply = RecordDict(dict(context.state.array_records))
+    reply["metrics"] = MetricRecord({"partition-id": pid})
+    return Message(reply, reply_to=msg)
+
+
+@app.query("restore")
+def restore_state(msg: Message, context: Context) -> Message:
+    """Put back the kept state of a checkpoint: every ArrayRecord of the message but the
+    configuration goes into ``context.state`` under its name."""
+    _, _, pid, _ = _setup(msg, context)
+    for key, record in msg.content.array_records.items():
+        context.state[key] = record
+    return Message(RecordDict({"metrics": MetricRecord({"partition-id": pid})}), reply_to=msg)

@@ -2,8 +2,9 @@
 
 ``checkpoint.pt`` in the run folder (written atomically) holds the cloud round it was taken
 after, the global model, the strategy's state (communication counters, the cloud strategy
-object with its optimiser state), the clients' kept state when the engine can reach it (the
-in-process grid), and the run's elapsed seconds. Randomness needs no saving: every draw is a
+object with its optimiser state), the clients' kept state (collected with ``query.state``
+messages, so on every Flower engine; the vectorized engine keeps it in ``strategy_state``),
+and the run's elapsed seconds. Randomness needs no saving: every draw is a
 pure function of (seed, ids), so a resumed run draws exactly what the uninterrupted run would.
 """
 

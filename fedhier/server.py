@@ -101,8 +101,7 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
     else:
         initial_state = resume.global_state
         strategy.load_state_dict(resume.strategy_state)
-        if resume.client_states and hasattr(grid, "import_client_states"):
-            grid.import_client_states(resume.client_states)
+        strategy.restore_clients_on_start(resume.client_states)
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         params = {k: v.to(device) for k, v in arrays.to_torch_state_dict().items()}
@@ -113,6 +112,9 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
                                               cfg.seed))
         return MetricRecord(metrics)
 
+    run_config = ConfigRecord(cfg.to_run_config())
+    # Clients keep momentum buffers between rounds: checkpoints need them (query.state).
+    keeps_client_state = cfg.local_optimizer().has_state and cfg.optimizer_state == "keep"
     # The last fully recorded cloud round and its model, replaced in one assignment, so that
     # a Ctrl-C at any moment checkpoints a consistent pair.
     done: dict[str, Any] = {"round": resume.round if resume else 0, "arrays": None,
@@ -130,14 +132,14 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
             recorder.write_groups(strategy.hierarchy, strategy.client_info, cfg.grouping,
                                   cfg.seed)
         recorder.record_round(record)
-        clients = grid.export_client_states() if hasattr(grid, "export_client_states") else {}
+        clients = (strategy.client_states(grid, run_config, cfg.round_timeout)
+                   if keeps_client_state else {})
         snapshot = {"round": record["round"], "arrays": strategy.global_arrays,
                     "strategy": strategy.state_dict(), "clients": clients}
         done.update(snapshot)  # one dict update: no KeyboardInterrupt between the keys
         if cfg.checkpoint_every and record["round"] % cfg.checkpoint_every == 0:
             checkpoint()
 
-    run_config = ConfigRecord(cfg.to_run_config())
     initial = ArrayRecord({k: v.detach().cpu() for k, v in initial_state.items()})
     try:
         result = strategy.start(grid, initial, num_rounds=cfg.rounds, timeout=cfg.round_timeout,

@@ -158,6 +158,7 @@ class HierFedAvg(Strategy):
         self.regroup_every = regroup_every
         self._cloud_round_index = 0
         self._restored_hierarchy: Hierarchy | None = None
+        self._restored_client_states: dict[int, dict[str, dict[str, Any]]] = {}
 
     # ------------------------------------------------------------------ set-up
     def summary(self) -> None:
@@ -473,6 +474,9 @@ class HierFedAvg(Strategy):
         # carry the train config unless told otherwise.
         evaluate_config = train_config if evaluate_config is None else evaluate_config
         self.setup(grid, train_config, timeout, initial_arrays)
+        if self._restored_client_states:
+            self.restore_client_states(grid, self._restored_client_states, train_config,
+                                       timeout)
         self.summary()
         result = Result()
         result.arrays = initial_arrays
@@ -557,6 +561,45 @@ class HierFedAvg(Strategy):
                 "failed_edges": failed_edges, **regrouped}
 
     # ------------------------------------------------------------------ checkpoints
+    def client_states(self, grid: Grid, config: ConfigRecord,
+                      timeout: float) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
+        """Every client's kept state (``query.state``), by client: name -> tensors.
+
+        Through messages, so it works on every engine. A client that does not answer is
+        left out (it would resume with fresh state) and named in a warning.
+        """
+        content = RecordDict({self.configrecord_key: config})
+        messages = [Message(content, message_type=f"{MessageType.QUERY}.state",
+                            dst_node_id=node) for node in self.node_ids]
+        client_of_node = {node: client for client, node in enumerate(self.node_ids)}
+        states: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+        for reply in grid.send_and_receive(messages, timeout=timeout):
+            if reply.has_error():
+                continue
+            states[client_of_node[reply.metadata.src_node_id]] = {
+                key: dict(record.to_torch_state_dict())
+                for key, record in reply.content.array_records.items()}
+        if len(states) != len(self.node_ids):
+            missing = sorted(set(range(len(self.node_ids))) - set(states))
+            log(WARNING, "checkpoint: clients %s did not send their kept state", missing[:10])
+        return states
+
+    def restore_client_states(self, grid: Grid, states: dict[int, dict[str, dict[str, Any]]],
+                              config: ConfigRecord, timeout: float) -> None:
+        """Send each client its kept state from a checkpoint (``query.restore``)."""
+        messages = []
+        for client, records in states.items():
+            content = RecordDict({key: ArrayRecord(tensors) for key, tensors in records.items()})
+            content[self.configrecord_key] = config
+            messages.append(Message(content, message_type=f"{MessageType.QUERY}.restore",
+                                    dst_node_id=self.node_ids[client]))
+        failed = [reply.metadata.src_node_id
+                  for reply in grid.send_and_receive(messages, timeout=timeout)
+                  if reply.has_error()]
+        if failed:
+            raise RunFailureError(f"{len(failed)} client(s) could not restore their kept "
+                                  "state from the checkpoint")
+
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs besides the global model (picklable)."""
         return {"communication": self.communication.as_dict(),
@@ -570,6 +613,11 @@ class HierFedAvg(Strategy):
         # The grouping in force when the checkpoint was taken (a regrouped one, or the
         # gradient grouping at the initial model): setup() must not draw a new one.
         self._restored_hierarchy = state.get("hierarchy")
+
+    def restore_clients_on_start(self, states: dict[int, dict[str, dict[str, Any]]]) -> None:
+        """Have :meth:`start` send the clients their kept state (from a checkpoint) once the
+        nodes are known, before training."""
+        self._restored_client_states = states
 
     def _require_setup(self) -> Hierarchy:
         if self.hierarchy is None:

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
+from fedhier.checkpoint import load_checkpoint
 from fedhier.cli import main
 from fedhier.config import RunConfig, read_toml
 from fedhier.errors import ConfigError
@@ -190,6 +191,33 @@ def test_interrupted_run_resumes_bit_identically(engine, tmp_path, monkeypatch):
     assert [r["round"] for r in res] == list(range(7))
     assert [r["test_loss"] for r in ref] == [r["test_loss"] for r in res]
     assert [r["failed_clients"] for r in ref] == [r["failed_clients"] for r in res]
+
+
+@pytest.mark.slow
+def test_simulation_engine_resume_restores_the_clients_momentum(tmp_path, monkeypatch):
+    """On Ray the clients' kept momentum lives in the actors; checkpoints collect it with
+    query.state and --resume sends it back with query.restore."""
+    from fedhier.recorder import RunRecorder
+
+    args = ["run", *TINY, "--engine", "flower", "--rounds", "4", "--momentum", "0.9",
+            "--optimizer-state", "keep", "--checkpoint-every", "1"]
+    assert main([*args, "--out", str(tmp_path / "reference")]) == 0
+    record_round = RunRecorder.record_round
+
+    def interrupt_at_round_3(self, record):
+        if record["round"] == 3:
+            raise KeyboardInterrupt
+        record_round(self, record)
+
+    monkeypatch.setattr(RunRecorder, "record_round", interrupt_at_round_3)
+    stopped = tmp_path / "stopped"
+    assert main([*args, "--out", str(stopped)]) != 0
+    monkeypatch.setattr(RunRecorder, "record_round", record_round)
+    checkpoint = load_checkpoint(stopped)
+    assert checkpoint.round == 2 and len(checkpoint.client_states) == 6
+    assert all("fedhier-optimizer" in state for state in checkpoint.client_states.values())
+    assert main(["run", "--resume", str(stopped), "--no-progress"]) == 0
+    assert _same_final(tmp_path / "reference", stopped)
 
 
 def read_lines(run_dir: Path) -> list[dict]:

@@ -32,12 +32,18 @@ def run_simulation_engine(cfg: RunConfig, folder: RunFolder, progress: bool = Tr
 
     quiet_flower()
     summary: dict[str, Any] = {}
+    errors: list[BaseException] = []
     server_app = ServerApp()
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        summary.update(run_federation(grid, cfg, folder, engine="flower", progress=progress,
-                                      resume=resume))
+        # The ServerApp runs in a Flower thread; its exception (a run failure, a stop
+        # requested inside it) is handed to the caller's thread, as on the other engines.
+        try:
+            summary.update(run_federation(grid, cfg, folder, engine="flower",
+                                          progress=progress, resume=resume))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller
+            errors.append(exc)
 
     num_gpus = 1.0 if cfg.device in ("cuda", "auto") and _cuda() else 0.0
     init_args: dict[str, Any] = {"include_dashboard": False, "logging_level": "error"}
@@ -50,6 +56,8 @@ def run_simulation_engine(cfg: RunConfig, folder: RunFolder, progress: bool = Tr
     run_simulation(server_app=server_app, client_app=client_app, num_supernodes=cfg.clients,
                    backend_config=backend_config)  # type: ignore[arg-type]
     quiet_flower()
+    if errors:
+        raise errors[0]
     if not summary:
         raise RuntimeError("the Simulation Engine finished without a result (see log above)")
     return summary

@@ -11,8 +11,7 @@ import itertools
 import traceback
 from collections.abc import Iterable
 
-import torch
-from flwr.app import ArrayRecord, Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
@@ -43,21 +42,6 @@ class InProcessGrid(Grid):
         }
         self._replies: dict[str, Message] = {}
         self._message_ids = itertools.count(1)
-
-    def export_client_states(self) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
-        """Each client's ArrayRecords in ``context.state`` (for checkpoints), by partition id."""
-        out: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
-        for context in self.contexts.values():
-            pid = int(context.node_config["partition-id"])
-            out[pid] = {key: dict(record.to_torch_state_dict())
-                        for key, record in context.state.array_records.items()}
-        return out
-
-    def import_client_states(self, states: dict[int, dict[str, dict[str, torch.Tensor]]]) -> None:
-        for context in self.contexts.values():
-            pid = int(context.node_config["partition-id"])
-            for key, tensors in states.get(pid, {}).items():
-                context.state[key] = ArrayRecord(tensors)
 
     def set_run(self, run: Run) -> None:
         self._run = run
