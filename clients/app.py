@@ -19,6 +19,7 @@ from torch import nn
 
 from fedhier.config import RunConfig
 from fedhier.diagnostics import flat_gradient
+from fedhier.errors import ConfigError
 from fedhier.faults import InjectedFaultError
 from fedhier.federation import Federation, federation_for
 from fedhier.models import build_model
@@ -124,13 +125,23 @@ def evaluate_local(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)
 
 
+def _edge_tag(context: Context) -> int:
+    """The ``edge`` this node is tagged with in its node config, -1 when untagged."""
+    value = context.node_config.get("edge", -1)
+    try:
+        return int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigError(f"node config edge={value!r} is not an integer") from None
+
+
 @app.query()
 def profile(msg: Message, context: Context) -> Message:
     """The client's partition id, number of rows and label histogram (for grouping)."""
     _, fed, pid, _ = _setup(msg, context)
     histogram = fed.label_histograms[pid]
     metrics = MetricRecord({"partition-id": pid, "num-examples": int(histogram.sum()),
-                            "label-histogram": [int(c) for c in histogram]})
+                            "label-histogram": [int(c) for c in histogram],
+                            "edge-tag": _edge_tag(context)})
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)
 
 

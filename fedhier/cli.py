@@ -166,6 +166,7 @@ def run_engine(cfg: RunConfig, folder: Any, progress: bool, resume: Any) -> dict
 
 
 def cmd_diversity(args: argparse.Namespace) -> int:
+    import numpy as np
     from safetensors.torch import load_file
 
     from fedhier.grouping import ClientInfo
@@ -195,7 +196,8 @@ def cmd_diversity(args: argparse.Namespace) -> int:
     grads = direct_client_gradients(model, params, fed, cfg.diagnostics_max_samples, cfg.seed,
                                     device)
     weights = client_weights(cfg.weighting, fed.client_sizes())
-    info = ClientInfo(fed.label_histograms, fed.client_sizes())
+    info = ClientInfo(fed.label_histograms, fed.client_sizes(),
+                      edge_tags=np.full(fed.num_clients, -1))  # no SuperNodes, no tags
     hierarchy = build_hierarchy(cfg.periods, cfg.groups, cfg.grouping, info, cfg.seed,
                                 client_grads=grads, weights=weights)
     x, y = pooled_train_tensors(fed, device)

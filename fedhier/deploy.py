@@ -692,8 +692,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.deploy-", dir=out.parent))
     echo: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731
-    edges = (contiguous_edges(args.nodes, cfg.num_edges) if cfg.grouping == "contiguous"
-             else None)
+    edges = (contiguous_edges(args.nodes, cfg.num_edges)
+             if cfg.grouping in ("contiguous", "edge-tag") else None)
     try:
         deployment = LocalDeployment(
             nodes=args.nodes, work=work, base_port=args.base_port, secure=not args.insecure,

@@ -184,7 +184,8 @@ class HierFedAvg(Strategy):
                     f"{reply.error.reason}")
             metrics = reply.content["metrics"]
             profiles.append((int(metrics["partition-id"]), reply.metadata.src_node_id,
-                             int(metrics["num-examples"]), list(metrics["label-histogram"])))
+                             int(metrics["num-examples"]), list(metrics["label-histogram"]),
+                             int(metrics.get("edge-tag", -1))))
         profiles.sort()
         ids = [p[0] for p in profiles]
         if ids != list(range(len(ids))):
@@ -192,7 +193,8 @@ class HierFedAvg(Strategy):
         self.node_ids = [p[1] for p in profiles]
         self.client_info = ClientInfo(
             label_histograms=np.array([p[3] for p in profiles], dtype=np.int64),
-            num_examples=np.array([p[2] for p in profiles], dtype=np.int64))
+            num_examples=np.array([p[2] for p in profiles], dtype=np.int64),
+            edge_tags=np.array([p[4] for p in profiles], dtype=np.int64))
         if self._restored_hierarchy is not None:  # a resumed run keeps its grouping
             self.hierarchy = self._restored_hierarchy
         elif self.grouping != GRADIENT_GROUPING:

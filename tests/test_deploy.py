@@ -160,15 +160,15 @@ def test_process_group_stops_detached_descendants(tmp_path):
 def test_tls_deployment_matches_inprocess(tmp_path, capsys):
     """`fedhier deploy local` with TLS and SuperNode authentication = inprocess (1e-5).
 
-    With --grouping contiguous the SuperNodes are tagged edge=0,0,1 and the ServerApp's
-    groups agree with the tags."""
+    The SuperNodes are tagged edge=0,0,1 and the deployed ServerApp groups them by those tags
+    (--grouping edge-tag): the same groups as the contiguous grouping in process."""
     cfg = TINY.replace(grouping="contiguous")
     run_inprocess(cfg, RunFolder.create(tmp_path / "inprocess"), progress=False)
     port = deploy.free_port_block(TINY.clients + 1)
     out = tmp_path / "deployed"
     t0 = time.time()
     code = deploy.main(["local", "--nodes", str(TINY.clients), *TINY_FLAGS,
-                        "--grouping", "contiguous", "--base-port", str(port),
+                        "--grouping", "edge-tag", "--base-port", str(port),
                         "--out", str(out), "--timeout", "600"])
     elapsed = time.time() - t0
     printed = capsys.readouterr()

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import itertools
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -26,7 +27,10 @@ class InProcessGrid(Grid):
     """``num_nodes`` simulated SuperNodes, node i holding ``partition-id`` i."""
 
     def __init__(self, client_app: ClientApp, num_nodes: int, seed: int = 0,
-                 run_config: dict | None = None) -> None:
+                 run_config: dict | None = None,
+                 edge_tags: Sequence[int] | None = None) -> None:
+        """``edge_tags[i]``: node i's ``edge`` node-config tag, as a SuperNode started with
+        ``--node-config "... edge=k"`` carries (the ``edge-tag`` grouping reads it)."""
         run_id = int(generator(seed, "run-id").integers(1, 2**62))
         self._run = Run.create_empty(run_id)
         TaskIdentity.run_id = run_id
@@ -34,11 +38,14 @@ class InProcessGrid(Grid):
         TaskIdentity.task_id = 1
         self.client_app = client_app
         node_ids = generator(seed, "node-ids").choice(2**62, size=num_nodes, replace=False) + 2
+        configs: list[dict[str, Any]] = [{"partition-id": i, "num-partitions": num_nodes}
+                                         for i in range(num_nodes)]
+        for config, tag in zip(configs, edge_tags or [], strict=False):
+            config["edge"] = int(tag)
         self.contexts: dict[int, Context] = {
-            int(node_id): Context(run_id=run_id, node_id=int(node_id),
-                                  node_config={"partition-id": i, "num-partitions": num_nodes},
+            int(node_id): Context(run_id=run_id, node_id=int(node_id), node_config=config,
                                   state=RecordDict(), run_config=dict(run_config or {}))
-            for i, node_id in enumerate(node_ids)
+            for node_id, config in zip(node_ids, configs, strict=True)
         }
         self._replies: dict[str, Message] = {}
         self._message_ids = itertools.count(1)

@@ -769,7 +769,8 @@ def round_diagnostics(run: VectorizedRun, cloud_round: int,
 def build_run(cfg: RunConfig, fed: Federation, model: nn.Module,
               device: torch.device) -> VectorizedRun:
     """Everything a vectorized run needs besides the recorder."""
-    info = ClientInfo(label_histograms=fed.label_histograms, num_examples=fed.client_sizes())
+    info = ClientInfo(fed.label_histograms, fed.client_sizes(),
+                      edge_tags=np.full(fed.num_clients, -1))  # no SuperNodes, no tags
     weights = client_weights(cfg.weighting, info.num_examples)
     grads = (direct_client_gradients(model, params_of(model), fed, cfg.diagnostics_max_samples,
                                      cfg.seed, device)

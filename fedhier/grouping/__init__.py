@@ -18,7 +18,7 @@ from fedhier.grouping.divergence import (
     max_divergence_grouping,
     min_divergence_grouping,
 )
-from fedhier.grouping.simple import contiguous_grouping, random_grouping
+from fedhier.grouping.simple import contiguous_grouping, edge_tag_grouping, random_grouping
 
 ENTRY_POINT_GROUP = "fedhier.grouping"
 
@@ -27,6 +27,7 @@ BUILTIN_GROUPINGS: dict[str, Grouping] = {
     "contiguous": contiguous_grouping,
     "min-divergence": min_divergence_grouping,
     "max-divergence": max_divergence_grouping,
+    "edge-tag": edge_tag_grouping,
 }
 #: Needs the clients' gradients at the current model: built with make_gradient_grouping.
 GRADIENT_GROUPING = "gradient"

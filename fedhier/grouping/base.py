@@ -15,10 +15,14 @@ class ClientInfo:
     Attributes:
         label_histograms: int64 [n, num_classes], rows per label reported by each client.
         num_examples: int64 [n], each client's number of training rows.
+        edge_tags: int64 [n], the ``edge`` each client's SuperNode is tagged with
+            (``--node-config "... edge=k"``), -1 where untagged; None for the nodes of the
+            levels above the clients.
     """
 
     label_histograms: np.ndarray
     num_examples: np.ndarray
+    edge_tags: np.ndarray | None = None
 
     @property
     def num_clients(self) -> int:
