@@ -45,13 +45,12 @@ def batch_indices(
     b = effective_batch_size(batch_size, num_rows)
     if b == num_rows:
         return np.tile(np.arange(num_rows, dtype=np.int64), (num_steps, 1))
-    positions = np.arange(start_step * b, (start_step + num_steps) * b, dtype=np.int64)
-    epochs = positions // num_rows
-    out = np.empty_like(positions)
-    for epoch in np.unique(epochs):
-        perm = generator(seed, "batches", client, int(epoch)).permutation(num_rows)
-        mask = epochs == epoch
-        out[mask] = perm[positions[mask] % num_rows]
+    first, end = start_step * b, (start_step + num_steps) * b  # stream positions [first, end)
+    out = np.empty(end - first, dtype=np.int64)
+    for epoch in range(first // num_rows, (end - 1) // num_rows + 1):
+        lo, hi = max(first, epoch * num_rows), min(end, (epoch + 1) * num_rows)
+        perm = generator(seed, "batches", client, epoch).permutation(num_rows)
+        out[lo - first:hi - first] = perm[lo - epoch * num_rows:hi - epoch * num_rows]
     return out.reshape(num_steps, b)
 
 

@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 import torch
 
 from fedhier.models import build_model
@@ -72,3 +73,19 @@ def test_model_init_is_seeded_and_side_effect_free():
     assert torch.equal(before, after)  # global RNG untouched
     for k in a.state_dict():
         assert torch.equal(a.state_dict()[k], b.state_dict()[k])
+
+
+@pytest.mark.parametrize("num_rows,batch_size,start,steps", [
+    (10, 4, 0, 5), (18, 16, 100, 5), (37, 8, 3, 12), (5, 3, 7, 1), (200, 33, 11, 9)])
+def test_batch_indices_read_the_stream_of_seeded_epoch_permutations(num_rows, batch_size,
+                                                                    start, steps):
+    """Step t takes stream positions t*b .. t*b+b-1 of the concatenated permutations drawn
+    from generator(seed, "batches", client, epoch)."""
+    from fedhier.rng import generator
+
+    epochs = (start + steps) * batch_size // num_rows + 1
+    stream = np.concatenate([generator(4, "batches", 9, e).permutation(num_rows)
+                             for e in range(epochs)])
+    expected = stream[start * batch_size:(start + steps) * batch_size].reshape(steps, -1)
+    np.testing.assert_array_equal(
+        batch_indices(4, 9, num_rows, batch_size, start, steps), expected)
