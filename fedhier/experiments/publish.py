@@ -6,6 +6,7 @@ copied into docs/results.md, and its figures into docs/figures/<run>/.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import time
@@ -46,6 +47,7 @@ def publish(root: Path, only: list[str] | None = None) -> None:
              "and the machine time it took. Claims that do not hold are reported as measured.",
              "", "Sections appear for the runs that have been made; `make experiments` runs all "
              "of them (`python -m fedhier.experiments.publish NAME ...` runs some).", ""]
+    claims: list[str] = []
     for name, args in RUNS:
         out = root / "runs" / "experiments" / name  # run from the repository root
         if only and name not in only:
@@ -65,7 +67,15 @@ def publish(root: Path, only: list[str] | None = None) -> None:
             shutil.copy(png, figures / png.name)
             text = text.replace(f"]({png.name})", f"](figures/{name}/{png.name})")
         parts += [text.replace("## ", f"## {name}: ", 1), ""]
-    (docs / "results.md").write_text("\n".join(parts))
+        results = json.loads((out / "results.json").read_text())
+        claims += [f"| {name} | {claim} | {'holds' if ok else '**does not hold**'} |"
+                   for claim, ok in results.get("claims", {}).items()]
+    if claims:  # the verdicts first, the evidence below
+        at = next(i for i, part in enumerate(parts) if part.startswith("## "))
+        parts[at:at] = ["## Claims at a glance", "", "| run | claim | verdict |",
+                        "|---|---|---|", *claims, ""]
+    text = "\n".join(parts).replace(f"--out {root}/", "--out ")  # commands as run from root
+    (docs / "results.md").write_text(text)
     print(f"wrote {docs / 'results.md'}")
 
 
