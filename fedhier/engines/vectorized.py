@@ -12,8 +12,13 @@ building blocks, and only executes it differently:
   by :class:`fedhier.optim.LocalOptimizer`'s rule over the client axis (plain SGD: the
   :func:`fedhier.train.sgd_update` rule ``params - lr * grads``), at the rates of
   ``cfg.learning_rates`` (the lr schedule);
-- the averaging: :func:`fedhier.aggregate.segment_weighted_mean` with
-  :func:`fedhier.aggregate.client_weights`, at the level the schedule names;
+- who trains: :func:`fedhier.plan.plan_edge_round` (participation, stragglers, FedNova
+  scales) and :class:`fedhier.faults.FaultModel` (injected failures), decided per edge round
+  exactly as HierFedAvg and the ClientApp decide them;
+- the averaging: :func:`fedhier.aggregate.segment_weighted_mean` over the surviving clients
+  with :func:`fedhier.aggregate.presence_weights`, at the level the schedule names; a node
+  without survivors keeps its model (every edge's model is kept, ``[edges, *shape]``); the
+  cloud step can be a Flower strategy (:func:`fedhier.cloud.cloud_update`);
 - the records: :class:`fedhier.recorder.RunRecorder` and :class:`Communication`, with the
   records HierFedAvg's ``on_cloud_round`` produces, diagnostics included
   (:mod:`fedhier.round_diagnostics`).
