@@ -78,3 +78,12 @@ def assert_same_run(a: Path, b: Path, rounds: int, tol: float = 1e-5) -> None:
     fa = load_file(str(a / "model_final.safetensors"))
     fb = load_file(str(b / "model_final.safetensors"))
     assert max(float((fa[k] - fb[k]).abs().max()) for k in fa) <= tol
+
+
+def interruptible() -> None:
+    """``preexec_fn`` for a child the test will Ctrl-C (SIGINT): a shell that starts the test
+    run in the background (no job control) makes its children ignore SIGINT, and a Python
+    started with SIGINT ignored never raises KeyboardInterrupt."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -30,7 +30,7 @@ from fedhier.config import RunConfig
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.errors import ConfigError
 from fedhier.results import RunFolder
-from tests.helpers import assert_same_run, metrics
+from tests.helpers import assert_same_run, interruptible, metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 # Small enough for a 2-core machine: every message starts a fresh ClientApp process.
@@ -319,7 +319,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
     cmd = [sys.executable, "-m", "fedhier.deploy", "local", "--nodes", "1", "--groups", "1",
            "--insecure", "--base-port", str(port), "--out", str(out), *TINY_FLAGS[2:]]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT)
+                            cwd=ROOT, preexec_fn=interruptible)
     lines = []
     assert proc.stdout is not None
     for line in proc.stdout:  # wait until the app is submitted

@@ -19,7 +19,7 @@ from fedhier.cli import main
 from fedhier.config import RunConfig, read_toml
 from fedhier.errors import ConfigError
 from fedhier.faults import FaultModel
-from tests.helpers import max_abs_diff, run_hier
+from tests.helpers import interruptible, max_abs_diff, run_hier
 
 BASE = RunConfig(dataset="digits", clients=8, groups=2, batch_size=8, lr=0.1, seed=3,
                  local_period=2, global_period=4, rounds=2)
@@ -95,6 +95,7 @@ def test_nan_skip_client_keeps_the_global_model(engine, tmp_path):
 
 def _run_cli(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "fedhier.cli", "run", *args],
+                            preexec_fn=interruptible,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
