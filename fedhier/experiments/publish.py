@@ -31,10 +31,12 @@ RUNS: list[tuple[str, list[str]]] = [
                              "--alpha", "0.5"]),
     ("periods-fmnist-a0.1", ["experiment", "periods", "--dataset", "fashion-mnist",
                              "--alpha", "0.1"]),
+    ("periods-digits", ["experiment", "periods", "--dataset", "digits"]),
     ("levels-fmnist-a0.1", ["experiment", "levels", "--dataset", "fashion-mnist",
                             "--alpha", "0.1", "--groups", "10"]),
     ("levels-fmnist-a0.5", ["experiment", "levels", "--dataset", "fashion-mnist",
                             "--alpha", "0.5", "--groups", "10"]),
+    ("levels-digits", ["experiment", "levels", "--dataset", "digits", "--groups", "10"]),
     ("diversity-digits", ["experiment", "diversity", "--dataset", "digits"]),
 ]
 
