@@ -458,7 +458,7 @@ class VectorizedRun:
         """bool [n] masks: the clients sent this edge round's work (participation), and those
         of them that run it (not failing by the fault model), as HierFedAvg and the
         ClientApp decide it; and the round's plan (steps and update scale per client)."""
-        cfg, n = self.cfg, self.data.num_clients
+        cfg = self.cfg
         plan = plan_edge_round(self.hierarchy, self.workload, self.weights, cfg.seed,
                                edge_round)
         sent = plan.steps > 0
@@ -467,7 +467,6 @@ class VectorizedRun:
             for client in np.flatnonzero(sent):
                 trains[client] = not self.faults.fails(cfg.seed, int(client), edge_round,
                                                        cloud_round)
-        assert len(sent) == n
         return sent, trains, plan
 
     def local_training(self, params: Params, rows: torch.Tensor, rates: Sequence[float],
