@@ -164,27 +164,33 @@ def test_ctrl_c_writes_a_checkpoint_and_resume_finishes(tmp_path):
     assert _same_final(reference, stopped)
 
 
+def run_interrupted_at(round_: int, args: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
+    """``main(args)`` with a KeyboardInterrupt (as Ctrl-C) raised when cloud round ``round_``
+    is about to be recorded; returns its exit code."""
+    from fedhier.recorder import RunRecorder
+
+    record_round = RunRecorder.record_round
+
+    def interrupting(self, record):
+        if record["round"] == round_:
+            raise KeyboardInterrupt
+        record_round(self, record)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(RunRecorder, "record_round", interrupting)
+        return main(args)
+
+
 @pytest.mark.parametrize("engine", ["inprocess", "vectorized"])
 def test_interrupted_run_resumes_bit_identically(engine, tmp_path, monkeypatch):
     """Ctrl-C during cloud round 4 checkpoints round 3; --resume then ends where an
     uninterrupted run ends, with kept momentum, participation, faults and regrouping."""
-    from fedhier.recorder import RunRecorder
-
     args = ["run", *TINY, "--engine", engine, "--rounds", "6", "--momentum", "0.9",
             "--optimizer-state", "keep", "--participation", "0.7", "--fail-rate", "0.2",
             "--regroup-every", "2"]
     assert main([*args, "--out", str(tmp_path / "reference")]) == 0
-    record_round = RunRecorder.record_round
-
-    def interrupt_at_round_4(self, record):
-        if record["round"] == 4:
-            raise KeyboardInterrupt
-        record_round(self, record)
-
-    monkeypatch.setattr(RunRecorder, "record_round", interrupt_at_round_4)
     stopped = tmp_path / "stopped"
-    assert main([*args, "--out", str(stopped)]) == 130
-    monkeypatch.setattr(RunRecorder, "record_round", record_round)
+    assert run_interrupted_at(4, [*args, "--out", str(stopped)], monkeypatch) == 130
     assert not (stopped / "summary.json").exists()
     assert main(["run", "--resume", str(stopped), "--no-progress"]) == 0
     assert _same_final(tmp_path / "reference", stopped)
@@ -198,22 +204,11 @@ def test_interrupted_run_resumes_bit_identically(engine, tmp_path, monkeypatch):
 def test_simulation_engine_resume_restores_the_clients_momentum(tmp_path, monkeypatch):
     """On Ray the clients' kept momentum lives in the actors; checkpoints collect it with
     query.state and --resume sends it back with query.restore."""
-    from fedhier.recorder import RunRecorder
-
     args = ["run", *TINY, "--engine", "flower", "--rounds", "4", "--momentum", "0.9",
             "--optimizer-state", "keep", "--checkpoint-every", "1"]
     assert main([*args, "--out", str(tmp_path / "reference")]) == 0
-    record_round = RunRecorder.record_round
-
-    def interrupt_at_round_3(self, record):
-        if record["round"] == 3:
-            raise KeyboardInterrupt
-        record_round(self, record)
-
-    monkeypatch.setattr(RunRecorder, "record_round", interrupt_at_round_3)
     stopped = tmp_path / "stopped"
-    assert main([*args, "--out", str(stopped)]) != 0
-    monkeypatch.setattr(RunRecorder, "record_round", record_round)
+    assert run_interrupted_at(3, [*args, "--out", str(stopped)], monkeypatch) != 0
     checkpoint = load_checkpoint(stopped)
     assert checkpoint.round == 2 and len(checkpoint.client_states) == 6
     assert all("fedhier-optimizer" in state for state in checkpoint.client_states.values())
