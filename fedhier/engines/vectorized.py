@@ -397,7 +397,8 @@ class VectorizedRun:
         period = cfg.local_period
         edge_rounds = cfg.global_period // period
         num_edges = hierarchy.num_nodes(1)
-        edge_of = torch.as_tensor(hierarchy.edge_of_client(), device=self.device)
+        edge_of_client = hierarchy.edge_of_client()  # fixed for the cloud round
+        edge_of = torch.as_tensor(edge_of_client, device=self.device)
         # every edge starts the cloud round from the global model
         edge_models = {k: v.unsqueeze(0).repeat(num_edges, *([1] * v.dim()))
                        for k, v in global_params.items()}
@@ -427,7 +428,7 @@ class VectorizedRun:
                 averaged, nodes = self.cloud_step(cloud_round, params, alive), np.zeros(1, int)
             failed += int(sent.sum() - alive.sum())
             failed_edge_count += failed_edges(
-                hierarchy.edge_of_client(), np.flatnonzero(sent), np.flatnonzero(alive),
+                edge_of_client, np.flatnonzero(sent), np.flatnonzero(alive),
                 num_edges, cfg.min_clients_per_edge, edge_round)
             self.communication.add_edge_round(int(sent.sum()), int(alive.sum()),
                                               self.model_bytes)
