@@ -18,6 +18,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from fedhier.config import RunConfig
+from fedhier.contract import EDGE_ROUND, LOCAL_STEPS, ROUND_KEYS, SERVER_ROUND, START_STEP
 from fedhier.diagnostics import flat_gradient
 from fedhier.errors import ConfigError
 from fedhier.faults import InjectedFaultError
@@ -27,8 +28,6 @@ from fedhier.records import to_record, to_tensors
 from fedhier.round_diagnostics import diagnostic_rows
 from fedhier.train import batch_indices, evaluate, local_sgd, resolve_device
 
-#: Keys of the ConfigRecord that are per-message, not part of the RunConfig.
-ROUND_KEYS = ("local-steps", "start-step", "server-round", "edge-round", "update-scale")
 #: Where a client keeps its momentum buffers between rounds (``optimizer-state = keep``).
 OPTIMIZER_STATE_KEY = "fedhier-optimizer"
 
@@ -70,17 +69,15 @@ def train(msg: Message, context: Context) -> Message:
     """Run ``local-steps`` steps from global step ``start-step``; return the local model.
 
     The learning rate follows the run's schedule over global steps; momentum buffers are
-    kept in ``context.state`` between rounds when ``optimizer-state`` is ``keep``. With an
-    ``update-scale`` s != 1 the returned model is w_start + s * (w_local - w_start).
+    kept in ``context.state`` between rounds when ``optimizer-state`` is ``keep``.
     """
     cfg, fed, pid, device = _setup(msg, context)
     config = msg.content["config"]
-    steps = int(config["local-steps"])
-    start = int(config.get("start-step", (int(config.get("server-round", 1)) - 1) * steps))
-    edge_round = int(config.get("edge-round", 0))
-    if cfg.faults().fails(cfg.seed, pid, edge_round, int(config.get("server-round", 0))):
+    steps = int(config[LOCAL_STEPS])
+    start = int(config.get(START_STEP, (int(config.get(SERVER_ROUND, 1)) - 1) * steps))
+    edge_round = int(config.get(EDGE_ROUND, 0))
+    if cfg.faults().fails(cfg.seed, pid, edge_round, int(config.get(SERVER_ROUND, 0))):
         raise InjectedFaultError(f"injected fault: client {pid} fails edge round {edge_round}")
-    scale = float(config.get("update-scale", 1.0))
     x, y = fed.client_tensors(pid, device)
     model = _skeleton(cfg.model, fed.bundle.input_shape, fed.bundle.num_classes, str(device))
     start_params = _params(msg.content["arrays"], device)
@@ -96,8 +93,6 @@ def train(msg: Message, context: Context) -> Message:
     if keep and buffers is not None:
         context.state[OPTIMIZER_STATE_KEY] = ArrayRecord(
             {k: v.detach().cpu() for k, v in buffers.items()})
-    if scale != 1.0:
-        params = {k: start_params[k] + scale * (params[k] - start_params[k]) for k in params}
     reply = RecordDict({
         "arrays": to_record(params),
         "metrics": MetricRecord({"num-examples": len(y), "train-loss": loss,

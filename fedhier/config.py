@@ -69,6 +69,9 @@ class RunConfig:
     cloud_strategy: str = field(default="average", metadata=_help(
         "cloud update: average (exact H-SGD) or a Flower strategy applied to the edge models: "
         "fedavg, fedavgm, fedadam, fedyogi, fedadagrad"))
+    aggregators: str = field(default="mean", metadata=_help(
+        "aggregation rule at every level, or one per level edge,...,cloud: mean (exact "
+        "H-SGD), median (coordinate-wise, robust)"))
     server_lr: float = field(default=0.0, metadata=_help(
         "cloud strategy's server learning rate (0 = the strategy's default)"))
     server_momentum: float = field(default=0.0, metadata=_help("fedavgm server momentum"))
@@ -211,6 +214,11 @@ class RunConfig:
         return FaultModel(self.fail_rate, self.dropout_fraction, parse_span(self.dropout_rounds))
 
     @property
+    def aggregator_names(self) -> tuple[str, ...]:
+        """``aggregators`` as names: one for every level, or one per level."""
+        return tuple(name.strip() for name in self.aggregators.split(","))
+
+    @property
     def num_edges(self) -> int:
         """N: the number of edge servers (level-1 groups)."""
         return self.groups[0]
@@ -228,9 +236,12 @@ class RunConfig:
         _one_of("engine", self.engine, ENGINES)
         _one_of("model", self.model, MODELS)
         _one_of("device", self.device, DEVICES)
-        from fedhier.cloud import CLOUD_STRATEGIES
+        from fedhier.strategies.cloud_step import CLOUD_STRATEGIES
 
         _one_of("cloud_strategy", self.cloud_strategy, CLOUD_STRATEGIES)
+        from fedhier.aggregate import check_aggregators
+
+        check_aggregators(self.aggregator_names, len(self.periods) or 2)
         if self.server_lr < 0 or not 0 <= self.server_momentum < 1:
             raise ConfigError("server_lr must be >= 0 and server_momentum in [0, 1)")
         _one_of("partition", self.partition,

@@ -1,31 +1,27 @@
-"""The cloud side of a fedhier run: one function every Flower engine's ServerApp calls.
-
-``run_federation`` builds the initial model, drives :class:`HierFedAvg` on whatever Flower
-Grid it is given (in-process, Simulation Engine, Deployment Engine), evaluates centrally on the
-test set, and records the run folder through :class:`RunRecorder`.
+"""The cloud side of a fedhier run, whatever the engine: data, initial model, central
+evaluation, and :func:`run_recorded`, the loop that records the run folder, checkpoints and
+resumes around :meth:`fedhier.hsgd.HierarchicalSGD.run`. No Flower import here: each engine
+brings its executor (``fedhier.engines``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
-from flwr.serverapp import Grid
 
 from fedhier.checkpoint import Checkpoint, save_checkpoint
-from fedhier.cloud import make_cloud_strategy
 from fedhier.config import RunConfig
 from fedhier.errors import ConfigError
 from fedhier.federation import Federation, federation_for
+from fedhier.hsgd import Executor, HierarchicalSGD, HSGDSettings, Params
 from fedhier.models import build_model
 from fedhier.recorder import RunRecorder
-from fedhier.results import RunFolder
 from fedhier.rng import torch_seed
 from fedhier.round_diagnostics import diagnostics_due, sample_diagnostics
-from fedhier.strategies.hierfedavg import HierFedAvg
-from fedhier.train import evaluate, resolve_device
+from fedhier.train import evaluate
 
 
 def quiet_flower() -> None:
@@ -69,89 +65,91 @@ def pooled_train_tensors(fed: Federation,
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str,
-                   progress: bool = True, resume: Checkpoint | None = None) -> dict[str, Any]:
-    """Run the configured hierarchical federation on ``grid``; returns summary.json's dict.
+def settings_for(cfg: RunConfig) -> HSGDSettings:
+    """The algorithm's settings of a run configuration."""
+    return HSGDSettings(periods=cfg.periods, groups=cfg.groups, grouping=cfg.grouping,
+                        weighting=cfg.weighting, seed=cfg.seed, workload=cfg.workload(),
+                        min_clients_per_edge=cfg.min_clients_per_edge, on_nan=cfg.on_nan,
+                        diagnostics_every=cfg.diagnostics_every,
+                        regroup_every=cfg.regroup_every, aggregators=cfg.aggregator_names)
+
+
+def central_evaluation(cfg: RunConfig, fed: Federation, model: torch.nn.Module,
+                       device: torch.device) -> Callable[[int, Params], dict[str, Any]]:
+    """The server's own evaluation of the global model after each cloud round: test loss
+    and accuracy, and (when diagnostics are due) the sample-level gradient diversity of the
+    pooled training rows."""
+
+    def evaluate_fn(cloud_round: int, params: Params) -> dict[str, Any]:
+        on_device = {k: v.to(device) for k, v in params.items()}
+        metrics = test_metrics(model, on_device, fed, device)
+        if diagnostics_due(cloud_round, cfg.diagnostics_every):
+            x, y = pooled_train_tensors(fed, device)
+            metrics.update(sample_diagnostics(model, on_device, x, y,
+                                              cfg.diagnostics_max_samples, cfg.seed))
+        return metrics
+
+    return evaluate_fn
+
+
+def run_recorded(algorithm: HierarchicalSGD, executor: Executor, cfg: RunConfig,
+                 recorder: RunRecorder, initial: Params,
+                 evaluate_fn: Callable[[int, Params], dict[str, Any]],
+                 resume: Checkpoint | None = None) -> dict[str, Any]:
+    """Run ``algorithm`` with ``executor`` for ``cfg.rounds`` cloud rounds, recording every
+    round in the run folder; returns summary.json's dict.
 
     Writes ``checkpoint.pt`` every ``cfg.checkpoint_every`` cloud rounds and, on Ctrl-C,
-    after the last completed round before re-raising. ``resume`` continues from a checkpoint.
+    after the last completed round before re-raising; ``resume`` continues from one.
     """
-    quiet_flower()
-    fed = prepare(cfg)
-    num_nodes = len(list(grid.get_node_ids()))
-    if num_nodes and num_nodes != cfg.clients:
-        raise ConfigError(
-            f"the federation has {num_nodes} nodes but clients={cfg.clients}; they must match")
-    device = resolve_device(cfg.device)
-    model = initial_model(cfg, fed).to(device)
-    recorder = RunRecorder(folder, cfg, fed, engine, progress,
-                           resume_round=resume.round if resume else None,
-                           elapsed=resume.wall_seconds if resume else 0.0)
-    strategy = HierFedAvg(cfg.local_period, cfg.global_period, cfg.groups, periods=cfg.periods,
-                          grouping=cfg.grouping, weighting=cfg.weighting, seed=cfg.seed,
-                          min_available_nodes=cfg.clients,
-                          cloud_strategy=make_cloud_strategy(cfg.cloud_strategy, cfg.server_lr,
-                                                             cfg.server_momentum),
-                          workload=cfg.workload(), min_clients_per_edge=cfg.min_clients_per_edge,
-                          on_nan=cfg.on_nan, diagnostics_every=cfg.diagnostics_every,
-                          regroup_every=cfg.regroup_every)
-    initial_state = model.state_dict()
+    folder = recorder.folder
     if resume is None:
-        recorder.save_initial(initial_state)
-    else:
-        initial_state = resume.global_state
-        strategy.load_state_dict(resume.strategy_state)
-        strategy.restore_clients_on_start(resume.client_states)
-
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        params = {k: v.to(device) for k, v in arrays.to_torch_state_dict().items()}
-        metrics = dict(test_metrics(model, params, fed, device))
-        if diagnostics_due(server_round, cfg.diagnostics_every):
-            x, y = pooled_train_tensors(fed, device)
-            metrics.update(sample_diagnostics(model, params, x, y, cfg.diagnostics_max_samples,
-                                              cfg.seed))
-        return MetricRecord(metrics)
-
-    run_config = ConfigRecord(cfg.to_run_config())
-    # Clients keep momentum buffers between rounds: checkpoints need them (query.state).
-    keeps_client_state = cfg.local_optimizer().has_state and cfg.optimizer_state == "keep"
-    # The last fully recorded cloud round and its model, replaced in one assignment, so that
-    # a Ctrl-C at any moment checkpoints a consistent pair.
-    done: dict[str, Any] = {"round": resume.round if resume else 0, "arrays": None,
-                            "strategy": None, "clients": {}}
+        recorder.save_initial(initial)
+    else:  # on the device the executor works on
+        device = next(iter(initial.values())).device
+        initial = {k: v.to(device) for k, v in resume.global_state.items()}
+        algorithm.load_state_dict(resume.strategy_state)
+    # The last fully recorded cloud round, its model and states, replaced in one update so
+    # that a Ctrl-C at any moment checkpoints a consistent set.
+    done: dict[str, Any] = {"round": resume.round if resume else 0, "params": None,
+                            "state": None, "clients": {}}
 
     def checkpoint() -> None:
         save_checkpoint(folder.path, Checkpoint(
-            round=done["round"], global_state=dict(done["arrays"].to_torch_state_dict()),
-            strategy_state=done["strategy"], wall_seconds=recorder.elapsed,
-            client_states=done["clients"]))
+            round=done["round"],
+            global_state={k: v.detach().cpu() for k, v in done["params"].items()},
+            strategy_state=done["state"], wall_seconds=recorder.elapsed,
+            client_states=_to_cpu(done["clients"])))
 
-    def on_cloud_round(record: dict[str, Any]) -> None:
+    def on_record(record: dict[str, Any]) -> None:
         if record["round"] == 0:
-            assert strategy.hierarchy is not None and strategy.client_info is not None
-            recorder.write_groups(strategy.hierarchy, strategy.client_info, cfg.grouping,
-                                  cfg.seed)
+            assert algorithm.hierarchy is not None and algorithm.info is not None
+            recorder.write_groups(algorithm.hierarchy, algorithm.info, cfg.grouping, cfg.seed)
         recorder.record_round(record)
-        clients = (strategy.client_states(grid, run_config, cfg.round_timeout)
-                   if keeps_client_state else {})
-        snapshot = {"round": record["round"], "arrays": strategy.global_arrays,
-                    "strategy": strategy.state_dict(), "clients": clients}
-        done.update(snapshot)  # one dict update: no KeyboardInterrupt between the keys
+        done.update({"round": record["round"], "params": algorithm.global_params,
+                     "state": algorithm.state_dict(), "clients": executor.client_state()})
         if cfg.checkpoint_every and record["round"] % cfg.checkpoint_every == 0:
             checkpoint()
 
-    initial = ArrayRecord({k: v.detach().cpu() for k, v in initial_state.items()})
     try:
-        result = strategy.start(grid, initial, num_rounds=cfg.rounds, timeout=cfg.round_timeout,
-                                train_config=run_config, evaluate_config=run_config,
-                                evaluate_fn=evaluate_fn, on_cloud_round=on_cloud_round,
-                                first_round=done["round"] + 1)
+        final = algorithm.run(executor, initial, cfg.rounds, first_round=done["round"] + 1,
+                              evaluate_fn=evaluate_fn, on_record=on_record,
+                              client_state=resume.client_states if resume else None)
     except KeyboardInterrupt:
         recorder.close()
-        if done["arrays"] is not None and done["round"] > 0:
+        if done["params"] is not None and done["round"] > 0:
             checkpoint()
         raise
     finally:
         recorder.close()
-    return recorder.finish(result.arrays.to_torch_state_dict(),
-                           strategy.communication.as_dict())
+    return recorder.finish({k: v.detach().cpu() for k, v in final.items()},
+                           algorithm.communication.as_dict())
+
+
+def _to_cpu(value: Any) -> Any:
+    """Tensors anywhere inside dicts, moved to the CPU (checkpoints load on any machine)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value

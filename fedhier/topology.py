@@ -17,10 +17,10 @@ import torch
 from fedhier.aggregate import segment_weighted_mean
 from fedhier.errors import ConfigError
 from fedhier.grouping import (
-    GRADIENT_GROUPING,
     ClientInfo,
     Grouping,
     assign_groups,
+    grouping_needs,
     make_gradient_grouping,
 )
 
@@ -132,9 +132,10 @@ def build_hierarchy(periods: tuple[int, ...], groups: tuple[int, ...], grouping:
     parents = []
     level_info = info
     level_grads, level_weights = client_grads, weights
+    by_gradient = "gradients" in grouping_needs(grouping)
     for level, count in enumerate(groups, start=1):
         rule: str | Grouping = grouping
-        if grouping == GRADIENT_GROUPING:
+        if by_gradient:
             if level_grads is None or level_weights is None:
                 raise ConfigError("the gradient grouping needs the clients' gradients")
             rule = make_gradient_grouping(level_grads, level_weights)

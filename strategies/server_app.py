@@ -11,8 +11,9 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedhier.config import RunConfig
+from fedhier.engines.grid_run import run_federation
 from fedhier.results import RunFolder, default_run_dir
-from fedhier.server import quiet_flower, run_federation
+from fedhier.server import quiet_flower
 
 app = ServerApp()
 

@@ -12,10 +12,10 @@ from flwr.serverapp.strategy import Strategy
 from safetensors.torch import load_file
 
 from fedhier.clients.app import app as client_app
-from fedhier.cloud import make_cloud_strategy
 from fedhier.config import RunConfig
 from fedhier.engines.inprocess_grid import InProcessGrid
 from fedhier.server import initial_model, prepare
+from fedhier.strategies.cloud_step import make_cloud_strategy
 from fedhier.strategies.hierfedavg import HierFedAvg
 
 State = dict[str, torch.Tensor]

@@ -74,6 +74,10 @@ CASES = {
     "cloud-fedadam-three-level-faults": BASE.replace(
         groups=(4, 2), periods=(2, 4, 8), cloud_strategy="fedadam", server_lr=0.01,
         fail_rate=0.3, rounds=3),
+    "median": BASE.replace(aggregators="median", rounds=3),
+    "median-mean-median-three-level-faults": BASE.replace(
+        groups=(4, 2), periods=(2, 4, 8), aggregators="median,mean,median", fail_rate=0.3,
+        rounds=3),
     "stragglers-cnn": BASE.replace(model="cnn", local_period=3, global_period=6,
                                    straggler_fraction=0.5, normalize_updates=True, rounds=1),
 }

@@ -15,8 +15,9 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedhier.checkpoint import Checkpoint
 from fedhier.config import RunConfig
+from fedhier.engines.grid_run import run_federation
 from fedhier.results import RunFolder
-from fedhier.server import quiet_flower, run_federation
+from fedhier.server import quiet_flower
 
 
 def run_simulation_engine(cfg: RunConfig, folder: RunFolder, progress: bool = True,

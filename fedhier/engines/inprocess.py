@@ -8,9 +8,9 @@ from typing import Any
 from fedhier.checkpoint import Checkpoint
 from fedhier.clients.app import app as client_app
 from fedhier.config import RunConfig
+from fedhier.engines.grid_run import run_federation
 from fedhier.engines.inprocess_grid import InProcessGrid
 from fedhier.results import RunFolder
-from fedhier.server import run_federation
 
 
 def run_inprocess(cfg: RunConfig, folder: RunFolder, progress: bool = True,

@@ -45,48 +45,38 @@ cross-entropy. The vmap path instead runs one vmap per distinct b_j (no padding 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord
-from flwr.serverapp.strategy import Strategy
+from flwr.app import ArrayRecord
 from torch import nn
 from torch.func import grad_and_value, vmap
 
-from fedhier.aggregate import (
-    client_weights,
-    occupied_segments,
-    presence_weights,
-    segment_weighted_mean,
-)
-from fedhier.checkpoint import Checkpoint, save_checkpoint
-from fedhier.cloud import ChildrenGrid, cloud_update, make_cloud_strategy
-from fedhier.communication import Communication
+from fedhier.checkpoint import Checkpoint
 from fedhier.config import RunConfig
 from fedhier.errors import ConfigError
-from fedhier.faults import FaultModel, RunFailureError, failed_edges, non_finite_message
+from fedhier.faults import FaultModel
 from fedhier.federation import Federation
-from fedhier.grouping import GRADIENT_GROUPING, ClientInfo
+from fedhier.grouping import ClientInfo
+from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, HierarchicalSGD, TrainResult
 from fedhier.models import linear_chain
 from fedhier.optim import LocalOptimizer
-from fedhier.plan import EdgeRoundPlan, Workload, plan_edge_round
 from fedhier.recorder import RunRecorder
 from fedhier.results import RunFolder
-from fedhier.round_diagnostics import (
-    client_diagnostics,
-    diagnostics_due,
-    direct_client_gradients,
-    sample_diagnostics,
+from fedhier.round_diagnostics import direct_client_gradients
+from fedhier.server import (
+    central_evaluation,
+    initial_model,
+    prepare,
+    run_recorded,
+    settings_for,
 )
-from fedhier.server import initial_model, pooled_train_tensors, prepare, test_metrics
-from fedhier.strategies.hierfedavg import client_accuracy_summary
-from fedhier.topology import Hierarchy, build_hierarchy
+from fedhier.strategies.cloud_step import as_cloud_step, make_cloud_strategy
 from fedhier.train import (
     batch_indices,
     effective_batch_size,
@@ -100,8 +90,6 @@ Params = dict[str, torch.Tensor]
 
 #: Largest minibatch-index block precomputed at once (int64 entries; 2**22 = 32 MiB).
 INDEX_BLOCK_ENTRIES = 2**22
-#: Largest block (entries) one segment_weighted_mean call averages (float64 temporaries).
-AGGREGATE_BLOCK = 2**18
 #: Rows per forward pass when evaluating the global model on the clients' training rows.
 EVAL_CHUNK = 4096
 
@@ -317,46 +305,32 @@ def local_training_for(model: nn.Module) -> LocalTraining:
     return linear_chain_training(layers) if layers is not None else vmap_training(model)
 
 
-# ------------------------------------------------------------------------------ the run
-def average(values: torch.Tensor, weights: torch.Tensor, owner: torch.Tensor,
-            num_nodes: int) -> torch.Tensor:
-    """``segment_weighted_mean`` of values [n, *shape] per node -> [nodes, *shape].
-
-    Called on blocks of columns of at most :data:`AGGREGATE_BLOCK` entries: each column's mean
-    depends on that column only, so this is bit-for-bit one call, while its float64
-    temporaries stay small instead of growing to n x P x 8 bytes (GBs at 10,000 clients).
-    """
-    flat = values.reshape(values.shape[0], -1)
-    out = torch.empty(num_nodes, flat.shape[1], dtype=values.dtype, device=values.device)
-    step = max(1, AGGREGATE_BLOCK // max(flat.shape[0], 1))
-    for lo in range(0, flat.shape[1], step):
-        out[:, lo:lo + step] = segment_weighted_mean(flat[:, lo:lo + step], weights, owner,
-                                                     num_nodes)
-    return out.reshape(num_nodes, *values.shape[1:])
-
-
+# ------------------------------------------------------------------------------ the executor
 @dataclass
-class VectorizedRun:
-    """State of one vectorized run: data, hierarchy, weights and counters."""
+class BatchedExecutor:
+    """:class:`fedhier.hsgd.Executor` that trains every client of an edge round as one
+    batched computation (chunks of ``client_chunk`` clients), on ``device``."""
 
     cfg: RunConfig
     model: nn.Module
     fed: Federation
-    info: ClientInfo  # the clients' profiles: label histograms and sizes
     data: ClientRows
-    hierarchy: Hierarchy
-    weights: np.ndarray  # float64 [n], client_weights(cfg.weighting, m)
-    train: LocalTraining
-    model_bytes: int
+    train_fn: LocalTraining
     device: torch.device
-    communication: Communication
     optimizer: LocalOptimizer = dataclasses.field(default_factory=LocalOptimizer)
-    cloud_strategy: Strategy | None = None  # "hierarchical X" (fedhier.cloud), None = average
-    workload: Workload = dataclasses.field(default_factory=Workload)
     faults: FaultModel = dataclasses.field(default_factory=FaultModel)
     buffers: Params = dataclasses.field(default_factory=dict)  # clients' params [n, *shape]
     momentum: Params = dataclasses.field(default_factory=dict)  # kept buffers [n, *shape]
     next_momentum: Params = dataclasses.field(default_factory=dict)  # being filled
+    _rows: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # by cloud round
+
+    @classmethod
+    def build(cls, cfg: RunConfig, fed: Federation, model: nn.Module,
+              device: torch.device) -> BatchedExecutor:
+        return cls(cfg=cfg, model=model, fed=fed,
+                   data=ClientRows.build(fed, cfg.batch_size, device),
+                   train_fn=local_training_for(model), device=device,
+                   optimizer=cfg.local_optimizer(), faults=cfg.faults())
 
     @property
     def chunks(self) -> list[tuple[int, int]]:
@@ -373,102 +347,74 @@ class VectorizedRun:
             del bounds[-2]
         return list(zip(bounds[:-1], bounds[1:], strict=True))
 
+
     def index_blocks(self) -> int:
         """Cloud rounds whose mini-batch indices are precomputed together (memory-bounded)."""
         per_round = self.cfg.global_period * self.data.num_clients * self.data.width
         return max(1, min(self.cfg.rounds, INDEX_BLOCK_ENTRIES // max(per_round, 1)))
 
-    def train_cloud_round(self, cloud_round: int, global_params: Params,
-                          rows: torch.Tensor) -> tuple[Params, dict[str, Any]]:
-        """G / I edge rounds from ``global_params``; returns (new global model, its record).
 
-        Args:
-            cloud_round: 1-based index of this cloud round.
-            global_params: the global model, name -> [*shape].
-            rows: int64 [G, n, width] pool rows of this cloud round's mini-batches.
+    # ---------------------------------------------------------------- Executor
+    def profiles(self) -> ClientInfo:
+        """The clients' rows and label histograms (no SuperNodes, so no edge tags)."""
+        fed = self.fed
+        return ClientInfo(fed.label_histograms, fed.client_sizes(),
+                          edge_tags=np.full(fed.num_clients, -1))
 
-        Returns:
-            The cloud average (the old global model when no client survived the cloud step)
-            and HierFedAvg's training keys: ``local_train_loss`` (the mean over edge rounds
-            of the client-weighted mean of each surviving client's mean mini-batch loss),
-            ``failed_clients`` and ``failed_edges``.
-        """
-        cfg, hierarchy = self.cfg, self.hierarchy
+    def train(self, work: EdgeRoundWork, edge_models: Params) -> TrainResult:
+        """Every client's I local steps from its edge's model, in one batched computation;
+        the sent clients' rows are returned. A client the fault model fails is not ok."""
+        cfg, n = self.cfg, self.data.num_clients
         period = cfg.local_period
-        edge_rounds = cfg.global_period // period
-        num_edges = hierarchy.num_nodes(1)
-        edge_of_client = hierarchy.edge_of_client()  # fixed for the cloud round
-        edge_of = torch.as_tensor(edge_of_client, device=self.device)
-        # every edge starts the cloud round from the global model
-        edge_models = {k: v.unsqueeze(0).repeat(num_edges, *([1] * v.dim()))
-                       for k, v in global_params.items()}
-        new_global = dict(global_params)
-        if self.cloud_strategy is not None:  # lets server optimisers see the current model
-            self.cloud_strategy.configure_train(
-                cloud_round, to_record(global_params), ConfigRecord(),
-                ChildrenGrid(hierarchy.num_nodes(hierarchy.num_levels - 1)))
-        edge_losses: list[torch.Tensor] = []
-        failed = failed_edge_count = 0
-        round_start = (cloud_round - 1) * cfg.global_period  # global index of its first step
-        for k in range(edge_rounds):
-            first_step = k * period  # steps counted within the cloud round
-            edge_round = (cloud_round - 1) * edge_rounds + k + 1
-            sent, trains, plan = self.who_trains(edge_round, cloud_round)
-            steps = np.where(sent, plan.steps, period)  # unsent clients' work is discarded
-            params = self.start_params(edge_models, edge_of)
-            losses = self.local_training(params, rows[first_step:first_step + period],
-                                         cfg.learning_rates(round_start + first_step, period),
-                                         trains, steps)
-            if (plan.scale != 1.0).any():  # FedNova: w_start + s (w_local - w_start)
-                self.scale_updates(params, edge_models, plan.scale)
-            # the periods divide G, so the level only depends on the step modulo G
-            level = hierarchy.level_after(first_step + period - 1)
-            alive, averaged, nodes = self.aggregate(params, losses, trains, level, edge_round)
-            if level == hierarchy.num_levels and self.cloud_strategy is not None and alive.any():
-                averaged, nodes = self.cloud_step(cloud_round, params, alive), np.zeros(1, int)
-            failed += int(sent.sum() - alive.sum())
-            failed_edge_count += failed_edges(
-                edge_of_client, np.flatnonzero(sent), np.flatnonzero(alive),
-                num_edges, cfg.min_clients_per_edge, edge_round)
-            self.communication.add_edge_round(int(sent.sum()), int(alive.sum()),
-                                              self.model_bytes)
-            if not alive.any():
-                continue  # nothing came back: every edge keeps its model
-            weights = torch.as_tensor(self.weights[alive], device=self.device)
-            mean_loss = losses / torch.as_tensor(steps, device=self.device)
-            edge_losses.append((weights * mean_loss[torch.as_tensor(alive, device=self.device)]
-                                ).sum() / weights.sum())
-            self.communication.add_aggregation(hierarchy, level, self.model_bytes)
-            # edges under a node with a survivor take its average; the others keep theirs
-            position = np.full(hierarchy.num_nodes(level), -1, dtype=np.int64)
-            position[nodes] = np.arange(len(nodes))
-            source = position[hierarchy.edges_under(level)]
-            updated = np.flatnonzero(source >= 0)
-            src = torch.as_tensor(source[updated], device=self.device)
-            dst = torch.as_tensor(updated, device=self.device)
-            for key, value in averaged.items():
-                edge_models[key].index_copy_(0, dst, value.index_select(0, src))
-            if level == hierarchy.num_levels:
-                new_global = {key: value[0] for key, value in averaged.items()}
-        local_loss = float(torch.stack(edge_losses).mean()) if edge_losses else None
-        return new_global, {"local_train_loss": local_loss, "failed_clients": failed,
-                            "failed_edges": failed_edge_count}
-
-    def who_trains(self, edge_round: int,
-                   cloud_round: int) -> tuple[np.ndarray, np.ndarray, EdgeRoundPlan]:
-        """bool [n] masks: the clients sent this edge round's work (participation), and those
-        of them that run it (not failing by the fault model), as HierFedAvg and the
-        ClientApp decide it; and the round's plan (steps and update scale per client)."""
-        cfg = self.cfg
-        plan = plan_edge_round(self.hierarchy, self.workload, self.weights, cfg.seed,
-                               edge_round)
-        sent = plan.steps > 0
+        sent = np.zeros(n, dtype=bool)
+        sent[work.clients] = True
         trains = sent.copy()
         if self.faults != FaultModel():
-            for client in np.flatnonzero(sent):
-                trains[client] = not self.faults.fails(cfg.seed, int(client), edge_round,
-                                                       cloud_round)
-        return sent, trains, plan
+            for client in work.clients.tolist():
+                trains[client] = not self.faults.fails(cfg.seed, client, work.edge_round,
+                                                       work.cloud_round)
+        steps = np.full(n, period, dtype=np.int64)  # unsent clients' work is discarded
+        steps[work.clients] = work.steps
+        edge_of = torch.as_tensor(work.edge_of_client, device=self.device)
+        params = self.start_params(edge_models, edge_of)
+        first = work.start_step - (work.cloud_round - 1) * cfg.global_period
+        rows = self.minibatch_rows(work.cloud_round)[first:first + period]
+        losses = self.local_training(params, rows, cfg.learning_rates(work.start_step, period),
+                                     trains, steps)
+        mean_loss = (losses / torch.as_tensor(steps, device=self.device)).cpu().numpy()
+        if len(work.clients) == n:
+            return TrainResult(models=params, losses=mean_loss, ok=trains)
+        index = torch.as_tensor(work.clients, device=self.device)
+        return TrainResult(models={k: v.index_select(0, index) for k, v in params.items()},
+                           losses=mean_loss[work.clients], ok=trains[work.clients])
+
+    def evaluate(self, params: Params, cloud_round: int) -> ClientEvaluation:
+        """The global model on every client's training rows (and held-out rows)."""
+        loss, accuracy = self.client_metrics(params)
+        return ClientEvaluation(loss=loss, accuracy=accuracy,
+                                holdout_accuracy=self.holdout_accuracies(params))
+
+    def client_gradients(self, params: Params) -> torch.Tensor:
+        """Every client's full local gradient at ``params`` [n, P], on the rows the ClientApp's
+        gradient query uses (``fedhier.round_diagnostics.direct_client_gradients``)."""
+        return direct_client_gradients(self.model, dict(params), self.fed,
+                                       self.cfg.diagnostics_max_samples, self.cfg.seed,
+                                       self.device)
+
+    def model_bytes(self, params: Params) -> int:
+        """Bytes of one model as a Flower ArrayRecord (as the Flower engines count it)."""
+        return int(ArrayRecord({k: v.detach().cpu() for k, v in params.items()}).count_bytes())
+
+    def client_state(self) -> Params:
+        """The kept momentum buffers [n, *shape] ({} without): a snapshot without copies,
+        since training replaces ``self.momentum`` by new tensors every edge round and never
+        writes into the ones returned here."""
+        return dict(self.momentum)
+
+    def restore_client_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.momentum = {k: v.to(self.device) for k, v in state.items()}
+
+    # ---------------------------------------------------------------- the batched work
 
     def local_training(self, params: Params, rows: torch.Tensor, rates: Sequence[float],
                        trains: np.ndarray, steps: np.ndarray) -> torch.Tensor:
@@ -501,7 +447,7 @@ class VectorizedRun:
                 batches = EdgeRoundBatches(x=data.x[index], y=data.y[index],
                                            weight=data.weight[lo:hi], batch=data.batch[lo:hi])
                 running = torch.as_tensor(steps[lo:hi] >= end, device=self.device)
-                segment_loss, buffers = self.train(chunk, batches, rates[start:end],
+                segment_loss, buffers = self.train_fn(chunk, batches, rates[start:end],
                                                    self.optimizer, buffers)
                 losses[lo:hi] += torch.where(running, segment_loss, 0.0)
                 done = np.flatnonzero(steps[lo:hi] == end)
@@ -528,87 +474,6 @@ class VectorizedRun:
                                   else torch.zeros_like(value.index_select(0, idle)))
         return losses
 
-    def scale_updates(self, params: Params, edge_models: Mapping[str, torch.Tensor],
-                      scale: np.ndarray) -> None:
-        """FedNova-style: client j's model becomes w_start + scale[j] * (w_j - w_start), with
-        w_start its edge's model (what the ClientApp does with ``update-scale``)."""
-        clients = np.flatnonzero(scale != 1.0)
-        index = torch.as_tensor(clients, device=self.device)
-        edges = torch.as_tensor(self.hierarchy.edge_of_client()[clients], device=self.device)
-        factor = torch.as_tensor(scale[clients], device=self.device)
-        for key, value in params.items():
-            start = edge_models[key].index_select(0, edges)
-            local = value.index_select(0, index)
-            f = factor.reshape(-1, *([1] * (local.dim() - 1))).to(local.dtype)
-            value.index_copy_(0, index, start + f * (local - start))
-
-    def aggregate(self, params: Params, losses: torch.Tensor, trains: np.ndarray, level: int,
-                  edge_round: int) -> tuple[np.ndarray, Params, np.ndarray]:
-        """Average the surviving clients' models per level-``level`` node.
-
-        A client whose loss or model is NaN/inf stops the run (``on_nan="stop"``) or is
-        dropped (``skip-client``). Weights renormalise over the survivors
-        (:func:`presence_weights`), as in HierFedAvg.
-
-        Returns:
-            (alive bool [n]: the survivors, averages name -> [s, *shape] of the s nodes that
-            have a survivor, those nodes' ids int64 [s]).
-        """
-        alive = trains.copy()
-        averaged, nodes = self.node_means(params, alive, level)
-        if all(bool(torch.isfinite(v).all()) for v in averaged.values()) and bool(
-                torch.isfinite(losses[torch.as_tensor(alive, device=self.device)]).all()):
-            return alive, averaged, nodes  # a non-finite survivor makes its node's mean so
-        bad = torch.isfinite(losses)
-        for value in params.values():
-            bad &= torch.isfinite(value.reshape(len(bad), -1)).all(dim=1)
-        bad_clients = np.flatnonzero(alive & ~bad.cpu().numpy())
-        if self.cfg.on_nan == "stop":
-            client = int(bad_clients[0])
-            raise RunFailureError(non_finite_message(
-                client, int(self.hierarchy.edge_of_client()[client]), edge_round,
-                self.cfg.global_period // self.cfg.local_period))
-        alive[bad_clients] = False
-        averaged, nodes = self.node_means(params, alive, level)
-        return alive, averaged, nodes
-
-    def cloud_step(self, cloud_round: int, params: Params, alive: np.ndarray) -> Params:
-        """The cloud's update with the wrapped Flower strategy (``cloud_update``) over the
-        averages of the cloud's children; returns name -> [1, *shape]."""
-        assert self.cloud_strategy is not None
-        hierarchy = self.hierarchy
-        child_level = hierarchy.num_levels - 1
-        children, nodes = self.node_means(params, alive, child_level)
-        weights = presence_weights(self.weights, alive, hierarchy.edge_of_client())
-        child_weight = np.bincount(hierarchy.ancestors(child_level)[alive],
-                                   weights=weights[alive],
-                                   minlength=hierarchy.num_nodes(child_level))
-        records = {int(node): to_record({k: v[i] for k, v in children.items()})
-                   for i, node in enumerate(nodes)}
-        arrays = cloud_update(self.cloud_strategy, cloud_round, records,
-                              {int(node): float(child_weight[node]) for node in nodes})
-        return {k: v.to(self.device).unsqueeze(0)
-                for k, v in arrays.to_torch_state_dict().items()}
-
-    def node_means(self, params: Params, alive: np.ndarray,
-                   level: int) -> tuple[Params, np.ndarray]:
-        """``segment_weighted_mean`` of the ``alive`` clients' models at ``level``, over the
-        nodes that have one (:func:`occupied_segments`), with :func:`presence_weights`."""
-        hierarchy = self.hierarchy
-        members = np.flatnonzero(alive)
-        if len(members) == 0:
-            return {}, np.zeros(0, dtype=np.int64)
-        everyone = len(members) == len(alive)
-        weights = (self.weights if everyone else
-                   presence_weights(self.weights, alive, hierarchy.edge_of_client()))[members]
-        nodes, compact = occupied_segments(hierarchy.ancestors(level)[members],
-                                           hierarchy.num_nodes(level))
-        index = torch.as_tensor(members, device=self.device)
-        w = torch.as_tensor(weights, device=self.device)
-        owner = torch.as_tensor(compact, device=self.device)
-        return {k: average(v if everyone else v.index_select(0, index), w, owner, len(nodes))
-                for k, v in params.items()}, nodes
-
     def start_params(self, edge_models: Mapping[str, torch.Tensor],
                      edge_of: torch.Tensor) -> Params:
         """name -> [n, *shape]: each client's edge model, gathered into buffers reused from
@@ -622,29 +487,11 @@ class VectorizedRun:
             torch.index_select(value, 0, edge_of, out=buffer)
         return dict(self.buffers)
 
-    def regroup(self, cloud_round: int, params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """Regroup before a cloud round when ``regroup_every`` says so (as HierFedAvg: seed
-        + cloud_round - 1, at the global model); returns the keys it adds to the record."""
-        cfg = self.cfg
-        if not cfg.regroup_every or cloud_round <= 1 or (cloud_round - 1) % cfg.regroup_every:
-            return {}
-        grads = self.client_gradients(params) if cfg.grouping == GRADIENT_GROUPING else None
-        self.hierarchy = build_hierarchy(cfg.periods, cfg.groups, cfg.grouping, self.info,
-                                         cfg.seed + cloud_round - 1, client_grads=grads,
-                                         weights=self.weights)
-        return {"regrouped": True, "client_to_edge": self.hierarchy.edge_of_client().tolist()}
-
-    def client_gradients(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Every client's full local gradient at ``params`` [n, P], on the rows the ClientApp's
-        gradient query uses (``fedhier.round_diagnostics.direct_client_gradients``)."""
-        return direct_client_gradients(self.model, dict(params), self.fed,
-                                       self.cfg.diagnostics_max_samples, self.cfg.seed,
-                                       self.device)
-
     @property
     def keep_momentum(self) -> bool:
         """Momentum buffers persist per client across edge rounds (``optimizer_state=keep``)."""
         return self.optimizer.has_state and self.cfg.optimizer_state == "keep"
+
 
     def store_momentum(self, buffers: Params, lo: int, hi: int) -> None:
         """Keep clients lo..hi-1's momentum buffers for their next edge round."""
@@ -657,76 +504,37 @@ class VectorizedRun:
         if hi == self.data.num_clients:  # the edge round's last chunk: buffers complete
             self.momentum, self.next_momentum = self.next_momentum, {}
 
-    def minibatch_schedule(self, first_round: int = 1) -> Iterator[tuple[int, torch.Tensor]]:
-        """For each cloud round from ``first_round`` on: (round, int64 [G, n, width], the pool
-        rows of its mini-batches).
+    def minibatch_rows(self, cloud_round: int) -> torch.Tensor:
+        """int64 [G, n, width]: the pool rows of cloud round ``cloud_round``'s mini-batches.
 
         Computed with :meth:`ClientRows.minibatch_rows` for blocks of cloud rounds at once
         (:meth:`index_blocks`) and moved to the device once per block.
         """
-        cfg, g = self.cfg, self.cfg.global_period
-        block = self.index_blocks()
-        for first in range(first_round - 1, cfg.rounds, block):
-            count = min(block, cfg.rounds - first)
-            rows = torch.as_tensor(self.data.minibatch_rows(cfg.seed, cfg.batch_size, first * g,
-                                                            count * g), device=self.device)
-            for k in range(count):
-                yield first + k + 1, rows[k * g:(k + 1) * g]
+        if cloud_round not in self._rows:
+            cfg, g = self.cfg, self.cfg.global_period
+            count = max(1, min(self.index_blocks(), cfg.rounds - cloud_round + 1))
+            rows = torch.as_tensor(self.data.minibatch_rows(
+                cfg.seed, cfg.batch_size, (cloud_round - 1) * g, count * g), device=self.device)
+            self._rows = {cloud_round + k: rows[k * g:(k + 1) * g] for k in range(count)}
+        return self._rows[cloud_round]
 
-    def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs besides the global model: the communication counters,
-        the grouping in force and the clients' kept momentum buffers [n, *shape].
-
-        A snapshot without copies of the momentum: training replaces ``self.momentum`` by new
-        tensors every edge round and never writes into the ones returned here. The cloud
-        strategy (with its server optimiser state) is copied.
-        """
-        return {"communication": self.communication.as_dict(), "hierarchy": self.hierarchy,
-                "momentum": dict(self.momentum),
-                "cloud_strategy": copy.deepcopy(self.cloud_strategy)}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.communication = Communication(**state["communication"])
-        self.hierarchy = state["hierarchy"]
-        self.momentum = {k: v.to(self.device) for k, v in state.get("momentum", {}).items()}
-        if state.get("cloud_strategy") is not None:
-            self.cloud_strategy = state["cloud_strategy"]
-
-    def cloud_record(self, cloud_round: int, params: Mapping[str, torch.Tensor],
-                     trained: Mapping[str, Any] | None = None,
-                     regrouped: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """The metrics record of a cloud round, keyed as HierFedAvg's ``on_cloud_round``."""
-        cfg = self.cfg
-        record: dict[str, Any] = {
-            "round": cloud_round, "iteration": cloud_round * cfg.global_period,
-            "edge_rounds": cloud_round * (cfg.global_period // cfg.local_period)}
-        record.update(self.train_metrics(params))
-        record.update(self.holdout_metrics(params))
-        record.update(trained or {"local_train_loss": None, "failed_clients": 0,
-                                  "failed_edges": 0})
-        record.update(regrouped or {})
-        record.update(test_metrics(self.model, dict(params), self.fed, self.device))
-        record.update(round_diagnostics(self, cloud_round, params))
-        record.update(self.communication.as_dict())
-        return record
-
-    def holdout_metrics(self, params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """Each client's accuracy on its held-out rows (``client_holdout``), summarised as
-        HierFedAvg does (:func:`client_accuracy_summary`); {} without held-out rows."""
+    def holdout_accuracies(self, params: Mapping[str, torch.Tensor]) -> np.ndarray | None:
+        """Each client's accuracy on its held-out rows (``client_holdout``; NaN for a
+        client without any), None when no client holds rows out."""
         fed = self.fed
         if not fed.holdouts:
-            return {}
+            return None
         accuracies = np.full(fed.num_clients, np.nan)
         with torch.no_grad():
             for client in range(fed.num_clients):
                 x, y = fed.holdout_tensors(client, self.device)
                 if len(y):
                     accuracies[client] = evaluate(self.model, dict(params), x, y)[1]
-        return client_accuracy_summary(accuracies)
+        return accuracies
 
-    def train_metrics(self, params: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        """train_loss / train_accuracy: the global model on every client's training rows,
-        client-weighted (what HierFedAvg's aggregate_evaluate reports)."""
+    def client_metrics(self, params: Mapping[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+        """float64 [n] each: the model's mean loss and accuracy on each client's training
+        rows (every distinct row is evaluated once)."""
         data = self.data
         used, member = np.unique(np.concatenate(data.rows), return_inverse=True)
         used_t = torch.as_tensor(used, device=self.device)
@@ -745,62 +553,14 @@ class VectorizedRun:
         sizes = np.bincount(client, minlength=data.num_clients)
         client_loss = np.bincount(client, weights=loss, minlength=data.num_clients) / sizes
         client_acc = np.bincount(client, weights=correct, minlength=data.num_clients) / sizes
-        w = self.weights
-        return {"train_loss": float(np.dot(w, client_loss) / w.sum()),
-                "train_accuracy": float(np.dot(w, client_acc) / w.sum())}
+        return client_loss, client_acc
 
-
-def to_record(params: Mapping[str, torch.Tensor]) -> ArrayRecord:
-    """A model as the ArrayRecord a Flower strategy expects (on the CPU)."""
-    return ArrayRecord({k: v.detach().cpu() for k, v in params.items()})
-
-
-def round_diagnostics(run: VectorizedRun, cloud_round: int,
-                      params: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """Divergences and gradient diversity at the global model, every ``diagnostics_every``
-    cloud rounds (and round 0): the keys and numbers the Flower engines record, from the same
-    functions (``fedhier.round_diagnostics``): sample-level diversity on the pooled training
-    rows (the server's part), then the divergences of the clients' full gradients."""
-    cfg = run.cfg
-    if not diagnostics_due(cloud_round, cfg.diagnostics_every):
-        return {}
-    x, y = pooled_train_tensors(run.fed, run.device)
-    out = sample_diagnostics(run.model, dict(params), x, y, cfg.diagnostics_max_samples,
-                             cfg.seed)
-    out.update(client_diagnostics(run.client_gradients(params), run.weights, run.hierarchy))
-    return out
-
-
-def build_run(cfg: RunConfig, fed: Federation, model: nn.Module,
-              device: torch.device) -> VectorizedRun:
-    """Everything a vectorized run needs besides the recorder."""
-    info = ClientInfo(fed.label_histograms, fed.client_sizes(),
-                      edge_tags=np.full(fed.num_clients, -1))  # no SuperNodes, no tags
-    weights = client_weights(cfg.weighting, info.num_examples)
-    grads = (direct_client_gradients(model, params_of(model), fed, cfg.diagnostics_max_samples,
-                                     cfg.seed, device)
-             if cfg.grouping == GRADIENT_GROUPING else None)  # at the initial model
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return VectorizedRun(
-        cfg=cfg, model=model, fed=fed, info=info,
-        data=ClientRows.build(fed, cfg.batch_size, device),
-        hierarchy=build_hierarchy(cfg.periods, cfg.groups, cfg.grouping, info, cfg.seed,
-                                  client_grads=grads, weights=weights),
-        weights=weights, train=local_training_for(model),
-        model_bytes=ArrayRecord(state).count_bytes(), device=device,  # as Flower counts
-        communication=Communication(), optimizer=cfg.local_optimizer(),
-        workload=cfg.workload(), faults=cfg.faults(),
-        cloud_strategy=make_cloud_strategy(cfg.cloud_strategy, cfg.server_lr,
-                                           cfg.server_momentum))
 
 
 def run_vectorized(cfg: RunConfig, folder: RunFolder, progress: bool = True, *,
                    federation: Federation | None = None,
                    resume: Checkpoint | None = None) -> dict[str, Any]:
     """Run ``cfg`` with every client batched; writes the same run folder as ``inprocess``.
-
-    Writes ``checkpoint.pt`` every ``cfg.checkpoint_every`` cloud rounds and, on Ctrl-C, after
-    the last completed round before re-raising; ``resume`` continues from one.
 
     Args:
         cfg: the run configuration (``client_chunk`` and ``device`` are honoured).
@@ -822,42 +582,8 @@ def run_vectorized(cfg: RunConfig, folder: RunFolder, progress: bool = True, *,
     recorder = RunRecorder(folder, cfg, fed, "vectorized", progress,
                            resume_round=resume.round if resume else None,
                            elapsed=resume.wall_seconds if resume else 0.0)
-    run = build_run(cfg, fed, model, device)
-    params = params_of(model)
-    done = 0  # the last recorded cloud round; params and state are the run after it
-    if resume is None:
-        recorder.save_initial(model.state_dict())
-    else:
-        done = resume.round
-        params = {k: v.to(device) for k, v in resume.global_state.items()}
-        run.load_state_dict(resume.strategy_state)
-    state = run.state_dict()
-
-    def checkpoint() -> None:
-        saved = {**state, "momentum": {k: v.cpu() for k, v in state["momentum"].items()}}
-        save_checkpoint(folder.path, Checkpoint(
-            round=done, global_state={k: v.detach().cpu() for k, v in params.items()},
-            strategy_state=saved, wall_seconds=recorder.elapsed))
-
-    try:
-        if resume is None:
-            recorder.write_groups(run.hierarchy, run.info, cfg.grouping, cfg.seed)
-            recorder.record_round(run.cloud_record(0, params))
-        for cloud_round, rows in run.minibatch_schedule(done + 1):
-            regrouped = run.regroup(cloud_round, params)
-            new_params, trained = run.train_cloud_round(cloud_round, params, rows)
-            record = run.cloud_record(cloud_round, new_params, trained, regrouped)
-            recorder.record_round(record)
-            # one tuple assignment: a Ctrl-C sees the round, its model and its state together
-            params, done, state = new_params, cloud_round, run.state_dict()
-            if cfg.checkpoint_every and cloud_round % cfg.checkpoint_every == 0:
-                checkpoint()
-    except KeyboardInterrupt:
-        recorder.close()
-        if done > 0:
-            checkpoint()
-        raise
-    finally:
-        recorder.close()
-    final = {k: v.detach().cpu() for k, v in params.items()}
-    return recorder.finish(final, run.communication.as_dict())
+    algorithm = HierarchicalSGD(settings_for(cfg), as_cloud_step(make_cloud_strategy(
+        cfg.cloud_strategy, cfg.server_lr, cfg.server_momentum)))
+    executor = BatchedExecutor.build(cfg, fed, model, device)
+    return run_recorded(algorithm, executor, cfg, recorder, params_of(model),
+                        central_evaluation(cfg, fed, model, device), resume=resume)

@@ -12,7 +12,7 @@ from importlib.metadata import entry_points
 import numpy as np
 
 from fedhier.errors import ConfigError
-from fedhier.grouping.base import ClientInfo, Grouping, balanced_sizes
+from fedhier.grouping.base import ClientInfo, Grouping, balanced_sizes, declares, needs_of
 from fedhier.grouping.divergence import (
     make_gradient_grouping,
     max_divergence_grouping,
@@ -60,6 +60,14 @@ def get_grouping(name: str) -> Grouping:
         f"unknown grouping '{name}'; choose one of {', '.join(available_groupings())}")
 
 
+def grouping_needs(name: str) -> frozenset[str]:
+    """What the grouping ``name`` needs from the clients: a subset of
+    ``fedhier.grouping.base.NEEDS`` ("labels", "gradients", "edge-tags")."""
+    if name == GRADIENT_GROUPING:
+        return frozenset({"gradients"})
+    return needs_of(get_grouping(name))
+
+
 def assign_groups(grouping: str | Grouping, info: ClientInfo, num_groups: int,
                   seed: int) -> np.ndarray:
     """Run a grouping (by name, or a function) and check its result: int64 [n] covering
@@ -83,6 +91,7 @@ def assign_groups(grouping: str | Grouping, info: ClientInfo, num_groups: int,
 
 __all__ = [
     "ClientInfo", "Grouping", "available_groupings", "assign_groups", "balanced_sizes",
-    "get_grouping", "BUILTIN_GROUPINGS", "ENTRY_POINT_GROUP", "GRADIENT_GROUPING",
+    "get_grouping", "grouping_needs", "declares", "BUILTIN_GROUPINGS", "ENTRY_POINT_GROUP",
+    "GRADIENT_GROUPING",
     "make_gradient_grouping",
 ]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -44,3 +45,30 @@ def balanced_sizes(num_clients: int, num_groups: int) -> np.ndarray:
     sizes = np.full(num_groups, num_clients // num_groups, dtype=np.int64)
     sizes[: num_clients % num_groups] += 1
     return sizes
+
+
+#: What a grouping may need besides the number of clients, each from the clients' profiles or
+#: messages (docs/contract.md): their label histograms and row counts, every client's full
+#: gradient at the current model, or their SuperNodes' ``edge`` tags.
+NEEDS = ("labels", "gradients", "edge-tags")
+
+G = TypeVar("G", bound=Callable[..., np.ndarray])
+
+
+def declares(*needs: str) -> Callable[[G], G]:
+    """Mark a grouping function with what it needs (a subset of :data:`NEEDS`)."""
+    unknown = set(needs) - set(NEEDS)
+    if unknown:
+        raise ValueError(f"unknown grouping needs {sorted(unknown)}; choose from {NEEDS}")
+
+    def mark(function: G) -> G:
+        function.needs = frozenset(needs)  # type: ignore[attr-defined]
+        return function
+
+    return mark
+
+
+def needs_of(grouping: Callable[..., np.ndarray]) -> frozenset[str]:
+    """What ``grouping`` declared with :func:`declares`; undeclared (e.g. a plugin that does
+    not say): the label histograms, the safe assumption."""
+    return frozenset(getattr(grouping, "needs", {"labels"}))

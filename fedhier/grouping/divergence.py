@@ -30,7 +30,7 @@ import torch
 
 from fedhier.aggregate import client_weights
 from fedhier.diagnostics import label_distributions
-from fedhier.grouping.base import ClientInfo, Grouping, balanced_sizes
+from fedhier.grouping.base import ClientInfo, Grouping, balanced_sizes, declares
 from fedhier.rng import generator
 
 MAX_SWEEPS = 100
@@ -178,6 +178,7 @@ def _label_search(info: ClientInfo, num_groups: int, seed: int, maximise: bool) 
     return search_grouping(gram, rows, num_groups, order, maximise=maximise)
 
 
+@declares("labels")
 def min_divergence_grouping(info: ClientInfo, num_groups: int, seed: int) -> np.ndarray:
     """Groups whose label mix matches the global mix: minimises the label upward divergence.
 
@@ -187,6 +188,7 @@ def min_divergence_grouping(info: ClientInfo, num_groups: int, seed: int) -> np.
     return _label_search(info, num_groups, seed, maximise=False)
 
 
+@declares("labels")
 def max_divergence_grouping(info: ClientInfo, num_groups: int, seed: int) -> np.ndarray:
     """The adversarial opposite: groups as label-pure as possible (maximal label divergence).
 

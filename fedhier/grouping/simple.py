@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 from fedhier.errors import ConfigError
-from fedhier.grouping.base import ClientInfo, balanced_sizes
+from fedhier.grouping.base import ClientInfo, balanced_sizes, declares
 from fedhier.rng import generator
 
 
+@declares()
 def contiguous_grouping(info: ClientInfo, num_groups: int, seed: int) -> np.ndarray:
     """Clients in index order cut into equal blocks (±1), as in the papers' authors' code.
 
@@ -19,12 +20,14 @@ def contiguous_grouping(info: ClientInfo, num_groups: int, seed: int) -> np.ndar
     return np.repeat(np.arange(num_groups, dtype=np.int64), sizes)
 
 
+@declares()
 def random_grouping(info: ClientInfo, num_groups: int, seed: int) -> np.ndarray:
     """A uniformly random assignment into equal groups (sizes differ by at most one)."""
     labels = contiguous_grouping(info, num_groups, seed)
     return generator(seed, "grouping-random").permutation(labels).astype(np.int64)
 
 
+@declares("edge-tags")
 def edge_tag_grouping(info: ClientInfo, num_groups: int, seed: int) -> np.ndarray:
     """Each client in the edge its SuperNode is tagged with (``edge=k`` in its node config):
     the deployment's own placement. Levels above the edges are grouped contiguously."""

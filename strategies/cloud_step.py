@@ -1,18 +1,20 @@
-"""Cloud-side strategies: "hierarchical X" for Flower's strategy X.
+"""The cloud step as a Flower strategy: "hierarchical X" for Flower's strategy X.
 
 ``--cloud-strategy average`` (default) is exact H-SGD: the cloud takes the weighted average of
-all clients. Any other name wraps the Flower strategy of that name; HierFedAvg then applies
-its ``aggregate_train`` to the edges' models at each cloud step (see
-:class:`fedhier.strategies.HierFedAvg`, parameter ``cloud_strategy``).
+all clients. Any other name, or any ``flwr.serverapp.strategy.Strategy`` instance passed in
+code (``HierFedAvg(cloud_strategy=...)``), becomes a :class:`FlowerCloudStep`: at each cloud
+step the strategy's ``aggregate_train`` is applied to the cloud's children (the edges'
+aggregates), on every engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import (
     FedAdagrad,
@@ -23,8 +25,10 @@ from flwr.serverapp.strategy import (
     Strategy,
 )
 from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
 
 from fedhier.errors import ConfigError
+from fedhier.records import to_record
 
 CLOUD_STRATEGIES = ("average", "fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
 
@@ -65,6 +69,7 @@ def cloud_update(strategy: Strategy, cloud_round: int, children: Mapping[int, Ar
         children: child index -> its average model (children without survivors left out).
         child_weights: child index -> the sum of its surviving clients' weights.
     """
+    _ensure_task_identity()
     replies = [
         Message(RecordDict({
             "arrays": children[child],
@@ -82,6 +87,45 @@ def cloud_update(strategy: Strategy, cloud_round: int, children: Mapping[int, Ar
         state = arrays.to_torch_state_dict()
         arrays = ArrayRecord({k: v.to(_torch_dtype(dtypes[k])) for k, v in state.items()})
     return arrays
+
+
+class FlowerCloudStep:
+    """A Flower strategy as :class:`fedhier.hsgd.CloudStep`: ``configure_train`` at the start
+    of each cloud round (server optimisers record the current model), ``aggregate_train``
+    over the cloud's children at the cloud step (:func:`cloud_update`)."""
+
+    def __init__(self, strategy: Strategy) -> None:
+        if not isinstance(strategy, Strategy):
+            raise ConfigError(f"cloud_strategy must be a flwr.serverapp.strategy.Strategy, "
+                              f"got {type(strategy).__name__}")
+        self.strategy = strategy
+
+    def begin(self, cloud_round: int, global_params: Mapping[str, torch.Tensor],
+              num_children: int) -> None:
+        self.strategy.configure_train(cloud_round, to_record(global_params), ConfigRecord(),
+                                      ChildrenGrid(num_children))
+
+    def step(self, cloud_round: int, children: Mapping[int, Mapping[str, torch.Tensor]],
+             child_weights: Mapping[int, float]) -> dict[str, torch.Tensor]:
+        records = {child: to_record(params) for child, params in children.items()}
+        arrays = cloud_update(self.strategy, cloud_round, records, child_weights)
+        return dict(arrays.to_torch_state_dict())
+
+
+def as_cloud_step(strategy: Any) -> FlowerCloudStep | None:
+    """None (the plain average) stays None; a Flower Strategy becomes a FlowerCloudStep."""
+    return None if strategy is None else FlowerCloudStep(strategy)
+
+
+def _ensure_task_identity() -> None:
+    """Outside a Flower run (the vectorized engine) a Message cannot be built until a run
+    identity is set: give it the SuperLink's, as the in-process grid does."""
+    try:
+        TaskIdentity.run_id  # noqa: B018 - raises when unset
+    except RuntimeError:
+        TaskIdentity.run_id = 1
+        TaskIdentity.node_id = 1
+        TaskIdentity.task_id = 1
 
 
 def _torch_dtype(numpy_dtype: str) -> torch.dtype:

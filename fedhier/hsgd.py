@@ -1,0 +1,569 @@
+"""Hierarchical SGD, written once: the round every engine runs.
+
+A cloud round is G / I edge rounds. Each edge round:
+
+1. **plan** who trains and for how many steps (:func:`fedhier.plan.plan_edge_round`);
+2. the **executor** trains the planned clients from their edges' models (:class:`Executor`:
+   Flower Grid messages in ``fedhier.strategies.grid_executor``, one batched computation in
+   ``fedhier.engines.vectorized``);
+3. **screen** failed and non-finite updates (``on_nan``), count failed edges
+   (:mod:`fedhier.faults`), and apply FedNova scaling (:class:`fedhier.plan.Workload`);
+4. **aggregate** at the level the schedule names (:meth:`Hierarchy.level_after`) with the
+   level's aggregator (:mod:`fedhier.aggregate`), weights renormalised over the survivors;
+5. **broadcast** each node's aggregate to the edges under it (a node without survivors keeps
+   its model); at the top level the global model is the aggregate, or the :class:`CloudStep`'s
+   update (e.g. a Flower strategy: "hierarchical FedAdam").
+
+The run's state (hierarchy, global and edge models, traffic counters, cloud step) lives in
+:class:`HierarchicalSGD`, which checkpoints and resumes itself (:meth:`state_dict`); one record
+builder (:meth:`record`) defines the metrics keys of every engine. No Flower import here.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from fedhier.aggregate import (
+    AGGREGATORS,
+    check_aggregators,
+    client_weights,
+    occupied_segments,
+    presence_weights,
+)
+from fedhier.communication import Communication
+from fedhier.errors import ConfigError
+from fedhier.faults import RunFailureError, failed_edges, non_finite_message
+from fedhier.grouping import ClientInfo, grouping_needs
+from fedhier.plan import EdgeRoundPlan, Workload, plan_edge_round
+from fedhier.round_diagnostics import client_diagnostics, diagnostics_due
+from fedhier.topology import Hierarchy, build_hierarchy, validate_periods
+
+Params = dict[str, torch.Tensor]
+log = logging.getLogger("fedhier")
+
+
+# ------------------------------------------------------------------------------ the seam
+@dataclass(frozen=True)
+class EdgeRoundWork:
+    """What an executor runs in one edge round.
+
+    Attributes:
+        edge_round: 1-based index over the whole run.
+        cloud_round: 1-based cloud round it belongs to.
+        start_step: global 0-based index of its first local step, (edge_round - 1) * I.
+        clients: int64 [k], sorted: the clients sent work.
+        steps: int64 [k], local steps of each sent client (I, fewer for a straggler).
+        edge_of_client: int64 [n], the client -> edge map in force (a client starts from
+            its edge's model).
+    """
+
+    edge_round: int
+    cloud_round: int
+    start_step: int
+    clients: np.ndarray
+    steps: np.ndarray
+    edge_of_client: np.ndarray
+
+
+@dataclass
+class TrainResult:
+    """What came back from one edge round's clients, in ``work.clients`` order.
+
+    Attributes:
+        models: name -> [k, *shape], each client's model after its local steps (rows of
+            clients that are not ``ok`` are ignored).
+        losses: float64 [k], each client's mean mini-batch loss (NaN where not reported).
+        ok: bool [k], the client returned a model.
+        loss_reported: bool [k], the client reported a loss (None: every ok client did).
+        num_examples: int64 [k], the rows each client reported (None: not reported; only
+            needed for clients whose profile did not say).
+    """
+
+    models: Params
+    losses: np.ndarray
+    ok: np.ndarray
+    loss_reported: np.ndarray | None = None
+    num_examples: np.ndarray | None = None
+
+
+@dataclass
+class ClientEvaluation:
+    """The global model on each client's own rows: float64 [n] each, NaN = no answer
+    (``num_examples``: int64 [n] rows each client reported, 0 = no answer, or None)."""
+
+    loss: np.ndarray
+    accuracy: np.ndarray
+    holdout_accuracy: np.ndarray | None = None
+    num_examples: np.ndarray | None = None
+
+
+class Executor(Protocol):
+    """How clients run: everything H-SGD needs from them, and nothing about the algorithm."""
+
+    def profiles(self) -> ClientInfo:
+        """The clients in client order: rows per client, label histograms, edge tags."""
+        ...
+
+    def train(self, work: EdgeRoundWork, edge_models: Params) -> TrainResult:
+        """Run ``work``: each sent client trains from ``edge_models[name][its edge]``."""
+        ...
+
+    def evaluate(self, params: Params, cloud_round: int) -> ClientEvaluation | None:
+        """The model on every client's training (and held-out) rows; None: no answers."""
+        ...
+
+    def client_gradients(self, params: Params) -> torch.Tensor | None:
+        """Every client's full local gradient [n, P] at ``params``; None if some is missing."""
+        ...
+
+    def model_bytes(self, params: Params) -> int:
+        """Bytes of one model on the wire (the traffic counters' unit)."""
+        ...
+
+    def client_state(self) -> Any:
+        """The clients' kept state (momentum buffers) for a checkpoint."""
+        ...
+
+    def restore_client_state(self, state: Any) -> None:
+        """Put back what :meth:`client_state` returned."""
+        ...
+
+
+class CloudStep(Protocol):
+    """The cloud's update over its children's aggregates (default: the plain average)."""
+
+    def begin(self, cloud_round: int, global_params: Params, num_children: int) -> None:
+        """A cloud round starts from ``global_params`` (server optimisers record it)."""
+        ...
+
+    def step(self, cloud_round: int, children: Mapping[int, Params],
+             child_weights: Mapping[int, float]) -> Params:
+        """The new global model from the children's aggregates (absent children left out)
+        and their weights (the sums of their surviving clients' weights)."""
+        ...
+
+
+@dataclass(frozen=True)
+class HSGDSettings:
+    """The algorithm's settings (see :class:`fedhier.strategies.HierFedAvg` for each)."""
+
+    periods: tuple[int, ...]
+    groups: tuple[int, ...]
+    grouping: str = "random"
+    weighting: str = "samples"
+    seed: int = 0
+    workload: Workload = field(default_factory=Workload)
+    min_clients_per_edge: int = 0
+    on_nan: str = "stop"
+    diagnostics_every: int = 0
+    regroup_every: int = 0
+    aggregators: tuple[str, ...] = ("mean",)
+
+    def __post_init__(self) -> None:
+        validate_periods(self.periods)
+        check_aggregators(self.aggregators, len(self.periods))
+        if len(self.groups) != len(self.periods) - 1:
+            raise ConfigError(f"{len(self.groups)} group level(s) need "
+                              f"{len(self.groups) + 1} periods, got {list(self.periods)}")
+        if self.weighting not in ("samples", "uniform"):
+            raise ConfigError(f"unknown weighting '{self.weighting}'; choose samples or uniform")
+        if self.on_nan not in ("stop", "skip-client"):
+            raise ConfigError(f"unknown on_nan '{self.on_nan}'; choose stop or skip-client")
+
+    @property
+    def local_period(self) -> int:
+        return self.periods[0]
+
+    @property
+    def global_period(self) -> int:
+        return self.periods[-1]
+
+    @property
+    def edge_rounds_per_cloud_round(self) -> int:
+        return self.global_period // self.local_period
+
+
+#: The training keys of a round-0 (or resumed) record.
+NO_TRAINING = {"local_train_loss": None, "failed_clients": 0, "failed_edges": 0}
+
+
+# ------------------------------------------------------------------------------ the algorithm
+class HierarchicalSGD:
+    """The state and the round of one H-SGD run, whatever executes the clients."""
+
+    def __init__(self, settings: HSGDSettings, cloud_step: CloudStep | None = None) -> None:
+        self.settings = settings
+        self.cloud_step = cloud_step
+        self.hierarchy: Hierarchy | None = None
+        self.info: ClientInfo | None = None
+        self.weights = np.zeros(0, dtype=np.float64)  # float64 [n], client averaging weights
+        self.global_params: Params = {}
+        self.edge_models: Params = {}  # name -> [edges, *shape]
+        self.communication = Communication()
+        self.model_bytes = 0
+        self._restored_hierarchy: Hierarchy | None = None
+
+    # ---------------------------------------------------------------- set-up and grouping
+    def setup(self, executor: Executor, initial: Params) -> None:
+        """Profile the clients, take their weights and group them (unless resumed)."""
+        s = self.settings
+        self.info = executor.profiles()
+        self.weights = client_weights(s.weighting, self.info.num_examples)
+        self.global_params = dict(initial)
+        self.model_bytes = executor.model_bytes(initial)
+        if self._restored_hierarchy is not None:  # a resumed run keeps its grouping
+            self.hierarchy = self._restored_hierarchy
+        else:
+            self.hierarchy = self.group(executor, initial, s.seed)
+
+    def group(self, executor: Executor, params: Params, seed: int) -> Hierarchy:
+        """A hierarchy drawn by the configured grouping with ``seed`` (gradient groupings take
+        the clients' gradients at ``params``)."""
+        s, info = self.settings, self._info()
+        needs = grouping_needs(s.grouping)
+        grads = None
+        if "gradients" in needs:
+            grads = executor.client_gradients(params)
+            if grads is None:
+                raise RunFailureError(f"the '{s.grouping}' grouping needs every client's "
+                                      "gradient (query.gradient)")
+        if "labels" in needs and not info.label_histograms.any():
+            raise ConfigError(f"the '{s.grouping}' grouping needs the clients' label "
+                              "histograms, which they did not report (docs/contract.md: "
+                              "the profile query); use grouping 'random' or 'contiguous'")
+        return build_hierarchy(s.periods, s.groups, s.grouping, info, seed,
+                               client_grads=grads, weights=self.weights)
+
+    def learn_sizes(self, clients: np.ndarray, sizes: np.ndarray | None) -> None:
+        """Take the rows of clients whose profile did not report them (0) from a reply."""
+        info = self._info()
+        if sizes is None or (info.num_examples > 0).all():
+            return
+        known = info.num_examples.copy()
+        learn = (known[clients] <= 0) & (sizes > 0)
+        known[clients[learn]] = sizes[learn]
+        self.info = dataclasses.replace(info, num_examples=known)
+        self.weights = client_weights(self.settings.weighting, known)
+
+    def regroup_due(self, cloud_round: int) -> bool:
+        every = self.settings.regroup_every
+        return bool(every) and cloud_round > 1 and (cloud_round - 1) % every == 0
+
+    # ---------------------------------------------------------------- one cloud round
+    def begin_cloud_round(self, executor: Executor, cloud_round: int) -> dict[str, Any]:
+        """Regroup when due, start every edge from the global model, tell the cloud step;
+        returns the record keys of a regrouping ({} without one)."""
+        regrouped: dict[str, Any] = {}
+        if self.regroup_due(cloud_round):
+            self.hierarchy = self.group(executor, self.global_params,
+                                        self.settings.seed + cloud_round - 1)
+            regrouped = {"regrouped": True,
+                         "client_to_edge": self._hierarchy().edge_of_client().tolist()}
+        hierarchy = self._hierarchy()
+        num_edges = hierarchy.num_nodes(1)
+        self.edge_models = {k: v.unsqueeze(0).repeat(num_edges, *([1] * v.dim()))
+                            for k, v in self.global_params.items()}
+        if self.cloud_step is not None:
+            self.cloud_step.begin(cloud_round, self.global_params,
+                                  hierarchy.num_nodes(hierarchy.num_levels - 1))
+        return regrouped
+
+    def cloud_round(self, executor: Executor, cloud_round: int) -> dict[str, Any]:
+        """G / I edge rounds from the global model; returns the round's training keys."""
+        s = self.settings
+        regrouped = self.begin_cloud_round(executor, cloud_round)
+        losses: list[float] = []
+        failed = failed_edge_count = 0
+        edge_rounds = s.edge_rounds_per_cloud_round
+        for k in range(1, edge_rounds + 1):
+            edge_round = (cloud_round - 1) * edge_rounds + k
+            work, plan = self.plan(edge_round)
+            outcome = self.complete(work, plan, executor.train(work, self.edge_models))
+            failed += outcome["failed_clients"]
+            failed_edge_count += outcome["failed_edges"]
+            if outcome["train_loss"] is not None:
+                losses.append(outcome["train_loss"])
+        return {"local_train_loss": float(np.mean(losses)) if losses else None,
+                "failed_clients": failed, "failed_edges": failed_edge_count, **regrouped}
+
+    def plan(self, edge_round: int) -> tuple[EdgeRoundWork, EdgeRoundPlan]:
+        """Who trains in ``edge_round`` (1-based), for how many steps."""
+        s, hierarchy = self.settings, self._hierarchy()
+        plan = plan_edge_round(hierarchy, s.workload, self.weights, s.seed, edge_round)
+        clients = plan.participants
+        work = EdgeRoundWork(
+            edge_round=edge_round,
+            cloud_round=(edge_round - 1) // s.edge_rounds_per_cloud_round + 1,
+            start_step=(edge_round - 1) * s.local_period, clients=clients,
+            steps=plan.steps[clients], edge_of_client=hierarchy.edge_of_client())
+        return work, plan
+
+    def complete(self, work: EdgeRoundWork, plan: EdgeRoundPlan,
+                 result: TrainResult) -> dict[str, Any]:
+        """Screen, scale, aggregate and broadcast one edge round's results.
+
+        Returns its ``level``, ``failed_clients``, ``failed_edges`` and ``train_loss`` (the
+        client-weighted mean of the survivors' reported mean mini-batch losses, or None).
+        """
+        s, hierarchy = self.settings, self._hierarchy()
+        models = result.models
+        scale = plan.scale[work.clients]
+        if (scale != 1.0).any():
+            self._scale_updates(models, work, scale)
+        alive = self._screen(work, result)
+        if result.num_examples is not None:
+            self.learn_sizes(work.clients[alive], result.num_examples[alive])
+        survivors = work.clients[alive]
+        num_edges = hierarchy.num_nodes(1)
+        failed = len(work.clients) - len(survivors)
+        failed_edge_count = failed_edges(work.edge_of_client, work.clients, survivors,
+                                         num_edges, s.min_clients_per_edge, work.edge_round)
+        level = hierarchy.level_after(work.edge_round * s.local_period - 1)
+        self.communication.add_edge_round(len(work.clients), len(survivors), self.model_bytes)
+        outcome: dict[str, Any] = {"level": level, "failed_clients": failed,
+                                   "failed_edges": failed_edge_count, "train_loss": None}
+        reported = alive if result.loss_reported is None else alive & result.loss_reported
+        if reported.any():
+            w = self.weights[work.clients[reported]]
+            outcome["train_loss"] = float(np.dot(w, result.losses[reported]) / w.sum())
+        if not len(survivors):
+            return outcome  # nothing came back: every edge keeps its model
+        if not alive.all():
+            rows = torch.as_tensor(np.flatnonzero(alive), device=_device(models))
+            models = {k: v.index_select(0, rows) for k, v in models.items()}
+        present = np.zeros(hierarchy.num_clients, dtype=bool)
+        present[survivors] = True
+        weights = presence_weights(self.weights, present, work.edge_of_client)
+        if level == hierarchy.num_levels and self.cloud_step is not None:
+            averaged, nodes = self._cloud_update(work.cloud_round, models, survivors, weights)
+        else:
+            averaged, nodes = aggregate_levels(models, survivors, weights, hierarchy, level,
+                                               s.aggregators)
+        self.communication.add_aggregation(hierarchy, level, self.model_bytes)
+        self._broadcast(averaged, nodes, level)
+        if level == hierarchy.num_levels:
+            self.global_params = {k: v[0] for k, v in averaged.items()}
+        return outcome
+
+    def _scale_updates(self, models: Params, work: EdgeRoundWork, scale: np.ndarray) -> None:
+        """FedNova: client j's model becomes w_start + s_j (w_j - w_start), w_start its
+        edge's model, in place."""
+        device = _device(models)
+        rows = np.flatnonzero(scale != 1.0)
+        index = torch.as_tensor(rows, device=device)
+        edges = torch.as_tensor(work.edge_of_client[work.clients[rows]], device=device)
+        factor = torch.as_tensor(scale[rows], device=device)
+        for key, value in models.items():
+            start = self.edge_models[key].index_select(0, edges)
+            local = value.index_select(0, index)
+            f = factor.reshape(-1, *([1] * (local.dim() - 1))).to(local.dtype)
+            value.index_copy_(0, index, start + f * (local - start))
+
+    def _screen(self, work: EdgeRoundWork, result: TrainResult) -> np.ndarray:
+        """bool [k]: the clients whose update is usable. A NaN/inf model or loss stops the
+        run naming the client (``on_nan="stop"``) or drops it (``"skip-client"``)."""
+        alive = result.ok.copy()
+        if not alive.any():
+            return alive
+        device = _device(result.models)
+        rows = None if alive.all() else torch.as_tensor(np.flatnonzero(alive), device=device)
+        loss_ok = np.isfinite(result.losses)
+        if result.loss_reported is not None:  # an unreported loss is no evidence
+            loss_ok |= ~result.loss_reported
+        if all(bool(torch.isfinite(v if rows is None else v.index_select(0, rows)).all())
+               for v in result.models.values()) and loss_ok[alive].all():
+            return alive
+        finite = torch.ones(len(alive), dtype=torch.bool, device=device)
+        for value in result.models.values():
+            finite &= torch.isfinite(value.reshape(len(alive), -1)).all(dim=1)
+        bad = np.flatnonzero(alive & ~(finite.cpu().numpy() & loss_ok))
+        if self.settings.on_nan == "stop":
+            client = int(work.clients[bad[0]])
+            raise RunFailureError(non_finite_message(
+                client, int(work.edge_of_client[client]), work.edge_round,
+                self.settings.edge_rounds_per_cloud_round))
+        log.warning("dropping the non-finite update of client(s) %s in edge round %d",
+                    work.clients[bad].tolist(), work.edge_round)
+        alive[bad] = False
+        return alive
+
+    def _cloud_update(self, cloud_round: int, models: Params, survivors: np.ndarray,
+                      weights: np.ndarray) -> tuple[Params, np.ndarray]:
+        """The cloud step over the aggregates of the cloud's children; -> ([1, *shape], [0])."""
+        assert self.cloud_step is not None
+        hierarchy = self._hierarchy()
+        child_level = hierarchy.num_levels - 1
+        children, nodes = aggregate_levels(models, survivors, weights, hierarchy, child_level,
+                                           self.settings.aggregators)
+        child_weight = np.bincount(hierarchy.ancestors(child_level)[survivors],
+                                   weights=weights[survivors],
+                                   minlength=hierarchy.num_nodes(child_level))
+        new = self.cloud_step.step(
+            cloud_round, {int(node): {k: v[i] for k, v in children.items()}
+                          for i, node in enumerate(nodes)},
+            {int(node): float(child_weight[node]) for node in nodes})
+        device = _device(models)
+        return {k: v.to(device).unsqueeze(0) for k, v in new.items()}, np.zeros(1, np.int64)
+
+    def _broadcast(self, averaged: Params, nodes: np.ndarray, level: int) -> None:
+        """Edges under a level-``level`` node in ``nodes`` take its aggregate."""
+        hierarchy = self._hierarchy()
+        position = np.full(hierarchy.num_nodes(level), -1, dtype=np.int64)
+        position[nodes] = np.arange(len(nodes))
+        source = position[hierarchy.edges_under(level)]
+        updated = np.flatnonzero(source >= 0)
+        device = _device(averaged)
+        src = torch.as_tensor(source[updated], device=device)
+        dst = torch.as_tensor(updated, device=device)
+        for key, value in averaged.items():
+            self.edge_models[key].index_copy_(0, dst, value.index_select(0, src))
+
+    # ---------------------------------------------------------------- records and the loop
+    def record(self, executor: Executor, cloud_round: int, trained: Mapping[str, Any],
+               evaluate_fn: Callable[[int, Params], Mapping[str, Any]] | None = None,
+               ) -> dict[str, Any]:
+        """The metrics record of a cloud round (round 0: the initial model): the one place
+        that defines metrics.jsonl's keys for every engine."""
+        s = self.settings
+        record: dict[str, Any] = {"round": cloud_round,
+                                  "iteration": cloud_round * s.global_period,
+                                  "edge_rounds": cloud_round * s.edge_rounds_per_cloud_round}
+        evaluation = executor.evaluate(self.global_params, cloud_round)
+        if evaluation is not None:
+            self.learn_sizes(np.arange(len(self.weights)), evaluation.num_examples)
+            record.update(evaluation_metrics(evaluation, self.weights))
+        record.update(trained)
+        if evaluate_fn is not None:
+            record.update(evaluate_fn(cloud_round, self.global_params))
+        if diagnostics_due(cloud_round, s.diagnostics_every):
+            grads = executor.client_gradients(self.global_params)
+            if grads is None:
+                log.warning("divergences need every client's gradient (query.gradient, "
+                            "docs/contract.md): not recorded for round %d", cloud_round)
+            else:
+                record.update(client_diagnostics(grads, self.weights, self._hierarchy()))
+        record.update(self.communication.as_dict())
+        return record
+
+    def run(self, executor: Executor, initial: Params, num_rounds: int, *,
+            first_round: int = 1,
+            evaluate_fn: Callable[[int, Params], Mapping[str, Any]] | None = None,
+            on_record: Callable[[dict[str, Any]], None] | None = None,
+            client_state: Any = None) -> Params:
+        """Set up, then cloud rounds ``first_round .. num_rounds`` (round 0, the initial
+        model, is recorded when starting fresh); returns the final global model.
+
+        ``first_round`` > 1 resumes: ``initial`` is then the model after round
+        ``first_round - 1`` and ``client_state`` the clients' kept state at that point.
+        """
+        self.setup(executor, initial)
+        if client_state:
+            executor.restore_client_state(client_state)
+        for cloud_round in range(0 if first_round == 1 else first_round, num_rounds + 1):
+            trained = dict(NO_TRAINING)
+            if cloud_round > 0:
+                trained = self.cloud_round(executor, cloud_round)
+            record = self.record(executor, cloud_round, trained, evaluate_fn)
+            if on_record is not None:
+                on_record(record)
+        return self.global_params
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs besides the global model and the clients' state."""
+        return {"communication": self.communication.as_dict(),
+                "cloud_step": copy.deepcopy(self.cloud_step), "hierarchy": self.hierarchy}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.communication = Communication(**state["communication"])
+        if state.get("cloud_step") is not None:
+            self.cloud_step = state["cloud_step"]
+        # The grouping in force at the checkpoint (a regrouped or gradient-based one):
+        # setup() must not draw a new one.
+        self._restored_hierarchy = state.get("hierarchy")
+
+    def _hierarchy(self) -> Hierarchy:
+        if self.hierarchy is None:
+            raise RuntimeError("HierarchicalSGD.setup(executor, ...) must run before training")
+        return self.hierarchy
+
+    def _info(self) -> ClientInfo:
+        if self.info is None:
+            raise RuntimeError("HierarchicalSGD.setup(executor, ...) must run first")
+        return self.info
+
+
+def aggregate_levels(models: dict[str, torch.Tensor], survivors: np.ndarray,
+                     weights: np.ndarray, hierarchy: Hierarchy, level: int,
+                     aggregators: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+    """Aggregate the surviving clients' models up to ``level``.
+
+    Args:
+        models: name -> [s, *shape], the survivors' models in ``survivors`` order.
+        survivors: int64 [s], their client ids; weights: float64 [n], every client's
+            (presence) weight; aggregators: one name for all levels or one per level.
+
+    Returns:
+        (name -> [m, *shape], the aggregates of the m level-``level`` nodes that have a
+        survivor; int64 [m], those nodes' ids). Linear rules up to ``level`` aggregate the
+        subtree's clients directly; otherwise level by level, each node weighted by its
+        survivors' total weight.
+    """
+    check_aggregators(aggregators, hierarchy.num_levels)
+    rules = [AGGREGATORS[aggregators[0] if len(aggregators) == 1 else aggregators[lv - 1]]
+             for lv in range(1, level + 1)]
+    device = next(iter(models.values())).device
+    if all(rule.linear for rule in rules):
+        nodes, compact = occupied_segments(hierarchy.ancestors(level)[survivors],
+                                           hierarchy.num_nodes(level))
+        w = torch.as_tensor(weights[survivors], device=device)
+        owner = torch.as_tensor(compact, device=device)
+        return {k: rules[-1].function(v, w, owner, len(nodes))
+                for k, v in models.items()}, nodes
+    members, member_weights, values = survivors, weights[survivors], models
+    for lv, rule in enumerate(rules, start=1):
+        parent = (hierarchy.parents[lv - 1][members] if lv < hierarchy.num_levels
+                  else np.zeros(len(members), dtype=np.int64))
+        nodes, compact = occupied_segments(parent, hierarchy.num_nodes(lv))
+        w = torch.as_tensor(member_weights, device=device)
+        owner = torch.as_tensor(compact, device=device)
+        values = {k: rule.function(v, w, owner, len(nodes)) for k, v in values.items()}
+        member_weights = np.bincount(compact, weights=member_weights, minlength=len(nodes))
+        members = nodes
+    return values, members
+
+
+def evaluation_metrics(evaluation: ClientEvaluation, weights: np.ndarray) -> dict[str, Any]:
+    """train_loss / train_accuracy: client-weighted over the clients that answered (the
+    global objective f(w)), and the held-out accuracy summary when clients hold rows out."""
+    answered = ~np.isnan(evaluation.loss)
+    if not answered.any():
+        return {}
+    w = weights[answered]
+    out: dict[str, Any] = {
+        "train_loss": float(np.dot(w, evaluation.loss[answered]) / w.sum()),
+        "train_accuracy": float(np.dot(w, evaluation.accuracy[answered]) / w.sum())}
+    holdout = evaluation.holdout_accuracy
+    if holdout is not None and not np.isnan(holdout).all():
+        out.update(client_accuracy_summary(holdout))
+    return out
+
+
+def client_accuracy_summary(accuracies: np.ndarray) -> dict[str, Any]:
+    """Mean, 10th percentile and worst of per-client held-out accuracies (NaN = missing)."""
+    valid = accuracies[~np.isnan(accuracies)]
+    return {"client_accuracy_mean": float(valid.mean()),
+            "client_accuracy_p10": float(np.percentile(valid, 10)),
+            "client_accuracy_worst": float(valid.min()),
+            "client_accuracies": [None if np.isnan(a) else float(a) for a in accuracies]}
+
+
+def _device(params: Mapping[str, torch.Tensor]) -> torch.device:
+    return next(iter(params.values())).device

@@ -1,0 +1,291 @@
+"""The Flower executor: H-SGD's clients as nodes of a Flower Grid, reached with messages.
+
+Implements :class:`fedhier.hsgd.Executor` on any Grid (in-process, Simulation Engine,
+Deployment Engine) following the message contract (:mod:`fedhier.strategies.contract`,
+docs/contract.md). Clients are numbered by the ``partition-id`` of their profile query or,
+for clients without a query handler, by node id.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+
+from fedhier.faults import RunFailureError
+from fedhier.grouping import ClientInfo
+from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, Params, TrainResult
+from fedhier.records import to_record
+from fedhier.strategies.contract import (
+    EDGE_ROUND,
+    LOCAL_STEPS,
+    SERVER_ROUND,
+    START_STEP,
+    ContractError,
+    num_examples_of,
+    read_evaluate_reply,
+    read_train_reply,
+    who,
+)
+
+log = logging.getLogger("fedhier")
+
+#: Flower's reason for a message type the ClientApp has no handler for.
+NO_HANDLER = "function registered"
+
+
+class GridExecutor:
+    """Clients reached through ``grid``: one message per client and task.
+
+    Args:
+        grid: any Flower Grid (inside a ServerApp: the one ``main(grid, context)`` gets).
+        train_config: the ConfigRecord sent with every train message (the ClientApp's run
+            configuration), to which the per-message keys of the contract are added.
+        evaluate_config: sent with evaluate messages (default: ``train_config``).
+        timeout: seconds to wait for each batch of replies.
+        min_available_nodes: wait for this many nodes before profiling them.
+        keeps_client_state: clients keep state between rounds (momentum): checkpoints then
+            collect it with ``query.state`` messages.
+    """
+
+    def __init__(self, grid: Grid, train_config: ConfigRecord | None = None,
+                 evaluate_config: ConfigRecord | None = None, timeout: float = 3600,
+                 *, min_available_nodes: int = 1, arrayrecord_key: str = "arrays",
+                 configrecord_key: str = "config", keeps_client_state: bool = False) -> None:
+        self.grid = grid
+        self.train_config = ConfigRecord() if train_config is None else train_config
+        self.evaluate_config = (self.train_config if evaluate_config is None
+                                else evaluate_config)
+        self.timeout = timeout
+        self.min_available_nodes = min_available_nodes
+        self.arrayrecord_key = arrayrecord_key
+        self.configrecord_key = configrecord_key
+        self.keeps_client_state = keeps_client_state
+        self.node_ids: list[int] = []  # by client
+        self.client_of_node: dict[int, int] = {}
+
+    # ---------------------------------------------------------------- profiles
+    def profiles(self) -> ClientInfo:
+        """Wait for the nodes, then ask each for its partition id, rows, label histogram and
+        edge tag (the optional profile query). Without a query handler anywhere, clients are
+        numbered by node id and report their rows with their first replies."""
+        deadline = time.time() + self.timeout
+        while len(list(self.grid.get_node_ids())) < self.min_available_nodes:
+            if time.time() > deadline:
+                raise RunFailureError(f"fewer than {self.min_available_nodes} nodes connected "
+                                      f"after {self.timeout:.0f} s")
+            time.sleep(0.1)
+        nodes = list(self.grid.get_node_ids())
+        messages = [Message(RecordDict({self.configrecord_key: self.train_config}),
+                            message_type=MessageType.QUERY, dst_node_id=node) for node in nodes]
+        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
+        failed = [r for r in replies if r.has_error()]
+        if replies and len(failed) == len(replies) and all(
+                NO_HANDLER in (r.error.reason or "") for r in failed):
+            log.warning("the clients have no profile query handler (docs/contract.md): "
+                        "clients are numbered by node id and weighted by the num-examples "
+                        "of their replies; label-based groupings are unavailable")
+            return self._anonymous(sorted(nodes))
+        if failed:
+            reason = (failed[0].error.reason or "").strip().splitlines()
+            raise RunFailureError(f"node {failed[0].metadata.src_node_id} failed the profile "
+                                  f"query: {reason[0] if reason else 'no reason given'}")
+        if len(replies) != len(nodes):
+            raise RunFailureError(f"{len(nodes) - len(replies)} of {len(nodes)} nodes did not "
+                                  f"answer the profile query within {self.timeout:.0f} s")
+        profiles = []
+        for reply in replies:
+            metrics = reply.content.metric_records.get("metrics")
+            if metrics is None or "partition-id" not in metrics:
+                raise ContractError(f"{who(reply, None)} answered the profile query without "
+                                    "'partition-id' (docs/contract.md)")
+            histogram = metrics.get("label-histogram", [])
+            profiles.append((int(metrics["partition-id"]), reply.metadata.src_node_id,
+                             num_examples_of(reply, None), list(histogram),  # type: ignore
+                             int(metrics.get("edge-tag", -1))))  # type: ignore[arg-type]
+        profiles.sort()
+        ids = [p[0] for p in profiles]
+        if ids != list(range(len(ids))):
+            raise RunFailureError(f"partition ids must be 0..n-1 without gaps, got {ids[:10]}")
+        self._number([p[1] for p in profiles])
+        classes = max((len(p[3]) for p in profiles), default=0)
+        histograms = np.zeros((len(profiles), classes), dtype=np.int64)
+        for row, profile in enumerate(profiles):
+            histograms[row, :len(profile[3])] = profile[3]
+        return ClientInfo(label_histograms=histograms,
+                          num_examples=np.array([p[2] for p in profiles], dtype=np.int64),
+                          edge_tags=np.array([p[4] for p in profiles], dtype=np.int64))
+
+    def _number(self, node_ids: list[int]) -> None:
+        self.node_ids = node_ids
+        self.client_of_node = {node: client for client, node in enumerate(node_ids)}
+
+    def _anonymous(self, node_ids: list[int]) -> ClientInfo:
+        self._number(node_ids)
+        n = len(node_ids)
+        return ClientInfo(label_histograms=np.zeros((n, 1), dtype=np.int64),
+                          num_examples=np.zeros(n, dtype=np.int64),
+                          edge_tags=np.full(n, -1, dtype=np.int64))
+
+    # ---------------------------------------------------------------- training
+    def train_messages(self, work: EdgeRoundWork, edge_models: Params) -> list[Message]:
+        """One train message per sent client: its edge's model and the contract's keys."""
+        records: dict[int, ArrayRecord] = {}
+        messages = []
+        for client, steps in zip(work.clients.tolist(), work.steps.tolist(), strict=True):
+            edge = int(work.edge_of_client[client])
+            if edge not in records:
+                records[edge] = to_record({k: v[edge] for k, v in edge_models.items()})
+            cfg = self.train_config.copy()  # its values were checked when set
+            cfg[LOCAL_STEPS] = int(steps)
+            cfg[START_STEP] = work.start_step
+            cfg[EDGE_ROUND] = work.edge_round
+            cfg[SERVER_ROUND] = work.cloud_round
+            content = RecordDict({self.arrayrecord_key: records[edge],
+                                  self.configrecord_key: cfg})
+            messages.append(Message(content, message_type=MessageType.TRAIN,
+                                    dst_node_id=self.node_ids[client]))
+        return messages
+
+    def read_train_replies(self, work: EdgeRoundWork, replies: Iterable[Message],
+                           template: Params) -> TrainResult:
+        """The replies as a :class:`TrainResult` in ``work.clients`` order; an error reply
+        (or none) marks its client failed. ``template``: the model that was sent."""
+        row_of = {client: row for row, client in enumerate(work.clients.tolist())}
+        k = len(row_of)
+        params: list[dict[str, torch.Tensor] | None] = [None] * k
+        losses = np.full(k, np.nan)
+        reported = np.zeros(k, dtype=bool)
+        sizes = np.zeros(k, dtype=np.int64)
+        for reply in replies:
+            if reply.has_error():
+                reason = reply.error.reason.splitlines()[0] if reply.error.reason else ""
+                log.warning("client on node %s failed: %s", reply.metadata.src_node_id, reason)
+                continue
+            client = self.client_of_node[reply.metadata.src_node_id]
+            row = row_of[client]
+            parsed = read_train_reply(reply, client, self.arrayrecord_key, template)
+            params[row] = parsed.params
+            sizes[row] = parsed.num_examples
+            if parsed.train_loss is not None:
+                losses[row], reported[row] = parsed.train_loss, True
+        ok = np.array([p is not None for p in params], dtype=bool)
+        models = {key: torch.stack([p[key] if p is not None else torch.zeros_like(value)
+                                    for p in params]) if k else value.unsqueeze(0)[:0]
+                  for key, value in template.items()}
+        return TrainResult(models=models, losses=losses, ok=ok, loss_reported=reported,
+                           num_examples=sizes)
+
+    def train(self, work: EdgeRoundWork, edge_models: Params) -> TrainResult:
+        template = {k: v[0] for k, v in edge_models.items()}
+        replies = self.grid.send_and_receive(self.train_messages(work, edge_models),
+                                             timeout=self.timeout)
+        return self.read_train_replies(work, replies, template)
+
+    # ---------------------------------------------------------------- evaluation
+    def evaluate_messages(self, params: Params, cloud_round: int) -> list[Message]:
+        """The global model to every client, to evaluate on its own training rows."""
+        cfg = ConfigRecord(dict(self.evaluate_config))
+        cfg[SERVER_ROUND] = cloud_round
+        content = RecordDict({self.arrayrecord_key: to_record(params),
+                              self.configrecord_key: cfg})
+        return [Message(content, message_type=MessageType.EVALUATE, dst_node_id=node)
+                for node in self.node_ids]
+
+    def read_evaluate_replies(self, replies: Iterable[Message]) -> ClientEvaluation | None:
+        n = len(self.node_ids)
+        loss, accuracy, holdout = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
+        sizes = np.zeros(n, dtype=np.int64)
+        for reply in replies:
+            if reply.has_error():
+                continue
+            client = self.client_of_node[reply.metadata.src_node_id]
+            numbers = read_evaluate_reply(reply, client)
+            if numbers is None:
+                continue
+            loss[client], accuracy[client] = numbers[0], numbers[1]
+            if numbers[2] is not None:
+                holdout[client] = numbers[2]
+            sizes[client] = num_examples_of(reply, client)
+        if np.isnan(loss).all():
+            return None
+        return ClientEvaluation(loss=loss, accuracy=accuracy,
+                                holdout_accuracy=None if np.isnan(holdout).all() else holdout,
+                                num_examples=sizes)
+
+    def evaluate(self, params: Params, cloud_round: int) -> ClientEvaluation | None:
+        replies = self.grid.send_and_receive(self.evaluate_messages(params, cloud_round),
+                                             timeout=self.timeout)
+        return self.read_evaluate_replies(replies)
+
+    # ---------------------------------------------------------------- queries
+    def client_gradients(self, params: Params) -> torch.Tensor | None:
+        """Every client's full local gradient (``query.gradient``), [n, P] by client; None
+        (with a warning) when a client does not answer."""
+        content = RecordDict({self.arrayrecord_key: to_record(params),
+                              self.configrecord_key: self.train_config})
+        messages = [Message(content, message_type=f"{MessageType.QUERY}.gradient",
+                            dst_node_id=node) for node in self.node_ids]
+        grads: dict[int, torch.Tensor] = {}
+        for reply in self.grid.send_and_receive(messages, timeout=self.timeout):
+            if reply.has_error() or "gradient" not in reply.content.array_records:
+                continue
+            client = self.client_of_node[reply.metadata.src_node_id]
+            grads[client] = reply.content["gradient"].to_torch_state_dict()["g"]
+        if len(grads) != len(self.node_ids):
+            log.warning("gradient query: %d of %d clients answered (a client needs a "
+                        "query.gradient handler: docs/contract.md)", len(grads),
+                        len(self.node_ids))
+            return None
+        return torch.stack([grads[c] for c in range(len(self.node_ids))])
+
+    def model_bytes(self, params: Params) -> int:
+        """Bytes of one model as an ArrayRecord (what Flower sends)."""
+        return int(to_record(params).count_bytes())
+
+    def client_state(self) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
+        """Every client's kept state (``query.state``), by client: name -> tensors; {} when
+        the clients keep none. A client that does not answer is left out (it would resume
+        with fresh state) and named in a warning."""
+        if not self.keeps_client_state:
+            return {}
+        content = RecordDict({self.configrecord_key: self.train_config})
+        messages = [Message(content, message_type=f"{MessageType.QUERY}.state",
+                            dst_node_id=node) for node in self.node_ids]
+        states: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+        for reply in self.grid.send_and_receive(messages, timeout=self.timeout):
+            if reply.has_error():
+                continue
+            states[self.client_of_node[reply.metadata.src_node_id]] = {
+                key: dict(record.to_torch_state_dict())
+                for key, record in reply.content.array_records.items()}
+        if len(states) != len(self.node_ids):
+            missing = sorted(set(range(len(self.node_ids))) - set(states))
+            log.warning("checkpoint: clients %s did not send their kept state", missing[:10])
+        return states
+
+    def restore_client_state(self, state: dict[int, dict[str, dict[str, Any]]]) -> None:
+        """Send each client its kept state from a checkpoint (``query.restore``)."""
+        messages = []
+        for client, records in state.items():
+            content = RecordDict({key: ArrayRecord(tensors) for key, tensors in records.items()})
+            content[self.configrecord_key] = self.train_config
+            messages.append(Message(content, message_type=f"{MessageType.QUERY}.restore",
+                                    dst_node_id=self.node_ids[client]))
+        failed = [reply.metadata.src_node_id
+                  for reply in self.grid.send_and_receive(messages, timeout=self.timeout)
+                  if reply.has_error()]
+        if failed:
+            raise RunFailureError(f"{len(failed)} client(s) could not restore their kept "
+                                  "state from the checkpoint")
+
+
+def metric_record(values: dict[str, Any]) -> MetricRecord:
+    """A MetricRecord of the numbers in ``values`` (None dropped)."""
+    return MetricRecord({k: v for k, v in values.items() if v is not None})
