@@ -658,7 +658,7 @@ def _interrupt_on_sigterm() -> Iterator[None]:
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
     """The run configuration of ``fedhier deploy``: clients = --nodes."""
-    from fedhier.cli import config_from_args
+    from fedhier.cli_flags import config_from_args
 
     cfg = config_from_args(args)
     if args.nodes is None or args.nodes < 1:
@@ -739,7 +739,7 @@ def _keep(work: Path, out: Path) -> None:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``deploy`` (action ``local``) to the ``fedhier`` subcommands."""
-    from fedhier.cli import _add_config_flags
+    from fedhier.cli_flags import add_config_flags
 
     parser = subparsers.add_parser(
         "deploy", help="run on Flower's Deployment Engine (SuperLink + SuperNodes)",
@@ -770,7 +770,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="the Flower app to run (default: the fedhier source tree)")
     proc.add_argument("--verbose", action="store_true", help="echo the whole ServerApp log")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    _add_config_flags(parser)
+    add_config_flags(parser)
     return parser
 
 
