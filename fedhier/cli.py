@@ -4,7 +4,7 @@
 Bad input ends with one line on stderr and exit code 2; ``--debug`` shows the traceback.
 The flags and exit codes every subcommand shares are in :mod:`fedhier.cli_flags`, the engine
 names and dispatch in :mod:`fedhier.engines.registry`; the ``experiment`` and ``deploy``
-subcommands live in :mod:`fedhier.experiments.cli` and :mod:`fedhier.deploy`.
+subcommands live in :mod:`fedhier.experiments.cli` and :mod:`fedhier.engines.deployment.cli`.
 Only the ``fedhier`` console script (and ``fedhier.experiments.publish``) import this module.
 """
 
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     diversity.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     add_config_flags(diversity)
 
-    from fedhier.deploy import add_parser as add_deploy_parser
+    from fedhier.engines.deployment.cli import add_parser as add_deploy_parser
     from fedhier.experiments.cli import add_parser as add_experiment_parser
 
     add_experiment_parser(sub)
@@ -182,7 +182,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from fedhier.deploy import cmd_deploy
+    from fedhier.engines.deployment.cli import cmd_deploy
     from fedhier.experiments.cli import cmd_experiment
 
     handlers: dict[str, Any] = {"run": cmd_run, "plot": cmd_plot, "diversity": cmd_diversity,
