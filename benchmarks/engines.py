@@ -48,9 +48,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedhier.engines.registry import engine_names
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "engines.json"
-ENGINES = ("plain", "inprocess", "flower", "vectorized")
+ENGINES = ("plain", *engine_names())  # plain: the baseline loop below, not a fedhier engine
 PROFILED = ("inprocess", "vectorized")
 W1: dict[str, Any] = dict(
     dataset="digits", clients=100, groups=(10,), partition="dirichlet", alpha=0.5,

@@ -62,12 +62,6 @@ def occupied_segments(segments: np.ndarray, num_segments: int) -> tuple[np.ndarr
     return np.flatnonzero(has), position[segments].astype(np.int64)
 
 
-def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Weighted mean over the first axis: [n, *shape] -> [*shape]."""
-    segments = torch.zeros(values.shape[0], dtype=torch.int64)
-    return segment_weighted_mean(values, weights, segments, 1)[0]
-
-
 def client_weights(weighting: str, num_examples: np.ndarray) -> np.ndarray:
     """float64 [n] averaging weights: ``samples`` = rows per client, ``uniform`` = 1 each."""
     if weighting == "uniform":

@@ -1,46 +1,35 @@
-"""The ``fedhier`` command line: ``fedhier run``, ``fedhier plot``.
+"""The ``fedhier`` command line: ``fedhier run``, ``diversity``, ``experiment``, ``deploy``,
+``plot``.
 
 Bad input ends with one line on stderr and exit code 2; ``--debug`` shows the traceback.
+The flags and exit codes every subcommand shares are in :mod:`fedhier.cli_flags`, the engine
+names and dispatch in :mod:`fedhier.engines.registry`; the ``experiment`` and ``deploy``
+subcommands live in :mod:`fedhier.experiments.cli` and :mod:`fedhier.engines.deployment.cli`.
+Only the ``fedhier`` console script (and ``fedhier.experiments.publish``) import this module.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import traceback
 from collections.abc import Sequence
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from fedhier.aggregate import client_weights
-from fedhier.config import RunConfig, read_toml
+from fedhier.cli_flags import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_RUN_FAILED,
+    add_config_flags,
+    config_from_args,
+    resumed_config,
+)
+from fedhier.engines.registry import run_engine
 from fedhier.errors import FedhierError
 from fedhier.faults import RunFailureError
 from fedhier.results import write_json
-
-EXIT_BAD_INPUT = 2
-EXIT_RUN_FAILED = 3
-
-
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per RunConfig field (--local-period ...), default None = not given."""
-    group = parser.add_argument_group("run configuration (also valid as TOML keys)")
-    for f in fields(RunConfig):
-        flag = "--" + f.name.replace("_", "-")
-        kind = f.type if isinstance(f.type, str) else f.type.__name__
-        default = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
-        shown = f" (default: {default})" if default not in ("", ()) else ""
-        help_text = f"{f.metadata.get('help', '')}{shown}"
-        if kind == "bool":
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=None, help=help_text)
-        else:
-            converter = {"int": int, "float": float}.get(kind, str)
-            metavar = "N[,N...]" if kind.startswith("tuple") else kind.upper()
-            group.add_argument(flag, dest=f.name, type=converter, default=None,
-                               metavar=metavar, help=help_text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="continue a run from its checkpoint.pt (same configuration)")
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     run.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    _add_config_flags(run)
+    add_config_flags(run)
 
     diversity = sub.add_parser(
         "diversity", help="gradient divergences, diversity and batch-size bound of a model",
@@ -72,9 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="weights to measure, e.g. a run's model_final.safetensors")
     diversity.add_argument("--json", type=Path, metavar="FILE", help="also write the numbers")
     diversity.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    _add_config_flags(diversity)
+    add_config_flags(diversity)
 
-    from fedhier.deploy import add_parser as add_deploy_parser
+    from fedhier.engines.deployment.cli import add_parser as add_deploy_parser
     from fedhier.experiments.cli import add_parser as add_experiment_parser
 
     add_experiment_parser(sub)
@@ -86,36 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="output PNG (default runs/compare.png)")
     plot.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     return parser
-
-
-def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """TOML file (if any) overlaid with the flags given on the command line."""
-    base: dict[str, Any] = {}
-    if args.config:
-        base = {str(k).replace("-", "_"): v for k, v in read_toml(args.config).items()}
-        RunConfig.from_mapping(base, where=str(args.config))  # report the file's own errors
-    given = {f.name: getattr(args, f.name) for f in fields(RunConfig)
-             if getattr(args, f.name) is not None}
-    if "periods" in given:  # --periods replaces the two-level periods of the file
-        base = {k: v for k, v in base.items() if k not in ("local_period", "global_period")}
-    elif given.keys() & {"local_period", "global_period"}:
-        base.pop("periods", None)
-    return RunConfig.from_mapping({**base, **given}, where="command line")
-
-
-def resumed_config(args: argparse.Namespace) -> RunConfig:
-    """The configuration of the run folder being resumed (no other config flags allowed)."""
-    given = [f.name for f in fields(RunConfig) if getattr(args, f.name) is not None]
-    if given or args.config:
-        raise FedhierError("--resume continues a run with its own configuration; drop "
-                           f"{', '.join('--' + g.replace('_', '-') for g in given) or '--config'}")
-    path = args.resume / "config.json"
-    if not path.is_file():
-        raise FedhierError(f"{args.resume} is not a fedhier run folder (no config.json)")
-    saved = json.loads(path.read_text())
-    names = {f.name for f in fields(RunConfig)}
-    return RunConfig.from_mapping({k: v for k, v in saved.items() if k in names},
-                                  where=str(path))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -141,28 +100,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         hint = (f"; resume with: fedhier run --resume {folder.path}"
                 if (folder.path / "checkpoint.pt").exists() else "")
         print(f"fedhier: interrupted{hint}", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     print(f"final test accuracy {summary['final_test_accuracy']:.4f}, test loss "
           f"{summary['final_test_loss']:.4f} after {summary['iterations']} iterations "
           f"({summary['rounds']} cloud rounds) in {summary['wall_seconds']:.1f} s "
           f"[{summary['engine']}, {summary['weighting']} weighting]")
     print(f"run folder: {folder.path}")
     return 0
-
-
-def run_engine(cfg: RunConfig, folder: Any, progress: bool, resume: Any) -> dict[str, Any]:
-    """Dispatch to the configured engine."""
-    if cfg.engine == "flower":
-        from fedhier.engines.flower import run_simulation_engine
-
-        return run_simulation_engine(cfg, folder, progress=progress, resume=resume)
-    if cfg.engine == "vectorized":
-        from fedhier.engines.vectorized import run_vectorized
-
-        return run_vectorized(cfg, folder, progress=progress, resume=resume)
-    from fedhier.engines.inprocess import run_inprocess
-
-    return run_inprocess(cfg, folder, progress=progress, resume=resume)
 
 
 def cmd_diversity(args: argparse.Namespace) -> int:
@@ -238,7 +182,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from fedhier.deploy import cmd_deploy
+    from fedhier.engines.deployment.cli import cmd_deploy
     from fedhier.experiments.cli import cmd_experiment
 
     handlers: dict[str, Any] = {"run": cmd_run, "plot": cmd_plot, "diversity": cmd_diversity,
@@ -258,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("fedhier: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -2,10 +2,10 @@
 
 Semantics follow ``torch.optim.SGD`` (and ``torch.nn.utils.clip_grad_norm_`` applied before
 the step): g <- clip(grad) + weight_decay * w; buf <- g on the first step, else
-momentum * buf + g; w <- w - lr * buf. With every knob at 0 this is exactly
-:func:`fedhier.train.sgd_update`. The update works on one client's parameters or on a stack of
-clients (``client_axis=True``: a leading client dimension, norms taken per client), so the
-batched engine applies the very same rule.
+momentum * buf + g; w <- w - lr * buf. With every knob at 0 this is exactly plain SGD,
+w <- w - lr * grad. The update works on one client's parameters or on a stack of clients
+(``client_axis=True``: a leading client dimension, norms taken per client), so the batched
+engine applies the very same rule.
 """
 
 from __future__ import annotations

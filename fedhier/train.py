@@ -61,11 +61,6 @@ def loss_fn(model: nn.Module, params: Mapping[str, torch.Tensor], x: torch.Tenso
     return nn.functional.cross_entropy(logits, y)
 
 
-def sgd_update(params: Params, grads: Mapping[str, torch.Tensor], lr: float) -> Params:
-    """The SGD update rule, params - lr * grads, shared by every engine."""
-    return {k: params[k] - lr * grads[k] for k in params}
-
-
 def local_sgd(model: nn.Module, params: Params, x: torch.Tensor, y: torch.Tensor, *,
               lr: float | np.ndarray, indices: np.ndarray,
               optimizer: LocalOptimizer | None = None,

@@ -24,9 +24,13 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 
-from fedhier import deploy
-from fedhier.certs import Certificates, generate_certificates, make_supernode_key
 from fedhier.config import RunConfig
+from fedhier.engines import deployment as deploy
+from fedhier.engines.deployment.certs import (
+    Certificates,
+    generate_certificates,
+    make_supernode_key,
+)
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.errors import ConfigError
 from fedhier.results import RunFolder
@@ -316,8 +320,9 @@ def test_ctrl_c_stops_every_process(tmp_path):
     """SIGINT (Ctrl-C) while the run is submitted: exit 130, nothing left running."""
     port = deploy.free_port_block(2)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "fedhier.deploy", "local", "--nodes", "1", "--groups", "1",
-           "--insecure", "--base-port", str(port), "--out", str(out), *TINY_FLAGS[2:]]
+    cmd = [sys.executable, "-m", "fedhier.engines.deployment", "local", "--nodes", "1",
+           "--groups", "1", "--insecure", "--base-port", str(port), "--out", str(out),
+           *TINY_FLAGS[2:]]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=ROOT, preexec_fn=interruptible)
     lines = []

@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fedhier.cli_flags import add_config_flags, config_from_args
 from fedhier.config import RunConfig
+from fedhier.engines.registry import engine_names
 from fedhier.errors import FedhierError
 from fedhier.results import read_json, write_json
 
@@ -27,8 +29,6 @@ ITERATIONS = {"quick": 320, "full": 1200}
 
 
 def add_parser(sub: Any) -> None:
-    from fedhier.cli import _add_config_flags
-
     parser = sub.add_parser(
         "experiment", help="reproduce a paper claim: " + ", ".join(NAMES),
         description="Run an experiment suite over seeds; writes DIR/results.json, "
@@ -41,16 +41,14 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--jobs", type=int, default=0,
                         help="runs in parallel (default: the number of CPU cores)")
     parser.add_argument("--experiment-engine", default="vectorized",
-                        choices=("vectorized", "inprocess", "flower"),
+                        choices=engine_names(),
                         help="engine for the arms (default vectorized)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     parser.add_argument("--config", type=Path, metavar="FILE.toml", help="base config keys")
-    _add_config_flags(parser)
+    add_config_flags(parser)
 
 
 def base_config(args: argparse.Namespace) -> RunConfig:
-    from fedhier.cli import config_from_args
-
     config_from_args(args)  # validates the flags and the config file, one-line errors
     size = QUICK if args.quick else FULL
     from fedhier.config import read_toml

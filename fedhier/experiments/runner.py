@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fedhier.config import RunConfig
+from fedhier.engines.registry import run_engine
 from fedhier.results import RunFolder, read_json, read_metrics
 
 
@@ -40,8 +41,6 @@ def _run_one(cfg: RunConfig, run_dir: str) -> str:
     import torch
 
     torch.set_num_threads(1)
-    from fedhier.cli import run_engine
-
     folder = RunFolder.create(run_dir, overwrite=True)
     run_engine(cfg, folder, progress=False, resume=None)
     return run_dir

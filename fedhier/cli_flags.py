@@ -1,0 +1,73 @@
+"""Command-line pieces shared by every ``fedhier`` subcommand (run, diversity, experiment,
+deploy): the exit codes, one flag per :class:`~fedhier.config.RunConfig` field, and how flags,
+a TOML file and a resumed run folder become one validated configuration.
+
+This module imports no subcommand, so each subcommand's module can import it without an
+import cycle through :mod:`fedhier.cli`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+from typing import Any
+
+from fedhier.config import RunConfig, read_toml
+from fedhier.engines.registry import engine_help
+from fedhier.errors import FedhierError
+
+#: Exit codes of every fedhier command (Ctrl-C is 130).
+EXIT_BAD_INPUT = 2
+EXIT_RUN_FAILED = 3
+EXIT_INTERRUPTED = 130
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per RunConfig field (--local-period ...), default None = not given."""
+    group = parser.add_argument_group("run configuration (also valid as TOML keys)")
+    for f in fields(RunConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        default = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
+        shown = f" (default: {default})" if default not in ("", ()) else ""
+        description = engine_help() if f.name == "engine" else f.metadata.get("help", "")
+        help_text = f"{description}{shown}"
+        if kind == "bool":
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=None, help=help_text)
+        else:
+            converter = {"int": int, "float": float}.get(kind, str)
+            metavar = "N[,N...]" if kind.startswith("tuple") else kind.upper()
+            group.add_argument(flag, dest=f.name, type=converter, default=None,
+                               metavar=metavar, help=help_text)
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """TOML file (if any) overlaid with the flags given on the command line."""
+    base: dict[str, Any] = {}
+    if args.config:
+        base = {str(k).replace("-", "_"): v for k, v in read_toml(args.config).items()}
+        RunConfig.from_mapping(base, where=str(args.config))  # report the file's own errors
+    given = {f.name: getattr(args, f.name) for f in fields(RunConfig)
+             if getattr(args, f.name) is not None}
+    if "periods" in given:  # --periods replaces the two-level periods of the file
+        base = {k: v for k, v in base.items() if k not in ("local_period", "global_period")}
+    elif given.keys() & {"local_period", "global_period"}:
+        base.pop("periods", None)
+    return RunConfig.from_mapping({**base, **given}, where="command line")
+
+
+def resumed_config(args: argparse.Namespace) -> RunConfig:
+    """The configuration of the run folder being resumed (no other config flags allowed)."""
+    given = [f.name for f in fields(RunConfig) if getattr(args, f.name) is not None]
+    if given or args.config:
+        raise FedhierError("--resume continues a run with its own configuration; drop "
+                           f"{', '.join('--' + g.replace('_', '-') for g in given) or '--config'}")
+    path = args.resume / "config.json"
+    if not path.is_file():
+        raise FedhierError(f"{args.resume} is not a fedhier run folder (no config.json)")
+    saved = json.loads(path.read_text())
+    names = {f.name for f in fields(RunConfig)}
+    return RunConfig.from_mapping({k: v for k, v in saved.items() if k in names},
+                                  where=str(path))

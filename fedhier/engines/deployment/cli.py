@@ -1,0 +1,187 @@
+"""``fedhier deploy local`` (also ``python -m fedhier.engines.deployment local``): parse the
+flags, start a :class:`~fedhier.engines.deployment.local.LocalDeployment`, run the app, keep
+its material in the run folder, stop everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from fedhier.cli_flags import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    add_config_flags,
+    config_from_args,
+)
+from fedhier.config import RunConfig
+from fedhier.engines.deployment.connection import run_config_overrides
+from fedhier.engines.deployment.errors import DeployError, DeployTimeoutError
+from fedhier.engines.deployment.local import (
+    DEFAULT_BASE_PORT,
+    REPO_ROOT,
+    LocalDeployment,
+    contiguous_edges,
+)
+from fedhier.engines.deployment.ports import check_ports
+from fedhier.errors import ConfigError, FedhierError
+
+
+@contextmanager
+def _interrupt_on_sigterm() -> Iterator[None]:
+    """Treat SIGTERM/SIGHUP like Ctrl-C so that every started process is stopped."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def resolve_config(args: argparse.Namespace) -> RunConfig:
+    """The run configuration of ``fedhier deploy``: clients = --nodes."""
+    cfg = config_from_args(args)
+    if args.nodes is None or args.nodes < 1:
+        raise ConfigError(f"--nodes must be at least 1, got {args.nodes}")
+    if args.clients is not None and args.clients != args.nodes:
+        raise ConfigError(f"--clients {args.clients} contradicts --nodes {args.nodes}: each "
+                          "SuperNode is one client; give --nodes only")
+    return cfg.replace(clients=args.nodes)
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    """``fedhier deploy local``: 0 on success, 1 if the run failed, 124 on --timeout."""
+    from fedhier.results import default_run_dir
+    from fedhier.server import prepare
+
+    cfg = resolve_config(args)
+    if args.insecure and args.certs is not None:
+        raise ConfigError("--insecure and --certs contradict each other; give one")
+    if args.certs is not None and not Path(args.certs).is_dir():
+        raise ConfigError(f"--certs {args.certs}: no such folder")
+    if args.timeout <= 0:
+        raise ConfigError(f"--timeout must be positive, got {args.timeout}")
+    app = Path(args.app).resolve()
+    run_config_overrides(cfg, app)  # every flag must reach the ServerApp
+    out = Path(cfg.out or default_run_dir(f"{cfg.dataset}-deploy")).resolve()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"run folder {out} already exists and is not empty; choose another "
+                          "--out")
+    check_ports(args.base_port, args.nodes)
+    prepare(cfg)  # data and partition are valid before anything starts
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.deploy-", dir=out.parent))
+    echo: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731
+    edges = (contiguous_edges(args.nodes, cfg.num_edges)
+             if cfg.grouping in ("contiguous", "edge-tag") else None)
+    try:
+        deployment = LocalDeployment(
+            nodes=args.nodes, work=work, base_port=args.base_port, secure=not args.insecure,
+            supernode_auth=not args.no_supernode_auth,
+            certs_dir=Path(args.certs) if args.certs else None, app=app, echo=echo,
+            edges=edges, wait_online=False)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    t0 = time.time()
+    code = 1
+    try:
+        with _interrupt_on_sigterm(), deployment:
+            summary = deployment.run_app(cfg, out, timeout=args.timeout, verbose=args.verbose)
+            echo(f"final test accuracy {summary['final_test_accuracy']:.4f}, test loss "
+                 f"{summary['final_test_loss']:.4f} after {summary['iterations']} iterations "
+                 f"({summary['rounds']} cloud rounds) on {args.nodes} SuperNodes in "
+                 f"{time.time() - t0:.1f} s")
+            code = 0
+    except DeployTimeoutError as exc:
+        print(f"fedhier: error: {exc}", file=sys.stderr)
+        code = 124
+    except DeployError as exc:
+        print(f"fedhier: error: {exc}", file=sys.stderr)
+        code = 1
+    finally:
+        _keep(work, out)
+        echo(f"stopped all {len(deployment.procs.started)} processes started; run folder: "
+             f"{out} (logs in {out / 'deploy' / 'logs'})")
+    return code
+
+
+def _keep(work: Path, out: Path) -> None:
+    """Move the staged deploy material into ``out/deploy``."""
+    if not work.exists():
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "deploy"
+    if target.exists():
+        target = out / work.name.lstrip(".")
+    shutil.move(str(work), str(target))
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``deploy`` (action ``local``) to the ``fedhier`` subcommands."""
+    parser = subparsers.add_parser(
+        "deploy", help="run on Flower's Deployment Engine (SuperLink + SuperNodes)",
+        description="Start a SuperLink and --nodes SuperNodes on 127.0.0.1, run the "
+        "hierarchical app on them with `flwr run`, write the run folder, stop everything. "
+        "TLS and SuperNode authentication are on unless --insecure.")
+    parser.add_argument("action", choices=["local"],
+                        help="local: every process on this machine, loopback only")
+    parser.add_argument("--nodes", type=int, required=True, metavar="N",
+                        help="number of SuperNodes = clients (SuperNode i has partition-id i)")
+    parser.add_argument("--config", type=Path, metavar="FILE.toml",
+                        help="TOML file with run configuration keys")
+    security = parser.add_argument_group("security")
+    security.add_argument("--insecure", action="store_true",
+                          help="no TLS, no SuperNode authentication (only when asked for)")
+    security.add_argument("--certs", type=Path, metavar="DIR",
+                          help="use DIR/ca.crt, server.crt, server.key (and supernode-<i> "
+                          "keys if present) instead of generated test certificates")
+    security.add_argument("--no-supernode-auth", action="store_true",
+                          help="TLS only: do not register and authenticate SuperNode keys")
+    proc = parser.add_argument_group("processes")
+    proc.add_argument("--base-port", type=int, default=DEFAULT_BASE_PORT, metavar="PORT",
+                      help=f"SuperLink port; SuperNode i uses PORT+1+i (default "
+                      f"{DEFAULT_BASE_PORT})")
+    proc.add_argument("--timeout", type=float, default=3600, metavar="SECONDS",
+                      help="stop everything if the run takes longer (default 3600)")
+    proc.add_argument("--app", type=Path, default=REPO_ROOT, metavar="DIR",
+                      help="the Flower app to run (default: the fedhier source tree)")
+    proc.add_argument("--verbose", action="store_true", help="echo the whole ServerApp log")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    add_config_flags(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m fedhier.engines.deployment local --nodes N ...`` (same as ``fedhier deploy``)."""
+    parser = argparse.ArgumentParser(prog="fedhier")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["deploy", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return cmd_deploy(args)
+    except FedhierError as exc:
+        print(f"fedhier: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("fedhier: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,341 @@
+"""A SuperLink and N SuperNodes on 127.0.0.1 (:class:`LocalDeployment`), and ``flwr run``
+of the app on them with one line printed per cloud round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedhier.config import RunConfig
+from fedhier.engines.deployment.connection import (
+    CONNECTION,
+    connection_toml,
+    run_config_overrides,
+    write_run_config,
+)
+from fedhier.engines.deployment.errors import DeployError, DeployTimeoutError
+from fedhier.engines.deployment.ports import HOST, check_ports, free_port_block, port_open
+from fedhier.engines.deployment.processes import FLOWER_ENV, Managed, ProcessGroup, executable
+from fedhier.errors import ConfigError
+
+DEFAULT_BASE_PORT = 9300
+REPO_ROOT = Path(__file__).resolve().parents[3]  # the fedhier source tree (a Flower app)
+
+
+def contiguous_edges(nodes: int, groups: int) -> list[int]:
+    """Edge of SuperNode i when nodes are cut into ``groups`` contiguous blocks (sizes
+    differ by at most one, larger first): the same as ``--grouping contiguous``."""
+    from fedhier.grouping.base import balanced_sizes
+
+    sizes = balanced_sizes(nodes, groups)
+    return [edge for edge, size in enumerate(sizes.tolist()) for _ in range(size)]
+
+
+def format_round(record: Mapping[str, Any], rounds: int) -> str:
+    def num(key: str, fmt: str) -> str:
+        value = record.get(key)
+        return format(value, fmt) if isinstance(value, int | float) else "-"
+
+    return (f"round {record.get('round')}/{rounds}: test_acc {num('test_accuracy', '.4f')}  "
+            f"test_loss {num('test_loss', '.4f')}  train_loss {num('train_loss', '.4f')}  "
+            f"failed_clients {record.get('failed_clients', 0)}  "
+            f"[{num('wall_seconds', '.1f')} s]")
+
+
+
+@dataclass
+class LocalDeployment:
+    """A SuperLink and ``nodes`` SuperNodes on 127.0.0.1; use as a context manager.
+
+    ``secure``: TLS with ``certs_dir`` (ca.crt, server.crt, server.key) or generated test
+    certificates; ``supernode_auth``: Flower's SuperNode authentication (needs TLS).
+    ``edges``: tag SuperNode i with ``--node-config edge=edges[i]`` (where it would sit).
+    Ports: SuperLink ``base_port`` (Fleet, Control and Runtime HTTP API on one port since
+    Flower 1.42), SuperNode i ``base_port + 1 + i`` (its Runtime API for ClientApps).
+    """
+
+    nodes: int
+    work: Path
+    base_port: int = DEFAULT_BASE_PORT
+    secure: bool = True
+    supernode_auth: bool = True
+    certs_dir: Path | None = None
+    app: Path = REPO_ROOT
+    echo: Callable[[str], None] = print
+    connect_timeout: float = 180.0
+    edges: list[int] | None = None
+    #: False: ``start`` does not wait for the SuperNodes; ``run_app`` submits the app first
+    #: and waits for them while the ServerApp starts (the ServerApp waits for all N anyway).
+    wait_online: bool = True
+    _next_extra_port: int = 0
+    _online: bool = False
+    procs: ProcessGroup = field(default_factory=ProcessGroup)
+    superlink: Managed | None = None
+    supernodes: list[Managed] = field(default_factory=list)
+    ca_cert: Path | None = None
+    certs: Any = None  # certs.Certificates in secure mode
+    node_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ConfigError(f"--nodes must be at least 1, got {self.nodes}")
+        if not self.secure and (self.certs_dir is not None):
+            raise ConfigError("--insecure and --certs contradict each other; give one")
+        if self.supernode_auth and not self.secure:
+            self.supernode_auth = False  # Flower requires TLS for SuperNode authentication
+        check_ports(self.base_port, self.nodes)
+        if self.edges is not None and len(self.edges) != self.nodes:
+            raise ConfigError(f"{len(self.edges)} edge tags for {self.nodes} SuperNodes")
+        self.work = Path(self.work).resolve()
+
+    # -- paths and environment ---------------------------------------------------------------
+    @property
+    def superlink_port(self) -> int:
+        return self.base_port
+
+    def home(self, name: str) -> Path:
+        path = self.work / "flwr-home" / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def env(self, name: str) -> dict[str, str]:
+        env = {**os.environ, **FLOWER_ENV, "FLWR_HOME": str(self.home(name))}
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        return env
+
+    def log(self, name: str) -> Path:
+        return self.work / "logs" / f"{name}.log"
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def __enter__(self) -> LocalDeployment:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Certificates, SuperLink, SuperNode registration, SuperNodes: all up or raise."""
+        self.work.mkdir(parents=True, exist_ok=True)
+        keys = self._prepare_security()
+        self.start_superlink()
+        self.write_cli_config()
+        if self.supernode_auth:
+            self.register_supernodes([k.with_name(k.name + ".pub") for k in keys])
+        for i in range(self.nodes):
+            self.start_supernode(i, keys[i] if self.supernode_auth else None)
+        if self.wait_online:
+            self.wait_supernodes_online()
+
+    def stop(self) -> list[int]:
+        """Stop every process started here; returns pids that survived (should be [])."""
+        left = self.procs.stop_all()
+        if left:
+            self.echo(f"fedhier deploy: warning: processes {left} did not stop")
+        return left
+
+    # -- steps -------------------------------------------------------------------------------
+    def _prepare_security(self) -> list[Path]:
+        from fedhier.engines.deployment.certs import (
+            Certificates,
+            generate_certificates,
+            make_supernode_key,
+        )
+
+        if not self.secure:
+            return []
+        if self.certs_dir is not None:
+            certs = Certificates.from_folder(self.certs_dir, self.nodes)
+        else:
+            certs = generate_certificates(self.work / "certs",
+                                          self.nodes if self.supernode_auth else 0)
+        self.certs = certs
+        self.ca_cert = certs.ca_cert.resolve()
+        keys = list(certs.supernode_keys)
+        if self.supernode_auth and len(keys) != self.nodes:  # your certs, our keys
+            keys = [make_supernode_key(self.work / "keys" / f"supernode-{i}")[0]
+                    for i in range(self.nodes)]
+        return [k.resolve() for k in keys]
+
+    def start_superlink(self) -> Managed:
+        cmd = [executable("flower-superlink"), "--host", HOST, "--port",
+               str(self.superlink_port), "--disable-runtime-dependency-installation"]
+        if self.secure:
+            certs = self.certs
+            cmd += ["--ssl-certfile", str(certs.server_cert.resolve()),
+                    "--ssl-keyfile", str(certs.server_key.resolve()),
+                    "--ssl-ca-certfile", str(certs.ca_cert.resolve())]
+            if self.supernode_auth:
+                cmd.append("--enable-supernode-auth")
+        else:
+            cmd.append("--insecure")
+        self.superlink = self.procs.start("superlink", cmd, self.env("superlink"),
+                                          self.log("superlink"), self.work)
+        deadline = time.time() + self.connect_timeout
+        while not port_open(self.superlink_port):
+            if self.superlink.popen.poll() is not None:
+                raise DeployError("the SuperLink exited at start:\n"
+                                  + self.superlink.log_tail())
+            if time.time() > deadline:
+                raise DeployError(f"the SuperLink did not listen on {HOST}:"
+                                  f"{self.superlink_port} within {self.connect_timeout:.0f} s")
+            time.sleep(0.2)
+        mode = ("TLS + SuperNode authentication" if self.supernode_auth else
+                "TLS" if self.secure else "INSECURE (no TLS)")
+        self.echo(f"SuperLink on {HOST}:{self.superlink_port} [{mode}] "
+                  f"(pid {self.superlink.pid})")
+        return self.superlink
+
+    def write_cli_config(self) -> Path:
+        path = self.home("cli") / "config.toml"
+        path.write_text(connection_toml(CONNECTION, self.superlink_port, self.ca_cert))
+        return path
+
+    def flwr_cli(self, args: Sequence[str], timeout: float = 120) -> subprocess.CompletedProcess:
+        """Run one ``flwr`` CLI command against this SuperLink (FLWR_HOME = flwr-home/cli)."""
+        return subprocess.run([executable("flwr"), *args], env=self.env("cli"), cwd=self.work,
+                              capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+
+    def register_supernodes(self, public_keys: Sequence[Path]) -> list[int]:
+        """``flwr supernode register KEY.pub`` for each SuperNode (two at a time)."""
+        results: dict[int, subprocess.CompletedProcess] = {}
+
+        def register(i: int) -> None:
+            results[i] = self.flwr_cli(["supernode", "register", str(public_keys[i]),
+                                        CONNECTION, "--format", "json"])
+
+        for start in range(0, len(public_keys), 2):
+            threads = [threading.Thread(target=register, args=(i,))
+                       for i in range(start, min(start + 2, len(public_keys)))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        ids = []
+        for i in range(len(public_keys)):
+            out = results[i].stdout + results[i].stderr
+            match = re.search(r'"node-id":\s*"?(\d+)', out)
+            if results[i].returncode != 0 or match is None:
+                raise DeployError(f"registering SuperNode {i}'s key failed: "
+                                  f"{out.strip().splitlines()[-1:] or results[i].returncode}")
+            ids.append(int(match.group(1)))
+        self.node_ids = ids
+        self.echo(f"registered {len(ids)} SuperNode public keys")
+        return ids
+
+    def start_supernode(self, i: int, key: Path | None = None,
+                        root_certificates: Path | None = None, name: str = "",
+                        insecure: bool = False, track: bool = True,
+                        extra_args: Sequence[str] = ()) -> Managed:
+        """SuperNode ``i`` (partition-id i). ``root_certificates`` overrides the CA and
+        ``insecure`` drops TLS (to test refusals); ``track=False``: not one of the
+        federation's nodes (not waited for), but still stopped with everything else."""
+        name = name or f"supernode-{i}"
+        node_config = f"partition-id={i} num-partitions={self.nodes}"
+        if self.edges is not None:
+            node_config += f" edge={self.edges[i]}"
+        if track:
+            port = self.superlink_port + 1 + i
+        else:  # above the federation's ports, never the same twice
+            port = free_port_block(1, start=max(self._next_extra_port,
+                                                self.superlink_port + self.nodes + 1))
+            self._next_extra_port = port + 1
+        cmd = [executable("flower-supernode"), "--superlink", f"{HOST}:{self.superlink_port}",
+               "--host", HOST, "--port", str(port), "--node-config", node_config, *extra_args]
+        ca = root_certificates or self.ca_cert
+        cmd += ["--insecure"] if insecure or ca is None else ["--root-certificates", str(ca)]
+        if key is not None:
+            cmd += ["--auth-supernode-private-key", str(key)]
+        managed = self.procs.start(name, cmd, self.env(name), self.log(name), self.work)
+        if track:
+            self.supernodes.append(managed)
+        return managed
+
+    def wait_supernodes_online(self) -> None:
+        """Wait until every SuperNode has activated with the SuperLink (its log says so)."""
+        deadline = time.time() + self.connect_timeout
+        pending = list(self.supernodes)
+        while pending:
+            for node in list(pending):
+                if "SuperNode ID:" in node.log_text():
+                    pending.remove(node)
+                elif node.popen.poll() is not None:
+                    raise DeployError(f"{node.name} exited before connecting:\n"
+                                      + node.log_tail())
+            if pending and time.time() > deadline:
+                raise DeployError(f"{', '.join(n.name for n in pending)} did not connect "
+                                  f"within {self.connect_timeout:.0f} s:\n"
+                                  + pending[0].log_tail())
+            time.sleep(0.2)
+        self.procs.snapshot()
+        self._online = True
+        self.echo(f"{len(self.supernodes)} SuperNodes online (ports "
+                  f"{self.superlink_port + 1}..{self.superlink_port + self.nodes})")
+
+    def run_app(self, cfg: RunConfig, out: Path, timeout: float = 3600,
+                verbose: bool = False,
+                on_tick: Callable[[LocalDeployment], None] | None = None) -> dict[str, Any]:
+        """``flwr run <app> <connection> --run-config <toml> --stream``; returns summary.json.
+
+        Prints one line per cloud round from ``out/metrics.jsonl``, echoes the ServerApp's
+        warnings and errors (all of its log with ``verbose``), calls ``on_tick`` about twice
+        a second. Raises DeployTimeoutError after ``timeout`` s, DeployError if the run fails.
+        """
+        out = Path(out).resolve()
+        overrides = {**run_config_overrides(cfg, self.app), "clients": self.nodes,
+                     "out": str(out)}
+        toml_path = write_run_config(self.work / "run_config.toml", overrides)
+        cmd = [executable("flwr"), "run", str(self.app), CONNECTION, "--run-config",
+               str(toml_path), "--stream"]
+        run = self.procs.start("flwr-run", cmd, self.env("cli"), self.log("flwr-run"),
+                               self.app)
+        self.echo(f"flwr run {self.app} {CONNECTION} (pid {run.pid}); run folder {out}")
+        if not self._online:
+            self.wait_supernodes_online()
+        metrics = out / "metrics.jsonl"
+        shown, echoed = 0, 0
+        deadline = time.time() + timeout
+        while True:
+            finished = run.popen.poll() is not None
+            if metrics.is_file():
+                text = metrics.read_text()
+                complete = text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
+                for line in complete[shown:]:
+                    self.echo(format_round(json.loads(line), cfg.rounds))
+                shown = len(complete)
+            log_lines = run.log_text().splitlines()
+            for line in log_lines[echoed:]:
+                if verbose or re.search(r"WARN|ERROR|Traceback|fedhier:", line):
+                    self.echo(f"  | {line}")
+            echoed = len(log_lines)
+            if finished:
+                break
+            if time.time() > deadline:
+                raise DeployTimeoutError(f"the run did not finish within {timeout:.0f} s "
+                                    f"(--timeout); log: {run.log}")
+            if on_tick is not None:
+                on_tick(self)
+            self.procs.snapshot()
+            time.sleep(0.5)
+        summary_path = out / "summary.json"
+        if run.popen.returncode != 0 or not summary_path.is_file():
+            raise DeployError(f"the run failed (flwr run exit code {run.popen.returncode}, "
+                              f"no {summary_path.name}); last lines of {run.log}:\n"
+                              + run.log_tail(20))
+        summary: dict[str, Any] = json.loads(summary_path.read_text())
+        return summary
