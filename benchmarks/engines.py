@@ -99,7 +99,7 @@ class Marks:
 
 def instrument_recorder(marks: Marks) -> None:
     """Mark every record the engines write through RunRecorder (benchmark-only patch)."""
-    from fedhier.recorder import RunRecorder
+    from fedhier.run_recorder import RunRecorder
 
     original = RunRecorder.record_round
 
@@ -180,7 +180,7 @@ def plain_loop(cfg: Any, marks: Marks) -> float:
 
 def run_engine(name: str, cfg: Any, marks: Marks, federation: Any = None) -> float:
     """Run fedhier engine ``name`` in a temporary run folder; returns the final test accuracy."""
-    from fedhier.results import RunFolder
+    from fedhier.run_folder import RunFolder
 
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
         folder = RunFolder.create(Path(tmp) / "run")

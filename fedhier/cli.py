@@ -29,7 +29,7 @@ from fedhier.cli_flags import (
 from fedhier.engines.registry import run_engine
 from fedhier.errors import FedhierError
 from fedhier.faults import RunFailureError
-from fedhier.results import write_json
+from fedhier.run_folder import write_json
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from fedhier.checkpoint import load_checkpoint
-    from fedhier.results import RunFolder, default_run_dir
+    from fedhier.run_folder import RunFolder, default_run_dir
     from fedhier.server import prepare
 
     resume = None

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from fedhier.engines.registry import engine_names
 from fedhier.errors import ConfigError
 
 WEIGHTINGS = ("samples", "uniform")
-ENGINES = ("inprocess", "flower", "vectorized")
+ENGINES = engine_names()
 DEVICES = ("cpu", "cuda", "auto")
 
 

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from fedhier.results import read_json, read_metrics  # noqa: E402
+from fedhier.run_folder import read_json, read_metrics  # noqa: E402
 
 
 def _label(run_dir: Path) -> str:

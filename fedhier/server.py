@@ -18,9 +18,9 @@ from fedhier.errors import ConfigError
 from fedhier.federation import Federation, federation_for
 from fedhier.hsgd import Executor, HierarchicalSGD, HSGDSettings, Params
 from fedhier.models import build_model
-from fedhier.recorder import RunRecorder
 from fedhier.rng import torch_seed
 from fedhier.round_diagnostics import diagnostics_due, sample_diagnostics
+from fedhier.run_recorder import RunRecorder
 from fedhier.train import evaluate
 
 

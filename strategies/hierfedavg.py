@@ -23,6 +23,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
 from fedhier.communication import Communication
+from fedhier.engines.flower_records import to_record, to_tensors
 from fedhier.errors import ConfigError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import (
@@ -33,7 +34,6 @@ from fedhier.hsgd import (
     evaluation_metrics,
 )
 from fedhier.plan import EdgeRoundPlan, Workload
-from fedhier.records import to_record, to_tensors
 from fedhier.strategies.cloud_step import as_cloud_step
 from fedhier.strategies.grid_executor import GridExecutor, metric_record
 from fedhier.topology import Hierarchy

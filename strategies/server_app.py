@@ -12,7 +12,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedhier.config import RunConfig
 from fedhier.engines.grid_run import run_federation
-from fedhier.results import RunFolder, default_run_dir
+from fedhier.run_folder import RunFolder, default_run_dir
 from fedhier.server import quiet_flower
 
 app = ServerApp()

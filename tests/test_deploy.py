@@ -33,7 +33,7 @@ from fedhier.engines.deployment.certs import (
 )
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.errors import ConfigError
-from fedhier.results import RunFolder
+from fedhier.run_folder import RunFolder
 from tests.helpers import assert_same_run, interruptible, metrics
 
 ROOT = Path(__file__).resolve().parents[1]

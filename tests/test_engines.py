@@ -9,7 +9,7 @@ import pytest
 
 from fedhier.config import RunConfig
 from fedhier.engines.inprocess import run_inprocess
-from fedhier.results import RunFolder
+from fedhier.run_folder import RunFolder
 from tests.helpers import assert_same_run, metrics
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -167,7 +167,7 @@ def test_ctrl_c_writes_a_checkpoint_and_resume_finishes(tmp_path):
 def run_interrupted_at(round_: int, args: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
     """``main(args)`` with a KeyboardInterrupt (as Ctrl-C) raised when cloud round ``round_``
     is about to be recorded; returns its exit code."""
-    from fedhier.recorder import RunRecorder
+    from fedhier.run_recorder import RunRecorder
 
     record_round = RunRecorder.record_round
 

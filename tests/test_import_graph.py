@@ -30,13 +30,7 @@ PACKAGES = {"fedhier": ROOT / "fedhier", "fedhier.strategies": ROOT / "strategie
 #: Where ``flwr`` may be imported: the engine layer and Flower's own app components.
 FLOWER_LAYERS = ("fedhier.engines", "fedhier.strategies", "fedhier.clients")
 #: Modules outside those layers that still import flwr, each with the reason it is allowed.
-FLOWER_ALLOWED = {
-    "fedhier.server": "the federation loop over a Flower Grid; moves to the engine layer "
-                      "with the round-algorithm rewrite",
-    "fedhier.cloud": "cloud-level strategies wrapping flwr.serverapp.strategy; to move to "
-                     "the strategy layer",
-    "fedhier.records": "ArrayRecord <-> tensors conversion; to move to the engine layer",
-}
+FLOWER_ALLOWED: dict[str, str] = {}
 
 
 def modules(packages: dict[str, Path] = PACKAGES) -> dict[str, Path]:

@@ -1,5 +1,5 @@
-"""The in-process shortcuts change no number: the decoded-record cache (fedhier.records) and
-local_sgd's resident model copy (fedhier.train)."""
+"""The in-process shortcuts change no number: the decoded-record cache
+(fedhier.engines.flower_records) and local_sgd's resident model copy (fedhier.train)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 from fedhier import records
+from fedhier.engines.flower_records import to_record, to_tensors
 from fedhier.models import build_model
 from fedhier.optim import LocalOptimizer
-from fedhier.records import to_record, to_tensors
 from fedhier.train import local_sgd, loss_fn, params_of
 
 TENSORS = {

@@ -24,7 +24,7 @@ from fedhier.engines.vectorized import (
     weighted_targets,
 )
 from fedhier.models import build_model, linear_chain
-from fedhier.results import RunFolder
+from fedhier.run_folder import RunFolder
 from fedhier.train import loss_fn
 
 TOL = 1e-4

@@ -16,7 +16,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedhier.checkpoint import Checkpoint
 from fedhier.config import RunConfig
 from fedhier.engines.grid_run import run_federation
-from fedhier.results import RunFolder
+from fedhier.run_folder import RunFolder
 from fedhier.server import quiet_flower
 
 

@@ -16,8 +16,8 @@ from flwr.serverapp import Grid
 from fedhier.checkpoint import Checkpoint
 from fedhier.config import RunConfig
 from fedhier.errors import ConfigError
-from fedhier.recorder import RunRecorder
-from fedhier.results import RunFolder
+from fedhier.run_folder import RunFolder
+from fedhier.run_recorder import RunRecorder
 from fedhier.server import (
     central_evaluation,
     initial_model,

@@ -10,7 +10,7 @@ from fedhier.clients.app import app as client_app
 from fedhier.config import RunConfig
 from fedhier.engines.grid_run import run_federation
 from fedhier.engines.inprocess_grid import InProcessGrid
-from fedhier.results import RunFolder
+from fedhier.run_folder import RunFolder
 
 
 def run_inprocess(cfg: RunConfig, folder: RunFolder, progress: bool = True,

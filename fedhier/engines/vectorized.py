@@ -19,7 +19,7 @@ building blocks, and only executes it differently:
   with :func:`fedhier.aggregate.presence_weights`, at the level the schedule names; a node
   without survivors keeps its model (every edge's model is kept, ``[edges, *shape]``); the
   cloud step can be a Flower strategy (:func:`fedhier.cloud.cloud_update`);
-- the records: :class:`fedhier.recorder.RunRecorder` and :class:`Communication`, with the
+- the records: :class:`fedhier.run_recorder.RunRecorder` and :class:`Communication`, with the
   records HierFedAvg's ``on_cloud_round`` produces, diagnostics included
   (:mod:`fedhier.round_diagnostics`).
 
@@ -66,9 +66,9 @@ from fedhier.grouping import ClientInfo
 from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, HierarchicalSGD, TrainResult
 from fedhier.models import linear_chain
 from fedhier.optim import LocalOptimizer
-from fedhier.recorder import RunRecorder
-from fedhier.results import RunFolder
 from fedhier.round_diagnostics import direct_client_gradients
+from fedhier.run_folder import RunFolder
+from fedhier.run_recorder import RunRecorder
 from fedhier.server import (
     central_evaluation,
     initial_model,

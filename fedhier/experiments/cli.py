@@ -14,7 +14,7 @@ from fedhier.cli_flags import add_config_flags, config_from_args
 from fedhier.config import RunConfig
 from fedhier.engines.registry import engine_names
 from fedhier.errors import FedhierError
-from fedhier.results import read_json, write_json
+from fedhier.run_folder import read_json, write_json
 
 NAMES = ("sandwich", "grouping", "periods", "diversity", "levels")
 

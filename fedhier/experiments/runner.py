@@ -17,7 +17,7 @@ from typing import Any
 
 from fedhier.config import RunConfig
 from fedhier.engines.registry import run_engine
-from fedhier.results import RunFolder, read_json, read_metrics
+from fedhier.run_folder import RunFolder, read_json, read_metrics
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     """``fedhier deploy local``: 0 on success, 1 if the run failed, 124 on --timeout."""
-    from fedhier.results import default_run_dir
+    from fedhier.run_folder import default_run_dir
     from fedhier.server import prepare
 
     cfg = resolve_config(args)

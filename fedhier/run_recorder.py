@@ -21,7 +21,7 @@ from fedhier.config import RunConfig
 from fedhier.diagnostics import label_upward_divergence
 from fedhier.federation import Federation
 from fedhier.grouping import ClientInfo
-from fedhier.results import RunFolder, read_metrics
+from fedhier.run_folder import RunFolder, read_metrics
 from fedhier.topology import Hierarchy
 
 WEIGHTING_TEXT = {
