@@ -12,6 +12,7 @@ import difflib
 import importlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -190,6 +191,12 @@ def test_example_equals_fedhier_client_app(example, monkeypatch, tmp_path):
     assert max_abs_diff(main_state, theirs) < 1e-5
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def _superlink_pids(flwr_home: Path) -> list[int]:
     out = subprocess.run(["pgrep", "-f", f"{flwr_home}/local-superlink"], capture_output=True,
                          text=True)
@@ -219,7 +226,12 @@ def test_example_under_flwr_run_matches_in_process(example, tmp_path):
         "options.backend.client-resources.num-cpus = 1\n"
         "options.backend.client-resources.num-gpus = 0.0\n")
     final = tmp_path / "flwr-final.pt"
+    # `flwr run` reuses any local SuperLink answering on its fixed ports (39091/39093): on a
+    # shared machine that may be someone else's, running another checkout. Own ports.
+    http_port, control_port = _free_port(), _free_port()
     env = {**os.environ, "FLWR_HOME": str(flwr_home), "FLWR_TELEMETRY_ENABLED": "0",
+           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
+           "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
            "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
