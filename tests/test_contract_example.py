@@ -77,7 +77,7 @@ def example(one_torch_thread):
         yield modules
     finally:
         sys.path.remove(str(EXAMPLE))
-        for name in [m for m in sys.modules if m.split(".")[0] == "quickstarthier"]:
+        for name in [m for m in sys.modules if m.split(".")[0] in ("quickstarthier", "flat")]:
             del sys.modules[name]
 
 
@@ -107,6 +107,17 @@ def test_example_runs_hierarchically_in_process(example, tmp_path):
     loss, accuracy = task.test(model, task.load_centralized_dataset())
     assert accuracy > 0.3, (loss, accuracy)  # 10 classes: chance is 0.1
     assert time.time() - start < 60
+
+
+def test_flat_version_runs_with_fedavg(example, tmp_path):
+    """The 'before' of the diff is a working flat FedAvg app."""
+    flat_server = importlib.import_module("flat.server_app")
+    flat_client = importlib.import_module("flat.client_app")
+    config = app_config(**{"final-model": str(tmp_path / "flat.pt"), "num-server-rounds": 1})
+    grid = InProcessGrid(flat_client.app, NUM_NODES, run_config=config)
+    flat_server.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                   run_config=config))
+    assert (tmp_path / "flat.pt").exists()
 
 
 def example_federation(task) -> Federation:
