@@ -145,7 +145,9 @@ def test_toy_app_equals_fedhier_client_app(toy_run, monkeypatch, one_torch_threa
                     seed=SEED, diagnostics_every=1)
     ours, ours_records = run(fedhier_client_app, cfg.to_run_config(), initial_arrays())
     theirs, their_records = toy_run
-    assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) < 1e-5
+    diff = max(float((ours[k] - theirs[k]).abs().max()) for k in ours)
+    print(f"max |w_fedhier - w_toy| = {diff:.3g}")
+    assert diff < 1e-5
     for mine, other in zip(ours_records, their_records, strict=True):
         for key in ("test_loss", "test_accuracy", "train_loss", "train_accuracy",
                     "global_divergence", "upward_divergence", "downward_divergence",
