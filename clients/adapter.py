@@ -143,6 +143,9 @@ class BatchStream:
     ``fetch(rows)`` for each step: ``(x[rows], y[rows])`` for tensors, your DataLoader's
     collated batch for a dataset. Like a DataLoader it has ``dataset`` (all the client's
     rows, so ``len(stream.dataset)`` is its ``num-examples``) and ``batch_size``.
+
+    It can be iterated **once**: the server asked for ``local-steps`` steps, so a second pass
+    (e.g. a training loop with ``local-epochs`` > 1) raises instead of silently running more.
     """
 
     def __init__(self, indices: np.ndarray, fetch: Callable[[list[int]], Any],
@@ -152,11 +155,18 @@ class BatchStream:
         self.num_rows = num_rows
         self.dataset = dataset
         self.batch_size = indices.shape[1] if indices.ndim == 2 else 0
+        self._used = False
 
     def __len__(self) -> int:
         return len(self.indices)
 
     def __iter__(self) -> Iterator[Any]:
+        if self._used:
+            raise RuntimeError(
+                "this edge round's mini-batches were already used: HierFedAvg asks for "
+                f"local-steps = {len(self)} SGD steps, one pass over the stream (train for "
+                "one epoch, e.g. local-epochs = 1)")
+        self._used = True
         for rows in self.indices:
             yield self._fetch(rows.tolist())
 

@@ -66,6 +66,8 @@ def test_batch_stream_over_tensors_is_fedhiers_order():
     assert len(stream) == 3 and len(stream.dataset) == 25 and stream.batch_size == 4
     for (bx, by), rows in zip(stream, expected, strict=True):
         assert torch.equal(by, torch.as_tensor(rows)) and torch.equal(bx, x[rows])
+    with pytest.raises(RuntimeError, match="one pass"):
+        next(iter(stream))  # local-steps steps, not more
     # the message's seed wins over the run config's; an explicit seed over both
     assert np.array_equal(batch_stream(train_message(seed=9), context(seed=4), (x, y),
                                        4).indices, batch_indices(9, 2, 25, 4, 6, 3))

@@ -28,13 +28,13 @@ def train(msg: Message, context: Context):
     num_partitions = context.node_config["num-partitions"]
     batch_size = context.run_config["batch-size"]
     trainloader, _ = load_data(partition_id, num_partitions, batch_size)
-    trainloader = batch_stream(msg, context, trainloader)  # this edge round's local-steps
+    trainloader = batch_stream(msg, context, trainloader)  # this edge round's local-steps batches
 
     # Call the training function
     train_loss = train_fn(
         model,
         trainloader,
-        1,  # one pass over the stream: local-steps SGD steps
+        context.run_config["local-epochs"],
         msg.content["config"]["lr"],
         device,
     )
