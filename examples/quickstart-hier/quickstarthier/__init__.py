@@ -1,0 +1,1 @@
+"""quickstarthier: a Flower / PyTorch app, trained hierarchically with fedhier."""
