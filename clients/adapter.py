@@ -58,7 +58,6 @@ __all__ = [
     "labels_of",
     "register_profile",
     "round_info",
-    "scale_update",
 ]
 
 #: Flower-quickstart metric names -> the contract's names (train and evaluate replies).
@@ -72,15 +71,14 @@ class RoundInfo:
     """The per-message keys of a train message (docs/contract.md, "Train message").
 
     ``local_steps``: SGD steps to run; ``start_step``: global index (0-based) of the first
-    one; ``edge_round`` and ``server_round``: 1-based; ``update_scale``: FedNova factor
-    (1.0 when absent); ``config``: the whole ConfigRecord (your ``train_config`` plus these).
+    one; ``edge_round`` and ``server_round``: 1-based; ``config``: the whole ConfigRecord
+    (your ``train_config`` plus these).
     """
 
     local_steps: int
     start_step: int
     edge_round: int
     server_round: int
-    update_scale: float
     config: ConfigRecord
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -113,7 +111,6 @@ def round_info(msg: Message, config_key: str = "config") -> RoundInfo:
         start_step=int(_num(config, "start-step", (server_round - 1) * steps)),
         edge_round=int(_num(config, "edge-round", server_round)),
         server_round=server_round,
-        update_scale=float(_num(config, "update-scale", 1.0)),
         config=config,
     )
 
@@ -235,21 +232,6 @@ def batch_stream(msg: Message, context: Context, data: Any, batch_size: int | No
     indices = batch_indices(_seed_of(msg, context, seed, config_key), client, num_rows,
                             int(batch_size), info.start_step, info.local_steps)
     return BatchStream(indices, fetch, num_rows, dataset)
-
-
-def scale_update(msg: Message, start: Mapping[str, torch.Tensor],
-                 local: Mapping[str, torch.Tensor],
-                 config_key: str = "config") -> dict[str, torch.Tensor]:
-    """Apply the message's ``update-scale`` s (FedNova): ``start + s * (local - start)``.
-
-    Returns ``local`` unchanged (as a dict) when s is 1 or absent. Non-float entries (e.g.
-    batch-norm counters) are left as trained.
-    """
-    s = float(_num(_config(msg, config_key), "update-scale", 1.0))
-    if s == 1.0:
-        return dict(local)
-    return {k: (start[k] + s * (v - start[k])) if v.is_floating_point() else v
-            for k, v in local.items()}
 
 
 # --------------------------------------------------------------------------- profile
@@ -440,12 +422,10 @@ class HierClient:
                            "of HierFedAvg.start (or set lr_key)")
         lr = float(info.config[self.lr_key])  # type: ignore[arg-type]
         model = self.model(msg.content.array_records["arrays"])
-        start = {k: v.detach().clone() for k, v in model.state_dict().items()}
         batches = batch_stream(msg, context, self.data(context), self.batch_size,
                                seed=self.seed)
         loss = self.train_fn(model, batches, info.local_steps, lr)
-        state = scale_update(msg, start, {k: v.detach().cpu()
-                                          for k, v in model.state_dict().items()})
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         metrics = MetricRecord({"num-examples": batches.num_rows,
                                 "partition-id": partition_id_of(context)})
         if loss is not None:

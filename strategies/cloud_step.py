@@ -102,6 +102,7 @@ class FlowerCloudStep:
 
     def begin(self, cloud_round: int, global_params: Mapping[str, torch.Tensor],
               num_children: int) -> None:
+        _ensure_task_identity()
         self.strategy.configure_train(cloud_round, to_record(global_params), ConfigRecord(),
                                       ChildrenGrid(num_children))
 

@@ -24,7 +24,6 @@ from fedhier.clients.adapter import (
     labels_of,
     register_profile,
     round_info,
-    scale_update,
 )
 from fedhier.engines.inprocess_grid import InProcessGrid
 from fedhier.strategies.central_eval import central_evaluate
@@ -50,9 +49,9 @@ def context(pid: int = 2, **run_config) -> Context:
 
 
 def test_round_info_reads_the_contract_keys():
-    info = round_info(train_message(update_scale=1.0))
+    info = round_info(train_message())
     assert (info.local_steps, info.start_step, info.edge_round, info.server_round) == (3, 6, 3, 2)
-    assert info.update_scale == 1.0 and info.get("lr") == 0.1
+    assert info.get("lr") == 0.1
     _identity()
     with pytest.raises(KeyError, match="local-steps"):
         round_info(Message(RecordDict({"config": ConfigRecord({"lr": 0.1})}),
@@ -86,14 +85,6 @@ def test_batch_stream_over_a_dataloader_collates_like_it():
     for batch, rows in zip(batches, expected, strict=True):
         assert torch.equal(batch["label"], torch.as_tensor(rows))
         assert batch["image"].shape == (5, 2)
-
-
-def test_scale_update():
-    start = {"w": torch.zeros(2), "n": torch.tensor(3)}
-    local = {"w": torch.ones(2), "n": torch.tensor(4)}
-    scaled = scale_update(train_message(**{"update-scale": 0.5}), start, local)
-    assert torch.equal(scaled["w"], torch.full((2,), 0.5)) and int(scaled["n"]) == 4
-    assert scale_update(train_message(), start, local)["w"] is local["w"]
 
 
 def test_labels_of_reads_common_containers():

@@ -174,7 +174,6 @@ def bare_train(msg: Message, context: Context) -> Message:
                    reply_to=msg)
 
 
-@pytest.mark.xfail(reason="needs lead's contract parsing", strict=False)
 def test_bare_client_runs(one_torch_thread, caplog):
     final, records = run(bare_app, {"lr": LR}, initial_arrays(), rounds=2, diagnostics_every=1)
     assert all(r["failed_clients"] == 0 for r in records)
