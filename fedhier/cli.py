@@ -12,23 +12,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fedhier.aggregate import client_weights
 from fedhier.cli_flags import (
-    EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
-    EXIT_RUN_FAILED,
     add_config_flags,
     config_from_args,
     resumed_config,
+    run_command,
 )
 from fedhier.engines.registry import run_engine
 from fedhier.errors import FedhierError
-from fedhier.faults import RunFailureError
 from fedhier.run_folder import write_json
 
 
@@ -188,22 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers: dict[str, Any] = {"run": cmd_run, "plot": cmd_plot, "diversity": cmd_diversity,
                                 "experiment": cmd_experiment, "deploy": cmd_deploy}
     args.argv = list(argv if argv is not None else sys.argv[1:])
-    try:
-        return int(handlers[args.command](args))
-    except RunFailureError as exc:
-        if args.debug:
-            traceback.print_exc()
-        print(f"fedhier: run stopped: {exc}", file=sys.stderr)
-        return EXIT_RUN_FAILED
-    except FedhierError as exc:
-        if args.debug:
-            traceback.print_exc()
-        print(f"fedhier: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("fedhier: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-
+    return run_command(handlers[args.command], args)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import traceback
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
 from fedhier.config import RunConfig, read_toml
 from fedhier.engines.registry import engine_help
 from fedhier.errors import FedhierError
+from fedhier.faults import RunFailureError
 
 #: Exit codes of every fedhier command (Ctrl-C is 130).
 EXIT_BAD_INPUT = 2
@@ -71,3 +75,24 @@ def resumed_config(args: argparse.Namespace) -> RunConfig:
     names = {f.name for f in fields(RunConfig)}
     return RunConfig.from_mapping({k: v for k, v in saved.items() if k in names},
                                   where=str(path))
+
+
+def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a command's handler; a run failure, bad input or Ctrl-C becomes one line on stderr
+    and its exit code (the traceback only with ``--debug``)."""
+    debug = bool(getattr(args, "debug", False))
+    try:
+        return int(handler(args))
+    except RunFailureError as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"fedhier: run stopped: {exc}", file=sys.stderr)
+        return EXIT_RUN_FAILED
+    except FedhierError as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"fedhier: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("fedhier: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

@@ -17,12 +17,9 @@ from torch.func import grad, vmap
 
 from fedhier.cli import main
 from fedhier.config import RunConfig
+from fedhier.engines.batched import linear_chain_pass, weighted_targets
 from fedhier.engines.inprocess import run_inprocess
-from fedhier.engines.vectorized import (
-    linear_chain_pass,
-    run_vectorized,
-    weighted_targets,
-)
+from fedhier.engines.vectorized import run_vectorized
 from fedhier.models import build_model, linear_chain
 from fedhier.run_folder import RunFolder
 from fedhier.train import loss_fn
@@ -208,7 +205,7 @@ def test_cli_runs_the_vectorized_engine(tmp_path):
 
 
 def test_minibatch_rows_come_from_batch_indices():
-    from fedhier.engines.vectorized import ClientRows
+    from fedhier.engines.batched import ClientRows
     from fedhier.server import prepare
     from fedhier.train import batch_indices
 

@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from fedhier.cli_flags import (
-    EXIT_BAD_INPUT,
-    EXIT_INTERRUPTED,
     add_config_flags,
     config_from_args,
+    run_command,
 )
 from fedhier.config import RunConfig
 from fedhier.engines.deployment.connection import run_config_overrides
@@ -33,7 +32,7 @@ from fedhier.engines.deployment.local import (
     contiguous_edges,
 )
 from fedhier.engines.deployment.ports import check_ports
-from fedhier.errors import ConfigError, FedhierError
+from fedhier.errors import ConfigError
 
 
 @contextmanager
@@ -173,15 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fedhier")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["deploy", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return cmd_deploy(args)
-    except FedhierError as exc:
-        print(f"fedhier: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("fedhier: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-
+    return run_command(cmd_deploy, args)
 
 if __name__ == "__main__":
     sys.exit(main())
