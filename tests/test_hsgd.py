@@ -177,3 +177,39 @@ def test_a_wrong_key_type_names_the_client_and_the_key():
 
     with pytest.raises(ContractError, match="'num-examples' = 0.5: it must be a positive"):
         run_bare(bare_app(text_count))
+
+
+def test_any_flower_strategy_instance_from_another_package_is_the_cloud_step(tmp_path,
+                                                                             monkeypatch):
+    """A Strategy class from a package that is not fedhier's, passed in code: HierFedAvg
+    calls its aggregate_train once per cloud round over the edges' aggregates. FedAvg over
+    the edges weighted by their clients' total weight is the plain H-SGD average."""
+    package = tmp_path / "mycloud"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "from flwr.serverapp.strategy import FedAvg\n\n\n"
+        "class CountingFedAvg(FedAvg):\n"
+        "    calls = 0\n\n"
+        "    def aggregate_train(self, server_round, replies):\n"
+        "        replies = list(replies)\n"
+        "        CountingFedAvg.calls += 1\n"
+        "        CountingFedAvg.children = len(replies)\n"
+        "        return super().aggregate_train(server_round, replies)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from mycloud import CountingFedAvg  # type: ignore[import-not-found]
+
+    cfg = RunConfig(dataset="digits", clients=8, groups=(4,), local_period=2, global_period=4,
+                    rounds=3, batch_size=8, seed=4)
+    grid = InProcessGrid(fedhier_client.app, cfg.clients, seed=cfg.seed)
+    cloud = CountingFedAvg(min_available_nodes=1, min_train_nodes=1, min_evaluate_nodes=0,
+                           fraction_evaluate=0.0)
+    strategy = HierFedAvg(2, 4, 4, seed=cfg.seed, cloud_strategy=cloud)
+    result = strategy.start(grid, ArrayRecord(initial_state(cfg)), num_rounds=cfg.rounds,
+                            train_config=ConfigRecord(cfg.to_run_config()))
+    assert CountingFedAvg.calls == cfg.rounds and CountingFedAvg.children == 4
+    assert max_abs_diff(result.arrays.to_torch_state_dict(), run_hier(cfg)) < 1e-6
+
+
+def test_a_cloud_strategy_that_is_not_a_strategy_is_a_clear_error():
+    with pytest.raises(ConfigError, match="cloud_strategy must be a flwr.serverapp.strategy"):
+        HierFedAvg(2, 4, 2, cloud_strategy="fedadam")  # type: ignore[arg-type]

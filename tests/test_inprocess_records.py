@@ -10,7 +10,7 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fedhier import records
+from fedhier.engines import flower_records as records
 from fedhier.engines.flower_records import to_record, to_tensors
 from fedhier.models import build_model
 from fedhier.optim import LocalOptimizer
