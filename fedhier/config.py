@@ -192,7 +192,7 @@ class RunConfig:
 
     def learning_rates(self, start_step: int, num_steps: int) -> Any:
         """float64 [num_steps]: the scheduled rates of the given global steps."""
-        from fedhier.schedule import learning_rates
+        from fedhier.lr_schedules import learning_rates
 
         return learning_rates(start_step, num_steps, lr=self.lr, schedule=self.lr_schedule,
                               decay=self.lr_decay, step_every=self.lr_step_every,
@@ -278,8 +278,8 @@ class RunConfig:
         from fedhier.topology import validate_periods
 
         validate_periods(self.periods)
+        from fedhier.lr_schedules import LR_SCHEDULES
         from fedhier.optim import OPTIMIZER_STATES
-        from fedhier.schedule import LR_SCHEDULES
 
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _one_of("optimizer_state", self.optimizer_state, OPTIMIZER_STATES)

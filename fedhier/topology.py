@@ -1,4 +1,5 @@
-"""The hierarchy: levels, periods, the client -> edge (-> region ...) tree, and the schedule.
+"""The hierarchy: levels, periods, the client -> edge (-> region ...) tree, and the aggregation
+schedule.
 
 Level 0 holds the clients, level 1 the edge servers, level L the cloud (one node). Each level
 l = 1..L has a period P_l in local SGD iterations, P_1 < P_2 < ... < P_L, each a multiple of
