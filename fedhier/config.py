@@ -336,9 +336,13 @@ class RunConfig:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
         if not self.dataset:
             raise ConfigError("dataset must not be empty")
-        from fedhier.grouping import available_groupings
+        from fedhier.grouping import BUILTIN_GROUPINGS, GRADIENT_GROUPING, available_groupings
 
         _one_of("grouping", self.grouping, tuple(available_groupings()))
+        if self.grouping not in BUILTIN_GROUPINGS and self.grouping != GRADIENT_GROUPING:
+            from fedhier.grouping import load_plugin
+
+            load_plugin(self.grouping)  # a plugin that fails to import: stop before any output
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in fields(RunConfig)}
