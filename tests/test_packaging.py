@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import textwrap
 import zipfile
 from importlib.metadata import distribution
 from pathlib import Path
@@ -45,7 +46,8 @@ def test_fab_carries_what_the_apps_import():
     from flwr.cli.build import build_fab_from_disk
 
     names = set(zipfile.ZipFile(io.BytesIO(build_fab_from_disk(ROOT))).namelist())
-    for needed in ("pyproject.toml", "fedhier/__init__.py", "fedhier/server.py",
+    for needed in ("pyproject.toml", "fedhier_serverapp.py", "fedhier_clientapp.py",
+                   "fedhier/__init__.py", "fedhier/server.py",
                    "strategies/server_app.py", "clients/app.py", "datasets_cfg/digits.toml",
                    "datasets_cfg/shakespeare.toml"):
         assert needed in names
@@ -91,21 +93,61 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
                             "-w", str(tmp / "dist")], capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
     wheel = next((tmp / "dist").glob("fedhier-*.whl"))
-    venv = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
-                   timeout=120)
-    purelib = subprocess.run([str(venv / "bin" / "python"), "-c",
-                              "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
-    # Third-party packages from this venv; a .pth line adds the folder but does not run the
-    # editable install's finder hook, so `fedhier` can only come from the wheel.
-    Path(purelib, "_fedhier_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    venv = _bare_venv(tmp / "venv")  # so `fedhier` can only come from the wheel
     installed = subprocess.run([*pip, "--python", str(venv / "bin" / "python"), "install", "-q",
                                 "--no-index", str(wheel)], capture_output=True, text=True,
                                timeout=300)
     assert installed.returncode == 0, installed.stderr[-3000:]
     _write_console_scripts(venv, "flwr")  # flwr, flower-superlink, flwr-simulation ...
     return wheel, venv
+
+
+def _bare_venv(folder: Path) -> Path:
+    """A venv with this venv's third-party packages (a .pth line) and no fedhier at all."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True,
+                   timeout=120)
+    purelib = subprocess.run([str(folder / "bin" / "python"), "-c",
+                              "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    # A .pth line adds the folder but does not run the editable install's finder hook.
+    Path(purelib, "_fedhier_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return folder
+
+
+@pytest.mark.slow
+def test_components_load_from_the_fab_in_two_threads(tmp_path):
+    """As in Flower's Simulation Engine: the ServerApp and the ClientApp are loaded from the
+    unpacked FAB by two threads at once, with fedhier not installed."""
+    from flwr.cli.build import build_fab_from_disk
+
+    fab = tmp_path / "fab"
+    zipfile.ZipFile(io.BytesIO(build_fab_from_disk(ROOT))).extractall(fab)
+    venv = _bare_venv(tmp_path / "venv")
+    probe = textwrap.dedent(f"""
+        import threading
+        from flwr.supercore.object_ref import load_app, validate
+        fab = {str(fab)!r}
+        out = {{}}
+        def server():
+            out["server"] = type(load_app("fedhier_serverapp:app", ValueError, fab)).__name__
+        def client():
+            assert validate("fedhier_clientapp:app", project_dir=fab) == (True, None)
+            out["client"] = type(load_app("fedhier_clientapp:app", ValueError, fab)).__name__
+        threads = [threading.Thread(target=server), threading.Thread(target=client)]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        import fedhier, fedhier.clients
+        print(out["server"], out["client"], fedhier.__file__, fedhier.clients.__file__)
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    for _ in range(3):
+        done = subprocess.run([str(venv / "bin" / "python"), "-c", probe], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        server, client, init, clients = done.stdout.split()
+        assert (server, client) == ("ServerApp", "ClientApp")
+        assert init == str(fab / "fedhier" / "__init__.py")
+        assert clients == str(fab / "clients" / "__init__.py")
 
 
 @pytest.mark.slow
@@ -117,7 +159,8 @@ def test_wheel_holds_every_package_and_the_cards(wheel_venv):
     cards = {Path(n).name for n in names if n.startswith("fedhier/datasets_cfg/")
              and n.endswith(".toml")}
     assert cards == {p.name for p in (ROOT / "datasets_cfg").glob("*.toml")}
-    assert not [n for n in names if n.startswith(("strategies/", "clients/", "tests/"))]
+    assert not [n for n in names if n.startswith(("strategies/", "clients/", "tests/"))
+                or n.startswith("fedhier_")]  # the FAB's entry modules stay out of the wheel
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "fedhier = fedhier.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
