@@ -37,10 +37,11 @@ class RunConfig:
 
     # data
     dataset: str = field(default="digits", metadata=_help(
-        "dataset name (digits, fashion-mnist, synthetic, shakespeare, cifar10, femnist) or a "
-        "path to a dataset TOML"))
+        "dataset name (digits, fashion-mnist, synthetic, shakespeare, cifar10, femnist, npz) "
+        "or a path to a dataset TOML; its card's [defaults] apply to settings not given"))
     data_path: str = field(default="", metadata=_help(
-        "folder/file/hub name overriding the dataset's default location"))
+        "folder/file/hub name overriding the dataset's default location; a FILE.npz alone "
+        "picks the npz dataset"))
     partition: str = field(default="dirichlet", metadata=_help(
         "client partition: dirichlet, iid, shards, natural, sorted"))
     alpha: float = field(default=0.5, metadata=_help("Dirichlet concentration (> 0)"))
