@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+# flwr's FAB builder uses a pathspec pattern class that pathspec deprecates
+pytestmark = pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning")
 ROOT = Path(__file__).resolve().parents[1]
 #: source folder -> the package it becomes in the wheel (pyproject.toml's package-dir)
 PACKAGE_FOLDERS = {"fedhier": "fedhier", "strategies": "fedhier/strategies",
