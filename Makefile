@@ -5,9 +5,9 @@ PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.fedhier-installed
 RUN_ARGS   ?=
 
-.PHONY: run test test-fast lint bench experiments deploy-demo clean
+.PHONY: run test test-fast lint bench experiments deploy-demo wheel clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
 	# torch is pinned first: a CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
@@ -39,9 +39,13 @@ deploy-demo: $(STAMP)
 experiments: $(STAMP)
 	$(PY) -m fedhier.experiments.publish
 
+## wheel: build dist/fedhier-<version>-py3-none-any.whl (docs/install.md)
+wheel: $(STAMP)
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation . -w dist
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache build dist *.egg-info

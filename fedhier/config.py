@@ -3,6 +3,11 @@
 Keys are snake_case in Python and TOML (kebab-case is accepted too, as Flower's run_config
 uses it). Every way in goes through :meth:`RunConfig.from_mapping`, so all three are
 validated the same way and errors read the same.
+
+`from_mapping` receives the keys a user set. Keys the user did not set take the dataset
+card's ``[defaults]`` (datasets_cfg/<name>.toml, e.g. ``model = "lstm"`` for Shakespeare),
+then the field defaults below; ``min_partition_size = 0`` (auto) becomes the value the
+Dirichlet partition uses (:func:`auto_min_partition_size`), so config.json records it.
 """
 
 from __future__ import annotations
@@ -33,15 +38,17 @@ class RunConfig:
 
     # data
     dataset: str = field(default="digits", metadata=_help(
-        "dataset name (digits, fashion-mnist, synthetic, shakespeare, cifar10, femnist) or a "
-        "path to a dataset TOML"))
+        "dataset name (digits, fashion-mnist, synthetic, shakespeare, cifar10, femnist, npz) "
+        "or a path to a dataset TOML; its card's [defaults] apply to settings not given"))
     data_path: str = field(default="", metadata=_help(
-        "folder/file/hub name overriding the dataset's default location"))
+        "folder/file/hub name overriding the dataset's default location; a FILE.npz alone "
+        "picks the npz dataset"))
     partition: str = field(default="dirichlet", metadata=_help(
         "client partition: dirichlet, iid, shards, natural, sorted"))
     alpha: float = field(default=0.5, metadata=_help("Dirichlet concentration (> 0)"))
-    min_partition_size: int = field(default=10, metadata=_help(
-        "Dirichlet: minimum rows per client (resampled until met)"))
+    min_partition_size: int = field(default=0, metadata=_help(
+        "Dirichlet: minimum rows per client (resampled until met); 0 = auto: "
+        "min(10, max(1, floor(alpha * train rows / (2 * clients))))"))
     self_balancing: bool = field(default=False, metadata=_help(
         "Dirichlet: stop giving a class to clients already above the average size"))
     classes_per_client: int = field(default=2, metadata=_help("shards: classes per client"))
@@ -149,16 +156,22 @@ class RunConfig:
     # -- construction ---------------------------------------------------------------------
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], where: str = "config") -> RunConfig:
-        """Build from a mapping (TOML table, Flower run_config, CLI dict), checking types."""
-        known = {f.name: f for f in fields(cls)}
-        kwargs: dict[str, Any] = {}
-        for raw_key, value in values.items():
-            key = str(raw_key).replace("-", "_")
-            if key not in known:
-                close = difflib.get_close_matches(key, list(known), n=1)
-                hint = f"; did you mean '{close[0]}'?" if close else ""
-                raise ConfigError(f"unknown key '{raw_key}' in {where}{hint}")
-            kwargs[key] = _coerce(key, value, known[key].type, where)
+        """Build from a mapping (TOML table, Flower run_config, CLI dict), checking types.
+
+        ``values`` are the keys the user set; the others take the dataset card's
+        ``[defaults]``, then the field defaults. An auto ``min_partition_size`` (0) is
+        resolved to the value used (see :meth:`resolved`).
+        """
+        kwargs = _checked(values, where)
+        if "dataset" not in kwargs and str(kwargs.get("data_path", "")).lower().endswith(".npz"):
+            kwargs["dataset"] = "npz"  # a local .npz describes itself (datasets_cfg/npz.toml)
+        dataset = kwargs.get("dataset", _FIELD_DEFAULTS["dataset"])
+        defaults = dataset_defaults(dataset)
+        if "periods" in kwargs:  # the user's periods replace all of the card's
+            defaults = {k: v for k, v in defaults.items() if k not in _PERIOD_KEYS}
+        elif kwargs.keys() & _PERIOD_KEYS:  # a given I or G keeps the card's other one
+            defaults.pop("periods", None)
+        kwargs = {**defaults, **kwargs}
         periods = kwargs.get("periods")
         if periods:
             for key, index in (("local_period", 0), ("global_period", -1)):
@@ -166,7 +179,21 @@ class RunConfig:
                     raise ConfigError(
                         f"{key}={kwargs[key]} contradicts periods={list(periods)} in {where}; "
                         "give one or the other")
-        return cls(**kwargs)
+        return cls(**kwargs).resolved()
+
+    def resolved(self) -> RunConfig:
+        """This config with an auto ``min_partition_size`` (0) of a Dirichlet partition
+        replaced by the value the partition uses, which needs the dataset's training row
+        count (the dataset is loaded; loads are cached in-process). Other configs as they are.
+        """
+        if self.min_partition_size or self.partition != "dirichlet":
+            return self
+        from fedhier.data import load_data
+        from fedhier.data.partition import auto_min_partition_size
+
+        rows = len(load_data(self.dataset, seed=self.seed, data_path=self.data_path or None).train)
+        return self.replace(
+            min_partition_size=auto_min_partition_size(rows, self.clients, self.alpha))
 
     @classmethod
     def from_toml(cls, path: str | Path) -> RunConfig:
@@ -265,8 +292,9 @@ class RunConfig:
                 "set --periods")
         if self.alpha <= 0:
             raise ConfigError(f"alpha must be > 0, got {self.alpha}")
-        if self.min_partition_size < 1:
-            raise ConfigError(f"min_partition_size must be >= 1, got {self.min_partition_size}")
+        if self.min_partition_size < 0:
+            raise ConfigError(
+                f"min_partition_size must be >= 0 (0 = auto), got {self.min_partition_size}")
         if self.classes_per_client < 1:
             raise ConfigError(f"classes_per_client must be >= 1, got {self.classes_per_client}")
         if self.local_period < 1 or self.global_period < 1:
@@ -321,9 +349,52 @@ class RunConfig:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
         if not self.dataset:
             raise ConfigError("dataset must not be empty")
-        from fedhier.grouping import available_groupings
+        from fedhier.grouping import BUILTIN_GROUPINGS, GRADIENT_GROUPING, available_groupings
 
         _one_of("grouping", self.grouping, tuple(available_groupings()))
+        if self.grouping not in BUILTIN_GROUPINGS and self.grouping != GRADIENT_GROUPING:
+            from fedhier.grouping import load_plugin
+
+            load_plugin(self.grouping)  # a plugin that fails to import: stop before any output
+
+
+_FIELD_DEFAULTS = {f.name: f.default for f in fields(RunConfig)}
+_PERIOD_KEYS = frozenset({"periods", "local_period", "global_period"})
+
+
+def _checked(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """snake_case key -> checked value of a mapping of RunConfig keys."""
+    known = {f.name: f for f in fields(RunConfig)}
+    kwargs: dict[str, Any] = {}
+    for raw_key, value in values.items():
+        key = str(raw_key).replace("-", "_")
+        if key not in known:
+            close = difflib.get_close_matches(key, list(known), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown key '{raw_key}' in {where}{hint}")
+        kwargs[key] = _coerce(key, value, known[key].type, where)
+    return kwargs
+
+
+def check_card_defaults(raw: Mapping[str, Any], label: str) -> dict[str, Any]:
+    """The checked ``[defaults]`` table of a dataset card (``label`` names it in errors)."""
+    from fedhier.datasets_cfg import NOT_CARD_DEFAULTS
+
+    where = f"[defaults] of {label}"
+    kwargs = _checked(raw, where)
+    for key in kwargs:
+        if key in NOT_CARD_DEFAULTS:
+            raise ConfigError(f"{where} cannot set '{key}'; a card sets only what fits its "
+                              f"data, not {', '.join(NOT_CARD_DEFAULTS)}")
+    return kwargs
+
+
+def dataset_defaults(dataset: str) -> dict[str, Any]:
+    """The run settings a dataset's card gives by default (snake_case keys), or {}."""
+    from fedhier.datasets_cfg import card_defaults
+
+    raw, label = card_defaults(dataset)
+    return check_card_defaults(raw, label) if raw else {}
 
 
 def _one_of(key: str, value: str, choices: tuple[str, ...]) -> None:

@@ -4,12 +4,15 @@
 #
 #   scripts/flwr_run_local.sh NUM_SUPERNODES "key=value key=value ..."
 # e.g. scripts/flwr_run_local.sh 20 "rounds=5 out='runs/flwr-demo'"
-# `clients` is set to NUM_SUPERNODES. FLWR_HOME defaults to a fresh folder under /tmp.
+# `clients` is set to NUM_SUPERNODES. FLWR_HOME defaults to a fresh folder under /tmp;
+# FEDHIER_VENV (default: the repo's .venv) is the venv whose flwr runs.
 set -euo pipefail
 nodes=${1:?usage: flwr_run_local.sh NUM_SUPERNODES [RUN_CONFIG]}
 overrides=${2:-}
 root=$(cd "$(dirname "$0")/.." && pwd)
-export PATH="$root/.venv/bin:$PATH"
+# The venv whose flwr and fedhier run the app: the repo's .venv, or FEDHIER_VENV (e.g. a venv
+# where fedhier is installed from the wheel, not editable: the FAB carries the code).
+export PATH="${FEDHIER_VENV:-$root/.venv}/bin:$PATH"
 export FLWR_HOME=${FLWR_HOME:-$(mktemp -d /tmp/fedhier-flwr-XXXXXX)}
 export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
 export RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0

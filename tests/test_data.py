@@ -62,7 +62,7 @@ def one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
 
 
 def test_available_datasets() -> None:
-    assert available_datasets() == ["cifar10", "digits", "fashion-mnist", "femnist",
+    assert available_datasets() == ["cifar10", "digits", "fashion-mnist", "femnist", "npz",
                                     "shakespeare", "synthetic"]
 
 
@@ -238,7 +238,7 @@ def test_unknown_dataset_and_data_path_misuse() -> None:
     with pytest.raises(ConfigError) as exc:
         load_data("mnist", seed=0)
     assert one_line(exc) == (
-        "unknown dataset 'mnist'; choose one of cifar10, digits, fashion-mnist, femnist, "
+        "unknown dataset 'mnist'; choose one of cifar10, digits, fashion-mnist, femnist, npz, "
         "shakespeare, synthetic, or give a path to a dataset TOML"
     )
     with pytest.raises(ConfigError) as exc:
@@ -533,7 +533,7 @@ def test_dirichlet_alpha_controls_skew(digits: DataBundle) -> None:
 
 
 def test_dirichlet_min_size_and_impossible(digits: DataBundle) -> None:
-    loose = partition_clients(digits, "dirichlet", 20, seed=0, alpha=0.5, min_partition_size=0)
+    loose = partition_clients(digits, "dirichlet", 20, seed=0, alpha=0.5, min_partition_size=1)
     assert min(len(p) for p in loose) < 30  # the first draw has a client under 30 rows ...
     parts = partition_clients(digits, "dirichlet", 20, seed=0, alpha=0.5, min_partition_size=30)
     assert min(len(p) for p in parts) >= 30  # ... so the partitioner resampled

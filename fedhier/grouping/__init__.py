@@ -1,13 +1,16 @@
 """Client -> edge groupings: a registry of built-ins plus plugins.
 
-Plugins are found through the Python entry point group ``fedhier.grouping``: an entry
+Plugins are other installed packages that declare an entry point in the group
+``fedhier.groupings`` (``fedhier.grouping``, the group's earlier name, is read too): an entry
 ``name = "package.module:function"`` makes ``--grouping name`` call that function, which must
-follow :class:`fedhier.grouping.base.Grouping`.
+follow :class:`fedhier.grouping.base.Grouping`. A built-in name cannot be replaced. A plugin that
+fails to import is a one-line `ConfigError` naming the plugin and its package, raised when the
+configuration is validated (before a run writes anything). See docs/grouping.md.
 """
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 
 import numpy as np
 
@@ -20,7 +23,9 @@ from fedhier.grouping.divergence import (
 )
 from fedhier.grouping.simple import contiguous_grouping, edge_tag_grouping, random_grouping
 
-ENTRY_POINT_GROUP = "fedhier.grouping"
+ENTRY_POINT_GROUP = "fedhier.groupings"
+#: Entry point groups also read, for plugins written against earlier fedhier versions.
+LEGACY_ENTRY_POINT_GROUPS = ("fedhier.grouping",)
 
 BUILTIN_GROUPINGS: dict[str, Grouping] = {
     "random": random_grouping,
@@ -33,8 +38,36 @@ BUILTIN_GROUPINGS: dict[str, Grouping] = {
 GRADIENT_GROUPING = "gradient"
 
 
-def _plugins() -> dict[str, object]:
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+def _plugins() -> dict[str, EntryPoint]:
+    """Plugin name -> entry point; the first one found wins a name declared twice."""
+    found: dict[str, EntryPoint] = {}
+    for group in (ENTRY_POINT_GROUP, *LEGACY_ENTRY_POINT_GROUPS):
+        for ep in entry_points(group=group):
+            found.setdefault(ep.name, ep)
+    return found
+
+
+def plugin_origin(ep: EntryPoint) -> str:
+    """How errors name a plugin's code: "package mypkg 0.1 (mypkg.grouping:func)"."""
+    dist = getattr(ep, "dist", None)
+    package = f"package {dist.name} {dist.version}" if dist is not None else "unknown package"
+    return f"{package} ({ep.value})"
+
+
+def load_plugin(name: str) -> Grouping:
+    """Import the plugin grouping ``name``; any failure is a one-line ConfigError naming it."""
+    ep = _plugins()[name]
+    try:
+        function = ep.load()
+    except Exception as exc:  # a broken plugin is its author's to fix: say which one
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        why = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+        raise ConfigError(f"grouping plugin '{name}' from {plugin_origin(ep)} failed to "
+                          f"import: {why}; fix or uninstall that package") from exc
+    if not callable(function):
+        raise ConfigError(f"grouping plugin '{name}' from {plugin_origin(ep)} is a "
+                          f"{type(function).__name__}, not a function (info, num_groups, seed)")
+    return function  # type: ignore[no-any-return]
 
 
 def available_groupings() -> list[str]:
@@ -50,12 +83,8 @@ def get_grouping(name: str) -> Grouping:
                           "fedhier.grouping.make_gradient_grouping(grads)")
     if name in BUILTIN_GROUPINGS:
         return BUILTIN_GROUPINGS[name]
-    plugins = _plugins()
-    if name in plugins:
-        try:
-            return plugins[name].load()  # type: ignore[attr-defined, no-any-return]
-        except Exception as exc:  # a broken plugin is the user's problem to fix: say so
-            raise ConfigError(f"grouping plugin '{name}' failed to load: {exc}") from exc
+    if name in _plugins():
+        return load_plugin(name)
     raise ConfigError(
         f"unknown grouping '{name}'; choose one of {', '.join(available_groupings())}")
 
@@ -92,6 +121,6 @@ def assign_groups(grouping: str | Grouping, info: ClientInfo, num_groups: int,
 __all__ = [
     "ClientInfo", "Grouping", "available_groupings", "assign_groups", "balanced_sizes",
     "get_grouping", "grouping_needs", "declares", "BUILTIN_GROUPINGS", "ENTRY_POINT_GROUP",
-    "GRADIENT_GROUPING",
-    "make_gradient_grouping",
+    "GRADIENT_GROUPING", "LEGACY_ENTRY_POINT_GROUPS", "load_plugin", "make_gradient_grouping",
+    "plugin_origin",
 ]
