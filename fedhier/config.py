@@ -6,8 +6,9 @@ validated the same way and errors read the same.
 
 `from_mapping` receives the keys a user set. Keys the user did not set take the dataset
 card's ``[defaults]`` (datasets_cfg/<name>.toml, e.g. ``model = "lstm"`` for Shakespeare),
-then the field defaults below; ``min_partition_size = 0`` (auto) becomes the value the
-Dirichlet partition uses (:func:`auto_min_partition_size`), so config.json records it.
+then the field defaults below. ``min_partition_size = 0`` (auto) is resolved against the data
+(:func:`fedhier.federation.resolved`), so config.json records the value the Dirichlet
+partition uses; this module never loads data.
 """
 
 from __future__ import annotations
@@ -179,21 +180,7 @@ class RunConfig:
                     raise ConfigError(
                         f"{key}={kwargs[key]} contradicts periods={list(periods)} in {where}; "
                         "give one or the other")
-        return cls(**kwargs).resolved()
-
-    def resolved(self) -> RunConfig:
-        """This config with an auto ``min_partition_size`` (0) of a Dirichlet partition
-        replaced by the value the partition uses, which needs the dataset's training row
-        count (the dataset is loaded; loads are cached in-process). Other configs as they are.
-        """
-        if self.min_partition_size or self.partition != "dirichlet":
-            return self
-        from fedhier.data import load_data
-        from fedhier.data.partition import auto_min_partition_size
-
-        rows = len(load_data(self.dataset, seed=self.seed, data_path=self.data_path or None).train)
-        return self.replace(
-            min_partition_size=auto_min_partition_size(rows, self.clients, self.alpha))
+        return cls(**kwargs)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> RunConfig:

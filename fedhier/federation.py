@@ -13,7 +13,13 @@ import numpy as np
 import torch
 
 from fedhier.config import RunConfig
-from fedhier.data import DataBundle, label_histogram, load_data, partition_clients
+from fedhier.data import (
+    DataBundle,
+    auto_min_partition_size,
+    label_histogram,
+    load_data,
+    partition_clients,
+)
 from fedhier.rng import generator
 
 
@@ -114,3 +120,17 @@ def federation_for(cfg: RunConfig) -> Federation:
     return _build(cfg.dataset, cfg.data_path, cfg.seed, cfg.partition, cfg.clients, cfg.alpha,
                   cfg.min_partition_size, cfg.self_balancing, cfg.classes_per_client,
                   cfg.client_holdout)
+
+
+def resolved(cfg: RunConfig, train_rows: int | None = None) -> RunConfig:
+    """``cfg`` with an auto ``min_partition_size`` (0) of a Dirichlet partition replaced by
+    the value the partition uses (:func:`fedhier.data.auto_min_partition_size`, from the
+    dataset's ``train_rows``; loaded, and cached in-process, when not given). Other configs
+    as they are."""
+    if cfg.min_partition_size or cfg.partition != "dirichlet":
+        return cfg
+    if train_rows is None:
+        train_rows = len(load_data(cfg.dataset, seed=cfg.seed,
+                                   data_path=cfg.data_path or None).train)
+    return cfg.replace(
+        min_partition_size=auto_min_partition_size(train_rows, cfg.clients, cfg.alpha))

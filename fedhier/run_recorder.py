@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from fedhier.config import RunConfig
 from fedhier.diagnostics import label_upward_divergence
-from fedhier.federation import Federation
+from fedhier.federation import Federation, resolved
 from fedhier.grouping import ClientInfo
 from fedhier.run_folder import RunFolder, read_metrics
 from fedhier.topology import Hierarchy
@@ -38,7 +38,9 @@ def _version(package: str) -> str:
 
 
 def describe(cfg: RunConfig, fed: Federation, engine: str) -> dict[str, Any]:
-    """The fully resolved configuration written to config.json."""
+    """The fully resolved configuration written to config.json (an auto min_partition_size
+    is recorded as the value the partition used)."""
+    cfg = resolved(cfg, train_rows=len(fed.bundle.train))
     partition_note = cfg.partition
     if cfg.partition == "dirichlet":
         partition_note = (

@@ -42,12 +42,15 @@ def test_auto_min_partition_size_formula():
 
 
 def test_config_resolves_the_auto_minimum_and_keeps_a_given_one():
+    from fedhier.federation import resolved
+
     assert RunConfig().min_partition_size == 0  # auto until resolved against the data
-    assert RunConfig.from_mapping({"clients": 100, "alpha": 0.5}).min_partition_size == 3
-    assert RunConfig.from_mapping({"clients": 40, "alpha": 0.1}).min_partition_size == 1
-    assert RunConfig.from_mapping({}).min_partition_size == 10  # the default run: as before
-    assert RunConfig.from_mapping({"clients": 100, "min_partition_size": 7}).min_partition_size == 7
-    assert RunConfig.from_mapping({"partition": "iid"}).min_partition_size == 0  # not used
+    for values, expected in (({"clients": 100, "alpha": 0.5}, 3),
+                             ({"clients": 40, "alpha": 0.1}, 1),
+                             ({}, 10),  # the default run: as before
+                             ({"clients": 100, "min_partition_size": 7}, 7),
+                             ({"partition": "iid"}, 0)):  # not used
+        assert resolved(RunConfig.from_mapping(values)).min_partition_size == expected
     with pytest.raises(ConfigError, match="min_partition_size must be >= 0"):
         RunConfig.from_mapping({"min_partition_size": -1})
 
@@ -75,7 +78,9 @@ def test_python_api_auto_minimum_gives_the_same_partition():
     from fedhier.federation import federation_for
 
     direct = federation_for(RunConfig(clients=40, groups=4, alpha=0.1))
-    resolved = federation_for(RunConfig.from_mapping({"clients": 40, "alpha": 0.1}))
+    from fedhier.federation import resolved as resolve
+
+    resolved = federation_for(resolve(RunConfig.from_mapping({"clients": 40, "alpha": 0.1})))
     assert all(np.array_equal(a, b) for a, b in zip(direct.partitions, resolved.partitions,
                                                      strict=True))
 
