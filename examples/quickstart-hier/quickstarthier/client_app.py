@@ -1,7 +1,7 @@
 """quickstarthier: a Flower / PyTorch app."""
 
 import torch
-from fedhier.clients.adapter import batch_stream, canonical_metrics, register_profile
+from fedhier.clients.adapter import batch_stream, register_profile
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -10,7 +10,7 @@ from quickstarthier.task import test as test_fn
 from quickstarthier.task import train as train_fn
 
 # Flower ClientApp
-app = ClientApp(mods=[canonical_metrics])
+app = ClientApp()
 register_profile(app, lambda pid, n: load_data(pid, n)[0], num_classes=10)
 
 
