@@ -92,9 +92,11 @@ def read_train_reply(reply: Message, client: int, arrays_key: str,
         raise ContractError(f"{who(reply, client)} replied arrays {sorted(params)[:4]}..., "
                             f"expected the model's {sorted(expected)[:4]}...")
     for key, value in params.items():
-        if value.shape != expected[key].shape:
-            raise ContractError(f"{who(reply, client)} replied '{key}' of shape "
-                                f"{tuple(value.shape)}, expected {tuple(expected[key].shape)}")
+        if value.shape != expected[key].shape or value.dtype != expected[key].dtype:
+            raise ContractError(
+                f"{who(reply, client)} replied '{key}' as {str(value.dtype)[6:]} "
+                f"{tuple(value.shape)}, expected the model's {str(expected[key].dtype)[6:]} "
+                f"{tuple(expected[key].shape)}")
     loss = _metric(reply, TRAIN_LOSS_KEYS, client)
     return TrainReply(params=params, num_examples=num_examples_of(reply, client),
                       train_loss=loss)

@@ -170,6 +170,26 @@ def test_a_reply_without_arrays_names_the_client():
         run_bare(bare_app(drop_arrays))
 
 
+def test_arrays_of_another_dtype_or_shape_name_the_client_and_the_key():
+    def as_float64(content: RecordDict, pid: int) -> RecordDict:
+        state = content["arrays"].to_torch_state_dict()
+        content["arrays"] = ArrayRecord({k: v.double() for k, v in state.items()})
+        return content
+
+    with pytest.raises(ContractError, match=r"client \d \(node \d+\) replied '.*' as "
+                                            r"float64 .*, expected the model's float32"):
+        run_bare(bare_app(as_float64))
+
+    def transposed(content: RecordDict, pid: int) -> RecordDict:
+        state = content["arrays"].to_torch_state_dict()
+        content["arrays"] = ArrayRecord({k: v.T.contiguous() if v.dim() == 2 else v
+                                         for k, v in state.items()})
+        return content
+
+    with pytest.raises(ContractError, match=r"expected the model's float32 \(\d+, \d+\)"):
+        run_bare(bare_app(transposed))
+
+
 def test_a_wrong_key_type_names_the_client_and_the_key():
     def text_count(content: RecordDict, pid: int) -> RecordDict:
         content["metrics"] = MetricRecord({"num-examples": 0.5})
