@@ -67,6 +67,17 @@ class RunConfig:
     regroup_every: int = field(default=0, metadata=_help(
         "regroup clients every K cloud rounds (0 = never); gradient grouping uses the current "
         "model's gradients"))
+    mobility_rate: float = field(default=0.0, metadata=_help(
+        "client mobility: per cloud round each client moves to another (reachable) edge with "
+        "this probability, at a seeded edge round (0 = static)"))
+    mobility_trace: str = field(default="", metadata=_help(
+        "client mobility from a CSV trace of rows round,client,edge (cloud rounds) or "
+        "edge_round,client,edge (with that header)"))
+    reachability: str = field(default="", metadata=_help(
+        "CSV or .npy edge x edge 0/1 matrix: edge i may send a client to edge j (mobility "
+        "and regrouping respect it)"))
+    handoff: str = field(default="fresh", metadata=_help(
+        "a moved client starts from its new edge's model (fresh) or brings its own (carry)"))
     diagnostics_every: int = field(default=0, metadata=_help(
         "record divergences and gradient diversity at the initial model and every K cloud "
         "rounds (0 = off)"))
@@ -228,6 +239,17 @@ class RunConfig:
 
         return FaultModel(self.fail_rate, self.dropout_fraction, parse_span(self.dropout_rounds))
 
+    def mobility(self) -> Any:
+        """The :class:`fedhier.mobility.Mobility` model of this run (reads its files)."""
+        from fedhier.mobility import Mobility, read_reachability, read_trace
+
+        reach = read_reachability(self.reachability, self.num_edges) if self.reachability \
+            else None
+        trace = read_trace(self.mobility_trace, self.clients, self.num_edges, self.rounds,
+                           self.global_period // self.local_period) \
+            if self.mobility_trace else ()
+        return Mobility(self.mobility_rate, reach, trace, self.handoff)
+
     @property
     def aggregator_names(self) -> tuple[str, ...]:
         """``aggregators`` as names: one for every level, or one per level."""
@@ -297,6 +319,15 @@ class RunConfig:
         from fedhier.optim import OPTIMIZER_STATES
 
         _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        from fedhier.mobility import HANDOFFS
+
+        _one_of("handoff", self.handoff, HANDOFFS)
+        if not 0 <= self.mobility_rate <= 1:
+            raise ConfigError(f"mobility_rate must be in [0, 1], got {self.mobility_rate}")
+        if self.mobility_rate > 0 and self.mobility_trace:
+            raise ConfigError("give mobility_rate or mobility_trace, not both")
+        if self.reachability and self.num_edges < 2:
+            raise ConfigError("a reachability matrix needs at least 2 edges")
         _one_of("optimizer_state", self.optimizer_state, OPTIMIZER_STATES)
         fraction_ok = 0 < self.participation <= 1
         count_ok = self.participation > 1 and float(self.participation).is_integer()
@@ -343,6 +374,7 @@ class RunConfig:
             from fedhier.grouping import load_plugin
 
             load_plugin(self.grouping)  # a plugin that fails to import: stop before any output
+        self.mobility()  # unreadable or inconsistent mobility files: stop before any output
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in fields(RunConfig)}

@@ -42,6 +42,7 @@ from fedhier.communication import Communication
 from fedhier.errors import ConfigError
 from fedhier.faults import RunFailureError, failed_edges, non_finite_message
 from fedhier.grouping import ClientInfo, grouping_needs
+from fedhier.mobility import Mobility
 from fedhier.plan import EdgeRoundPlan, Workload, plan_edge_round
 from fedhier.round_diagnostics import client_diagnostics, diagnostics_due
 from fedhier.topology import Hierarchy, build_hierarchy, validate_periods
@@ -61,8 +62,10 @@ class EdgeRoundWork:
         start_step: global 0-based index of its first local step, (edge_round - 1) * I.
         clients: int64 [k], sorted: the clients sent work.
         steps: int64 [k], local steps of each sent client (I, fewer for a straggler).
-        edge_of_client: int64 [n], the client -> edge map in force (a client starts from
-            its edge's model).
+        edge_of_client: int64 [n], the client -> edge map in force (it aggregates there).
+        start_edge_of_client: int64 [n], the edge whose model each client starts from, when
+            it differs from ``edge_of_client`` (a client that just moved with ``carry``
+            handoff starts from its old edge's model); None = its edge's.
     """
 
     edge_round: int
@@ -71,6 +74,13 @@ class EdgeRoundWork:
     clients: np.ndarray
     steps: np.ndarray
     edge_of_client: np.ndarray
+    start_edge_of_client: np.ndarray | None = None
+
+    @property
+    def start_edges(self) -> np.ndarray:
+        """int64 [n]: the edge whose model each client starts this edge round from."""
+        return (self.edge_of_client if self.start_edge_of_client is None
+                else self.start_edge_of_client)
 
 
 @dataclass
@@ -113,7 +123,8 @@ class Executor(Protocol):
         ...
 
     def train(self, work: EdgeRoundWork, edge_models: Params) -> TrainResult:
-        """Run ``work``: each sent client trains from ``edge_models[name][its edge]``."""
+        """Run ``work``: each sent client trains from ``edge_models[name][its start
+        edge]`` (``work.start_edges``)."""
         ...
 
     def evaluate(self, params: Params, cloud_round: int) -> ClientEvaluation | None:
@@ -166,6 +177,7 @@ class HSGDSettings:
     diagnostics_every: int = 0
     regroup_every: int = 0
     aggregators: tuple[str, ...] = ("mean",)
+    mobility: Mobility = field(default_factory=Mobility)
 
     def __post_init__(self) -> None:
         validate_periods(self.periods)
@@ -210,6 +222,8 @@ class HierarchicalSGD:
         self.communication = Communication()
         self.model_bytes = 0
         self._restored_hierarchy: Hierarchy | None = None
+        self._maps: np.ndarray | None = None  # int64 [E, n]: this cloud round's edge maps
+        self._moves: list[list[int]] = []  # [edge round, client, from, to] this cloud round
 
     # ---------------------------------------------------------------- set-up and grouping
     def setup(self, executor: Executor, initial: Params) -> None:
@@ -262,13 +276,25 @@ class HierarchicalSGD:
         """Regroup when due, start every edge from the global model, tell the cloud step;
         returns the record keys of a regrouping ({} without one)."""
         regrouped: dict[str, Any] = {}
+        mobility = self.settings.mobility
         if self.regroup_due(cloud_round):
+            before = self._hierarchy()
             self.hierarchy = self.group(executor, self.global_params,
                                         self.settings.seed + cloud_round - 1)
+            if mobility.active and mobility.reachability is not None:
+                self.hierarchy = self.hierarchy.with_edge_map(mobility.respect(
+                    before.edge_of_client(), self.hierarchy.edge_of_client(),
+                    self.hierarchy.num_nodes(1)))
             regrouped = {"regrouped": True,
                          "client_to_edge": self._hierarchy().edge_of_client().tolist()}
         hierarchy = self._hierarchy()
         num_edges = hierarchy.num_nodes(1)
+        self._moves = []
+        self._maps = None
+        if mobility.active:
+            self._maps = mobility.maps(self.settings.seed, cloud_round,
+                                       self.settings.edge_rounds_per_cloud_round,
+                                       hierarchy.edge_of_client(), num_edges)
         self.edge_models = {k: v.unsqueeze(0).repeat(num_edges, *([1] * v.dim()))
                             for k, v in self.global_params.items()}
         if self.cloud_step is not None:
@@ -291,20 +317,51 @@ class HierarchicalSGD:
             failed_edge_count += outcome["failed_edges"]
             if outcome["train_loss"] is not None:
                 losses.append(outcome["train_loss"])
-        return {"local_train_loss": float(np.mean(losses)) if losses else None,
-                "failed_clients": failed, "failed_edges": failed_edge_count, **regrouped}
+        out: dict[str, Any] = {"local_train_loss": float(np.mean(losses)) if losses else None,
+               "failed_clients": failed, "failed_edges": failed_edge_count, **regrouped}
+        if s.mobility.active:
+            out["moved_clients"] = len(self._moves)
+            if self._moves:
+                out["moves"] = list(self._moves)
+                out["client_to_edge"] = self._hierarchy().edge_of_client().tolist()
+        return out
 
     def plan(self, edge_round: int) -> tuple[EdgeRoundWork, EdgeRoundPlan]:
-        """Who trains in ``edge_round`` (1-based), for how many steps."""
-        s, hierarchy = self.settings, self._hierarchy()
+        """Who trains in ``edge_round`` (1-based), for how many steps, and where: moves
+        of the mobility model that take effect in ``edge_round`` are applied here."""
+        s = self.settings
+        start_edges = self._move(edge_round)
+        hierarchy = self._hierarchy()
         plan = plan_edge_round(hierarchy, s.workload, self.weights, s.seed, edge_round)
         clients = plan.participants
         work = EdgeRoundWork(
             edge_round=edge_round,
             cloud_round=(edge_round - 1) // s.edge_rounds_per_cloud_round + 1,
             start_step=(edge_round - 1) * s.local_period, clients=clients,
-            steps=plan.steps[clients], edge_of_client=hierarchy.edge_of_client())
+            steps=plan.steps[clients], edge_of_client=hierarchy.edge_of_client(),
+            start_edge_of_client=start_edges)
         return work, plan
+
+    def _move(self, edge_round: int) -> np.ndarray | None:
+        """Put the map of ``edge_round`` in force; returns the start edges of a ``carry``
+        handoff (None: every client starts from its own edge's model)."""
+        if self._maps is None:
+            return None
+        s = self.settings
+        k = edge_round - ((edge_round - 1) // s.edge_rounds_per_cloud_round) * (
+            s.edge_rounds_per_cloud_round)
+        old = self._hierarchy().edge_of_client()
+        new = self._maps[k - 1]
+        moved = np.flatnonzero(new != old)
+        if not len(moved):
+            return None
+        self.hierarchy = self._hierarchy().with_edge_map(new)
+        self._moves.extend([edge_round, int(c), int(old[c]), int(new[c])] for c in moved)
+        if s.mobility.handoff != "carry" or k == 1:  # k = 1: every edge holds the global model
+            return None
+        start = new.copy()
+        start[moved] = old[moved]
+        return start
 
     def complete(self, work: EdgeRoundWork, plan: EdgeRoundPlan,
                  result: TrainResult) -> dict[str, Any]:
@@ -359,7 +416,7 @@ class HierarchicalSGD:
         device = _device(models)
         rows = np.flatnonzero(scale != 1.0)
         index = torch.as_tensor(rows, device=device)
-        edges = torch.as_tensor(work.edge_of_client[work.clients[rows]], device=device)
+        edges = torch.as_tensor(work.start_edges[work.clients[rows]], device=device)
         factor = torch.as_tensor(scale[rows], device=device)
         for key, value in models.items():
             start = self.edge_models[key].index_select(0, edges)

@@ -68,3 +68,28 @@ def plot_groups(groups_json: str | Path, out: str | Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_groups_history(history_json: str | Path, out: str | Path) -> Path:
+    """Each client's edge after every cloud round (groups_history.json): clients as rows,
+    cloud rounds as columns, one colour per edge."""
+    import json
+
+    import numpy as np
+
+    history = json.loads(Path(history_json).read_text())
+    maps = np.array(history["client_to_edge"], dtype=np.int64).T  # [n, rounds]
+    edges = int(maps.max()) + 1 if maps.size else 1
+    fig, ax = plt.subplots(figsize=(2.5 + 0.25 * maps.shape[1], 1.5 + 0.12 * maps.shape[0]))
+    image = ax.imshow(maps, cmap=plt.get_cmap("tab20", edges), aspect="auto",
+                      interpolation="nearest", vmin=-0.5, vmax=edges - 0.5)
+    ax.set(xlabel="cloud round", ylabel="client", title="client -> edge over cloud rounds")
+    step = max(1, maps.shape[1] // 20)  # at most about 20 labelled rounds
+    ax.set_xticks(range(0, maps.shape[1], step),
+                  [str(r) for r in history["rounds"][::step]])
+    fig.colorbar(image, ax=ax, label="edge", ticks=range(edges))
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedhier.aggregate import occupied_segments
 from fedhier.diagnostics import (
     divergences,
     flat_gradient,
@@ -41,9 +42,19 @@ def diagnostic_rows(num_rows: int, max_samples: int, seed: int, client: int) -> 
 def client_diagnostics(client_grads: torch.Tensor, weights: np.ndarray,
                        hierarchy: Hierarchy) -> dict[str, Any]:
     """Divergences of the clients' gradients [n, P] under the run's grouping and weights,
-    plus the client-level gradient diversity (unweighted, over the n gradients)."""
-    out = divergences(client_grads, torch.as_tensor(weights),
-                      torch.as_tensor(hierarchy.edge_of_client()), hierarchy.num_nodes(1))
+    plus the client-level gradient diversity (unweighted, over the n gradients). An edge
+    without clients (client mobility) has no share of the weight and adds nothing; its
+    ``downward_divergence_by_edge`` entry is None."""
+    num_edges = hierarchy.num_nodes(1)
+    occupied, compact = occupied_segments(hierarchy.edge_of_client(), num_edges)
+    out = divergences(client_grads, torch.as_tensor(weights), torch.as_tensor(compact),
+                      len(occupied))
+    if len(occupied) < num_edges:
+        by_edge: list[float | None] = [None] * num_edges
+        for edge, value in zip(occupied.tolist(), out["downward_divergence_by_edge"],
+                               strict=True):
+            by_edge[edge] = value
+        out["downward_divergence_by_edge"] = by_edge
     out["client_gradient_diversity"] = gradient_diversity(client_grads)
     return out
 

@@ -2,7 +2,8 @@
 
 Files: config.json (fully resolved), partition.json, groups.json, metrics.jsonl (one record
 per cloud round, round 0 = the initial model), summary.json, model_initial.safetensors,
-model_final.safetensors, curves.png.
+model_final.safetensors, curves.png; when clients move or are regrouped,
+groups_history.json and groups_history.png (the client -> edge map over cloud rounds).
 """
 
 from __future__ import annotations
@@ -159,7 +160,34 @@ class RunRecorder:
             "communication": dict(communication),
         }
         self.folder.write_json("summary.json", summary)
-        from fedhier.plots import plot_runs
+        from fedhier.plots import plot_groups_history, plot_runs
 
         plot_runs([self.folder.path], self.folder.path / "curves.png")
+        history = groups_history(self.folder.path)
+        if history is not None:
+            self.folder.write_json("groups_history.json", history)
+            plot_groups_history(self.folder.path / "groups_history.json",
+                                self.folder.path / "groups_history.png")
         return summary
+
+
+def groups_history(run_dir: Any) -> dict[str, Any] | None:
+    """The client -> edge map after every cloud round, from groups.json (round 0) and the
+    ``client_to_edge`` of metrics.jsonl (written in a round where the map changed: a move or
+    a regrouping); None when it never changed."""
+    from fedhier.run_folder import read_json
+
+    records = read_metrics(run_dir)
+    if not any("client_to_edge" in r for r in records):
+        return None
+    current = list(read_json(run_dir, "groups.json")["client_to_edge"])
+    rounds, maps, moves = [], [], []
+    for record in records:
+        current = list(record.get("client_to_edge", current))
+        rounds.append(record["round"])
+        maps.append(current)
+        moves.extend(record.get("moves", []))
+    return {"rounds": rounds, "client_to_edge": maps, "moves": moves,
+            "meaning": "client_to_edge[i]: each client's edge after cloud round rounds[i] "
+                       "(round 0: the initial grouping); moves: [edge round, client, from "
+                       "edge, to edge], effective from that edge round"}

@@ -71,7 +71,8 @@ def settings_for(cfg: RunConfig) -> HSGDSettings:
                         weighting=cfg.weighting, seed=cfg.seed, workload=cfg.workload(),
                         min_clients_per_edge=cfg.min_clients_per_edge, on_nan=cfg.on_nan,
                         diagnostics_every=cfg.diagnostics_every,
-                        regroup_every=cfg.regroup_every, aggregators=cfg.aggregator_names)
+                        regroup_every=cfg.regroup_every, aggregators=cfg.aggregator_names,
+                        mobility=cfg.mobility())
 
 
 def central_evaluation(cfg: RunConfig, fed: Federation, model: torch.nn.Module,

@@ -10,7 +10,7 @@ Two-level H-SGD is periods (I, G).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -58,10 +58,14 @@ class Hierarchy:
         periods: (P_1, ..., P_L) in local SGD iterations; P_L is the cloud period.
         parents: ``parents[k]`` maps each level-k node to its level-(k+1) node, for
             k = 0 .. L-2 (``parents[0]`` is client -> edge). The cloud (level L) is implicit.
+        num_edges: the number of edges when fixed apart from ``parents[0]`` (client
+            mobility, :meth:`with_edge_map`): an edge may then have no client at all (it
+            keeps its model). 0 = every edge has a client and ``parents[0]`` says how many.
     """
 
     periods: tuple[int, ...]
     parents: tuple[np.ndarray, ...]
+    num_edges: int = 0
 
     def __post_init__(self) -> None:
         validate_periods(self.periods)
@@ -72,7 +76,12 @@ class Hierarchy:
             )
         for k, parent in enumerate(self.parents):
             size_above = int(parent.max()) + 1 if parent.size else 0
-            if parent.size and set(np.unique(parent).tolist()) != set(range(size_above)):
+            if k == 0 and self.num_edges:  # moving clients may leave an edge empty
+                if size_above > self.num_edges or (parent.size and parent.min() < 0):
+                    raise ConfigError(f"a client is mapped to an edge outside "
+                                      f"0..{self.num_edges - 1}")
+                size_above = self.num_edges
+            elif parent.size and set(np.unique(parent).tolist()) != set(range(size_above)):
                 raise ConfigError(f"grouping level {k + 1} leaves a group without members")
             if k + 1 < len(self.parents) and len(self.parents[k + 1]) != size_above:
                 raise ConfigError(f"grouping level {k + 2} does not match level {k + 1}")
@@ -92,7 +101,15 @@ class Hierarchy:
             return 1
         if level == 0:
             return self.num_clients
+        if level == 1 and self.num_edges:
+            return self.num_edges
         return int(self.parents[level - 1].max()) + 1
+
+    def with_edge_map(self, edge_of_client: np.ndarray) -> Hierarchy:
+        """The same tree above the edges with clients at ``edge_of_client`` [n] (edges may
+        be left empty: client mobility)."""
+        return replace(self, parents=(np.asarray(edge_of_client, dtype=np.int64),
+                                      *self.parents[1:]), num_edges=self.num_nodes(1))
 
     def ancestors(self, level: int) -> np.ndarray:
         """For each client, the index of its level-``level`` ancestor (level 0 = itself)."""

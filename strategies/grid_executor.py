@@ -135,11 +135,13 @@ class GridExecutor:
 
     # ---------------------------------------------------------------- training
     def train_messages(self, work: EdgeRoundWork, edge_models: Params) -> list[Message]:
-        """One train message per sent client: its edge's model and the contract's keys."""
+        """One train message per sent client: its start edge's model (its edge's, or its
+        old edge's after a ``carry`` handoff) and the contract's keys."""
         records: dict[int, ArrayRecord] = {}
         messages = []
+        start_edges = work.start_edges
         for client, steps in zip(work.clients.tolist(), work.steps.tolist(), strict=True):
-            edge = int(work.edge_of_client[client])
+            edge = int(start_edges[client])
             if edge not in records:
                 records[edge] = to_record({k: v[edge] for k, v in edge_models.items()})
             cfg = self.train_config.copy()  # its values were checked when set

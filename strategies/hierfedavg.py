@@ -33,6 +33,7 @@ from fedhier.hsgd import (
     Params,
     evaluation_metrics,
 )
+from fedhier.mobility import Mobility
 from fedhier.plan import EdgeRoundPlan, Workload
 from fedhier.strategies.cloud_step import as_cloud_step
 from fedhier.strategies.grid_executor import GridExecutor, metric_record
@@ -99,6 +100,9 @@ class HierFedAvg(Strategy):
     aggregators : sequence of str (default: ("mean",))
         The aggregation rule at every level, or one per level (edge ... cloud), from
         ``fedhier.aggregate.AGGREGATORS`` ("mean": exact H-SGD; "median": coordinate-wise).
+    mobility : fedhier.mobility.Mobility, optional
+        Clients moving between edges (a seeded rate or a trace) and the handoff policy
+        (docs/hsgd.md#mobility). None = static.
     """
 
     def __init__(
@@ -120,6 +124,7 @@ class HierFedAvg(Strategy):
         diagnostics_every: int = 0,
         regroup_every: int = 0,
         aggregators: Sequence[str] = ("mean",),
+        mobility: Mobility | None = None,
     ) -> None:
         all_periods = tuple(periods) if periods else (local_period, global_period)
         if all_periods[0] != local_period or all_periods[-1] != global_period:
@@ -130,7 +135,7 @@ class HierFedAvg(Strategy):
             seed=seed, workload=workload or Workload(),
             min_clients_per_edge=min_clients_per_edge, on_nan=on_nan,
             diagnostics_every=diagnostics_every, regroup_every=regroup_every,
-            aggregators=tuple(aggregators))
+            aggregators=tuple(aggregators), mobility=mobility or Mobility())
         self.algorithm = HierarchicalSGD(self.settings, as_cloud_step(cloud_strategy))
         self.min_available_nodes = min_available_nodes
         self.arrayrecord_key = arrayrecord_key
@@ -150,7 +155,7 @@ class HierFedAvg(Strategy):
                    periods=s.periods, cloud_strategy=cloud_strategy, workload=s.workload,
                    min_clients_per_edge=s.min_clients_per_edge, on_nan=s.on_nan,
                    diagnostics_every=s.diagnostics_every, regroup_every=s.regroup_every,
-                   aggregators=s.aggregators)
+                   aggregators=s.aggregators, mobility=s.mobility)
 
     # ------------------------------------------------------------------ what it holds
     @property

@@ -132,7 +132,7 @@ class BatchedExecutor:
                                                        work.cloud_round)
         steps = np.full(n, period, dtype=np.int64)  # unsent clients' work is discarded
         steps[work.clients] = work.steps
-        edge_of = torch.as_tensor(work.edge_of_client, device=self.device)
+        edge_of = torch.as_tensor(work.start_edges, device=self.device)
         params = self.start_params(edge_models, edge_of)
         first = work.start_step - (work.cloud_round - 1) * cfg.global_period
         rows = self.minibatch_rows(work.cloud_round)[first:first + period]
