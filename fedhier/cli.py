@@ -18,9 +18,13 @@ from typing import Any
 
 from fedhier.aggregate import client_weights
 from fedhier.cli_flags import (
+    EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
+    OneLineParser,
     add_config_flags,
     config_from_args,
+    error_text,
+    exit_code_for,
     resumed_config,
     run_command,
 )
@@ -30,7 +34,7 @@ from fedhier.run_folder import write_json
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fedhier", description="Hierarchical federated learning on Flower.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,29 +79,52 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    """``fedhier run``: validate everything (flags, config file, data, partition, device, the
+    run folder's place) before the run folder is claimed; hold its lock for the run's life;
+    on failure remove what a failed start wrote, or mark the folder failed (failed.json)."""
     from fedhier.checkpoint import load_checkpoint
     from fedhier.run_folder import RunFolder, default_run_dir
     from fedhier.server import prepare
+    from fedhier.train import resolve_device
 
     resume = None
     if args.resume:
-        cfg = resumed_config(args)
-        resume = load_checkpoint(args.resume)
-        folder = RunFolder(args.resume)
-        prepare(cfg)
+        if args.overwrite:
+            raise FedhierError("--resume continues a run in its own folder; drop --overwrite")
+        folder = RunFolder.claim_existing(args.resume)  # refused while another run writes it
+        try:
+            cfg = resumed_config(args)
+            resume = load_checkpoint(args.resume)
+            if not 0 <= resume.round <= cfg.rounds:
+                raise FedhierError(f"{args.resume}/checkpoint.pt is after cloud round "
+                                   f"{resume.round} of a {cfg.rounds}-round run; it does not "
+                                   "belong to this run folder")
+            prepare(cfg)
+            resolve_device(cfg.device)
+        except BaseException:
+            folder.lock.release()
+            raise
     else:
         cfg = config_from_args(args)
-        prepare(cfg)  # validate data and partition before anything is written
         name = f"{cfg.dataset.replace('/', '-')}-{cfg.engine}"
-        folder = RunFolder.create(cfg.out or default_run_dir(name), overwrite=args.overwrite)
+        out = cfg.out or default_run_dir(name)
+        RunFolder.check_target(out, overwrite=args.overwrite)  # before the data is loaded
+        prepare(cfg)  # validate data and partition before anything is written
+        resolve_device(cfg.device)  # a device this machine lacks: one line, nothing written
+        folder = RunFolder.claim(out, overwrite=args.overwrite, unique=not cfg.out)
     progress = not args.no_progress
     try:
         summary = run_engine(cfg, folder, progress, resume)
     except KeyboardInterrupt:
+        note = folder.fail("interrupted (Ctrl-C)", EXIT_INTERRUPTED, interrupted=True)
         hint = (f"; resume with: fedhier run --resume {folder.path}"
-                if (folder.path / "checkpoint.pt").exists() else "")
-        print(f"fedhier: interrupted{hint}", file=sys.stderr)
+                if (folder.path / "checkpoint.pt").exists() and folder.path.is_dir() else "")
+        print(f"fedhier: interrupted{hint}{'; ' + note if note else ''}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BaseException as exc:
+        exc.add_note(folder.fail(error_text(exc), exit_code_for(exc)))
+        raise
+    folder.succeed()
     print(f"final test accuracy {summary['final_test_accuracy']:.4f}, test loss "
           f"{summary['final_test_loss']:.4f} after {summary['iterations']} iterations "
           f"({summary['rounds']} cloud rounds) in {summary['wall_seconds']:.1f} s "
@@ -178,7 +205,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # a flag argparse refuses (one line), or --help (exit 0)
+        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
     from fedhier.engines.deployment.cli import cmd_deploy
     from fedhier.experiments.cli import cmd_experiment
 

@@ -14,17 +14,58 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import fields
-from typing import Any
+from typing import Any, NoReturn
 
 from fedhier.config import RunConfig, read_toml
 from fedhier.engines.registry import engine_help
 from fedhier.errors import FedhierError
 from fedhier.faults import RunFailureError
 
-#: Exit codes of every fedhier command (Ctrl-C is 130).
-EXIT_BAD_INPUT = 2
-EXIT_RUN_FAILED = 3
-EXIT_INTERRUPTED = 130
+#: Exit codes of every fedhier command (docs/faults.md has the table).
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2  # a flag, file or folder given is wrong; nothing was written
+EXIT_RUN_FAILED = 3  # the run stopped on purpose (failed clients, non-finite numbers)
+EXIT_INTERNAL = 4  # a bug in fedhier: one line asking for a report (--debug: the traceback)
+EXIT_WRITE_FAILED = 5  # an output could not be written (disk full, read-only, folder gone)
+EXIT_INTERRUPTED = 130  # Ctrl-C (or SIGTERM during fedhier deploy)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr (exit code 2), not the usage of
+    every flag followed by the error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {_one_line(message)} (see "
+                                  f"{self.prog} --help)\n")
+
+
+def _one_line(text: str) -> str:
+    """A message on one line (an exception's text may hold newlines)."""
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The exit code a command ends with when ``exc`` escapes it."""
+    from fedhier.run_folder import WriteError
+
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(exc, RunFailureError):
+        return EXIT_RUN_FAILED
+    if isinstance(exc, WriteError):
+        return EXIT_WRITE_FAILED
+    if isinstance(exc, FedhierError):
+        return EXIT_BAD_INPUT
+    return EXIT_INTERNAL
+
+
+def error_text(exc: BaseException) -> str:
+    """The one line (without the ``fedhier: ...:`` prefix) that reports ``exc``, with the
+    notes a command added (e.g. what became of the run folder)."""
+    text = _one_line(str(exc)) if isinstance(exc, FedhierError) else \
+        f"{type(exc).__name__}: {_one_line(str(exc))}".rstrip(": ")
+    notes = [_one_line(n) for n in getattr(exc, "__notes__", ()) if str(n).strip()]
+    return "; ".join([text, *notes])
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -78,21 +119,26 @@ def resumed_config(args: argparse.Namespace) -> RunConfig:
 
 
 def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """Run a command's handler; a run failure, bad input or Ctrl-C becomes one line on stderr
-    and its exit code (the traceback only with ``--debug``)."""
+    """Run a command's handler; a run failure, bad input, an unwritable output or Ctrl-C
+    becomes one line on stderr and its exit code (the traceback only with ``--debug``).
+
+    Anything else is a bug in fedhier: it too ends with one line (exit code 4) that says so,
+    and the fuzz tests count every such line as a failure (tests/test_fuzz_cli.py).
+    """
     debug = bool(getattr(args, "debug", False))
     try:
         return int(handler(args))
-    except RunFailureError as exc:
-        if debug:
-            traceback.print_exc()
-        print(f"fedhier: run stopped: {exc}", file=sys.stderr)
-        return EXIT_RUN_FAILED
-    except FedhierError as exc:
-        if debug:
-            traceback.print_exc()
-        print(f"fedhier: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("fedhier: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        notes = "; ".join(getattr(exc, "__notes__", ()))
+        print(f"fedhier: interrupted{'; ' + notes if notes else ''}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - every exception ends as one line + exit code
+        if debug:
+            traceback.print_exc()
+        code = exit_code_for(exc)
+        prefix = {EXIT_RUN_FAILED: "fedhier: run stopped: ",
+                  EXIT_INTERNAL: "fedhier: internal error: "}.get(code, "fedhier: error: ")
+        hint = ("; this is a bug in fedhier: please report it (rerun with --debug for the "
+                "traceback)" if code == EXIT_INTERNAL else "")
+        print(f"{prefix}{error_text(exc)}{hint}", file=sys.stderr)
+        return code
