@@ -25,6 +25,7 @@ from fedhier.cli_flags import (
     config_from_args,
     error_text,
     exit_code_for,
+    prepare_data,
     resumed_config,
     run_command,
 )
@@ -82,9 +83,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     """``fedhier run``: validate everything (flags, config file, data, partition, device, the
     run folder's place) before the run folder is claimed; hold its lock for the run's life;
     on failure remove what a failed start wrote, or mark the folder failed (failed.json)."""
-    from fedhier.checkpoint import load_checkpoint
+    from fedhier.checkpoint import check_model, load_checkpoint
     from fedhier.run_folder import RunFolder, default_run_dir
-    from fedhier.server import prepare
+    from fedhier.server import initial_model
     from fedhier.train import resolve_device
 
     resume = None
@@ -99,8 +100,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                 raise FedhierError(f"{args.resume}/checkpoint.pt is after cloud round "
                                    f"{resume.round} of a {cfg.rounds}-round run; it does not "
                                    "belong to this run folder")
-            prepare(cfg)
             resolve_device(cfg.device)
+            fed = prepare_data(cfg)
+            check_model(resume, initial_model(cfg, fed).state_dict(), args.resume)
         except BaseException:
             folder.lock.release()
             raise
@@ -109,8 +111,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         name = f"{cfg.dataset.replace('/', '-')}-{cfg.engine}"
         out = cfg.out or default_run_dir(name)
         RunFolder.check_target(out, overwrite=args.overwrite)  # before the data is loaded
-        prepare(cfg)  # validate data and partition before anything is written
         resolve_device(cfg.device)  # a device this machine lacks: one line, nothing written
+        prepare_data(cfg)  # validate data and partition before anything is written
         folder = RunFolder.claim(out, overwrite=args.overwrite, unique=not cfg.out)
     progress = not args.no_progress
     try:
@@ -135,6 +137,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_diversity(args: argparse.Namespace) -> int:
     import numpy as np
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     from fedhier.grouping import ClientInfo
@@ -143,19 +146,25 @@ def cmd_diversity(args: argparse.Namespace) -> int:
         direct_client_gradients,
         sample_diagnostics,
     )
-    from fedhier.server import initial_model, pooled_train_tensors, prepare
+    from fedhier.server import initial_model, pooled_train_tensors
     from fedhier.topology import build_hierarchy
     from fedhier.train import resolve_device
 
     cfg = config_from_args(args)
-    fed = prepare(cfg)
+    if args.json is not None:
+        check_output_file(args.json, "--json")
+    if args.model_file and not args.model_file.is_file():
+        raise FedhierError(f"--model-file {args.model_file}: no such file")
     device = resolve_device(cfg.device)
+    fed = prepare_data(cfg)
     model = initial_model(cfg, fed).to(device)
     params = {k: v.detach() for k, v in model.state_dict().items()}
     if args.model_file:
-        if not args.model_file.is_file():
-            raise FedhierError(f"model file {args.model_file} not found")
-        loaded = load_file(str(args.model_file))
+        try:
+            loaded = load_file(str(args.model_file))
+        except (SafetensorError, OSError) as exc:
+            raise FedhierError(f"--model-file {args.model_file}: not a readable .safetensors "
+                               f"file ({' '.join(str(exc).split())})") from None
         if loaded.keys() != params.keys() or any(
                 loaded[k].shape != params[k].shape for k in params):
             raise FedhierError(f"{args.model_file} does not hold a '{cfg.model}' model for "
@@ -192,13 +201,31 @@ def cmd_diversity(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_output_file(path: Path, flag: str) -> None:
+    """Refuse, before any work, an output file path that names a folder or lies under a
+    file; its parent folders are created here."""
+    if path.is_dir():
+        raise FedhierError(f"{flag} {path} is a folder; give a file name")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise FedhierError(f"{flag} {path}: {parent} is a file, not a folder")
+            break
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FedhierError(f"{flag} {path}: cannot create its folder "
+                           f"({exc.strerror or exc})") from None
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
-    from fedhier.plots import plot_runs
+    from fedhier.plots import check_image_path, plot_runs
 
     for run_dir in args.runs:
         if not (run_dir / "metrics.jsonl").is_file():
             raise FedhierError(f"{run_dir} is not a fedhier run folder (no metrics.jsonl)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    check_image_path(args.out, "--out")
+    check_output_file(args.out, "--out")
     print(f"wrote {plot_runs(args.runs, args.out)}")
     return 0
 

@@ -14,11 +14,12 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import fields
+from pathlib import Path
 from typing import Any, NoReturn
 
 from fedhier.config import RunConfig, read_toml
 from fedhier.engines.registry import engine_help
-from fedhier.errors import FedhierError
+from fedhier.errors import ConfigError, DataError, FedhierError
 from fedhier.faults import RunFailureError
 
 #: Exit codes of every fedhier command (docs/faults.md has the table).
@@ -88,11 +89,54 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                                metavar=metavar, help=help_text)
 
 
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The table of a ``--config`` TOML file; a one-line ConfigError naming the file if it
+    cannot be read, is not UTF-8 text or is not TOML."""
+    try:
+        return read_toml(path)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--config {path}: not UTF-8 text (byte {exc.start}); a config "
+                          "file is a TOML text file") from None
+
+
+def prepare_data(cfg: RunConfig) -> Any:
+    """:func:`fedhier.server.prepare` (load and partition the data), with every problem of the
+    data reported as one line naming where it came from (``--dataset``/``--data-path``), and
+    non-finite features refused before any training (they would stop the run later as
+    "non-finite values in the update of client ...", blaming the learning rate)."""
+    import numpy as np
+
+    from fedhier.server import prepare
+
+    source = (f"--data-path {cfg.data_path}" if cfg.data_path else f"--dataset {cfg.dataset}")
+    try:
+        fed = prepare(cfg)
+    except DataError as exc:
+        text = str(exc)
+        if cfg.dataset in text or (cfg.data_path and cfg.data_path in text):
+            raise
+        raise DataError(f"{source}: {text}") from exc
+    except (ValueError, IndexError, EOFError) as exc:
+        # Data files the loaders do not check (yet) fail inside numpy or pyarrow; say which
+        # data, and what failed, in one line (tests/test_fuzz_cli.py finds these).
+        raise DataError(f"{source}: cannot use this data ({type(exc).__name__}: {exc}); "
+                        "check the data files") from exc
+    for split, (x, _) in (("training", fed.bundle.train_arrays()),
+                          ("test", fed.bundle.test_arrays())):
+        if len(x) == 0:
+            raise DataError(f"{source}: the {split} split has no rows")
+        if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+            bad = int((~np.isfinite(x)).reshape(len(x), -1).any(1).sum())
+            raise DataError(f"{source}: {bad} {split} row(s) hold NaN or infinite feature "
+                            "values; clean the data first")
+    return fed
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """TOML file (if any) overlaid with the flags given on the command line."""
     base: dict[str, Any] = {}
     if args.config:
-        base = {str(k).replace("-", "_"): v for k, v in read_toml(args.config).items()}
+        base = {str(k).replace("-", "_"): v for k, v in read_config_file(args.config).items()}
         RunConfig.from_mapping(base, where=str(args.config))  # report the file's own errors
     given = {f.name: getattr(args, f.name) for f in fields(RunConfig)
              if getattr(args, f.name) is not None}
@@ -112,8 +156,19 @@ def resumed_config(args: argparse.Namespace) -> RunConfig:
     path = args.resume / "config.json"
     if not path.is_file():
         raise FedhierError(f"{args.resume} is not a fedhier run folder (no config.json)")
-    saved = json.loads(path.read_text())
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
+        reason = exc.strerror if isinstance(exc, OSError) else "not valid JSON"
+        raise ConfigError(f"--resume {args.resume}: cannot read {path} ({reason})") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"--resume {args.resume}: {path} is not a run configuration")
     names = {f.name for f in fields(RunConfig)}
+    missing = sorted(names - saved.keys())
+    if missing:  # defaults would silently replace them: another federation than the checkpoint's
+        raise ConfigError(f"--resume {args.resume}: {path} lacks {', '.join(missing[:5])}"
+                          f"{' ...' if len(missing) > 5 else ''}; it is damaged or from another "
+                          "fedhier version, so the run cannot be continued exactly")
     return RunConfig.from_mapping({k: v for k, v in saved.items() if k in names},
                                   where=str(path))
 
