@@ -110,7 +110,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
         name = f"{cfg.dataset.replace('/', '-')}-{cfg.engine}"
         out = cfg.out or default_run_dir(name)
-        RunFolder.check_target(out, overwrite=args.overwrite)  # before the data is loaded
+        if cfg.out:  # a default name is made unique by claim()
+            RunFolder.check_target(out, overwrite=args.overwrite)  # before loading the data
         resolve_device(cfg.device)  # a device this machine lacks: one line, nothing written
         prepare_data(cfg)  # validate data and partition before anything is written
         folder = RunFolder.claim(out, overwrite=args.overwrite, unique=not cfg.out)

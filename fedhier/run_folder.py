@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from fedhier.errors import ConfigError, FedhierError
-from fedhier.run_lock import LOCK_NAME, RunLock
+from fedhier.run_lock import LOCK_NAME, RunLock, busy_error, live_holder
 
 FAILED = "failed.json"
 
@@ -122,6 +122,9 @@ class RunFolder:
         except OSError as exc:
             raise ConfigError(f"--out {path}: cannot read the folder: {_os_reason(exc)}") from exc
         if busy and not overwrite:
+            pid = live_holder(path)
+            if pid is not None and pid != os.getpid():
+                raise busy_error(path, pid)
             raise ConfigError(
                 f"run folder {path} already exists and is not empty; choose another --out "
                 "or pass --overwrite")

@@ -42,6 +42,27 @@ def _read_pid(fd: int) -> int | None:
     return None
 
 
+def live_holder(folder: str | Path) -> int | None:
+    """The pid written in ``folder``'s lock file if that process is alive, else None. Reads
+    the file without locking it (so it never disturbs a run taking the lock); for messages
+    only: :meth:`RunLock.acquire` is what decides."""
+    try:
+        text = (Path(folder) / LOCK_NAME).read_text(encoding="ascii").strip()
+        pid = int(text)
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    return pid
+
+
+def busy_error(folder: Path, pid: int | None, purpose: str = "write") -> RunFolderBusyError:
+    holder = f"pid {pid}" if pid is not None else "a process that is starting"
+    action = ("resume it when that run has stopped" if purpose == "resume"
+              else "wait for it to finish or choose another --out")
+    return RunFolderBusyError(f"run folder {folder} is in use by another fedhier run "
+                              f"({holder}); {action}")
+
+
 class RunLock:
     """``with RunLock(folder):`` holds ``folder/.lock`` exclusively, or raises
     :class:`RunFolderBusyError` at once (it never waits for the holder)."""
@@ -75,12 +96,7 @@ class RunLock:
                     raise
                 pid = _read_pid(fd)
                 os.close(fd)
-                holder = f"pid {pid}" if pid is not None else "a process that is starting"
-                action = ("resume it when that run has stopped" if purpose == "resume"
-                          else "wait for it to finish or choose another --out")
-                raise RunFolderBusyError(
-                    f"run folder {self.folder} is in use by another fedhier run ({holder}); "
-                    f"{action}") from None
+                raise busy_error(self.folder, pid, purpose) from None
             try:
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
