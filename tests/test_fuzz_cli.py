@@ -775,8 +775,12 @@ def test_fuzz_resume_damaged_run_folders(workdir, finished_run, damages, extra, 
     result = invoke(argv)
     case = Case("resume", argv, names, None)
     check(case, result, workdir)
-    if result.code == 0:
-        assert_valid_run_folder(folder)
+    if result.code == 0:  # the resumed run completed its rounds (whatever damage it survived)
+        records = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+        config = json.loads((folder / "config.json").read_text())
+        assert [r["round"] for r in records] == list(range(config["rounds"] + 1)), argv
+        assert (folder / "summary.json").exists() and (folder / "model_final.safetensors").exists()
+        assert not (folder / "failed.json").exists()
     if folder.is_dir():
         assert not (folder / ".lock").exists()
 
