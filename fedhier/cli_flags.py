@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import struct
 import sys
 import traceback
 from collections.abc import Callable
@@ -116,7 +117,7 @@ def prepare_data(cfg: RunConfig) -> Any:
         if cfg.dataset in text or (cfg.data_path and cfg.data_path in text):
             raise
         raise DataError(f"{source}: {text}") from exc
-    except (ValueError, IndexError, EOFError) as exc:
+    except (ValueError, IndexError, EOFError, struct.error) as exc:
         # Data files the loaders do not check (yet) fail inside numpy or pyarrow; say which
         # data, and what failed, in one line (tests/test_fuzz_cli.py finds these).
         raise DataError(f"{source}: cannot use this data ({type(exc).__name__}: {exc}); "
@@ -144,7 +145,28 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         base = {k: v for k, v in base.items() if k not in ("local_period", "global_period")}
     elif given.keys() & {"local_period", "global_period"}:
         base.pop("periods", None)
-    return RunConfig.from_mapping({**base, **given}, where="command line")
+    return check_ranges(RunConfig.from_mapping({**base, **given}, where="command line"))
+
+
+#: the seeds every library the data layer calls accepts (scikit-learn's random_state)
+SEED_RANGE = (0, 2**32 - 1)
+
+
+def check_ranges(cfg: RunConfig) -> RunConfig:
+    """Limits RunConfig does not check (yet) but the libraries below it do, with a traceback:
+    a seed outside 0..2**32-1 reaches scikit-learn's train_test_split."""
+    low, high = SEED_RANGE
+    if not low <= cfg.seed <= high:
+        raise ConfigError(f"seed must be in {low}..{high}, got {cfg.seed}")
+    for f in fields(RunConfig):  # step counters and row indices are int64 in numpy and torch
+        value = getattr(cfg, f.name)
+        for item in value if isinstance(value, tuple) else (value,):
+            if isinstance(item, int) and not isinstance(item, bool) and abs(item) >= 2**62:
+                raise ConfigError(f"{f.name} {item} is too large (limit 2**62)")
+    if cfg.iterations >= 2**62:
+        raise ConfigError(f"rounds x global_period = {cfg.iterations} local steps is too many "
+                          "(limit 2**62)")
+    return cfg
 
 
 def resumed_config(args: argparse.Namespace) -> RunConfig:
@@ -169,8 +191,8 @@ def resumed_config(args: argparse.Namespace) -> RunConfig:
         raise ConfigError(f"--resume {args.resume}: {path} lacks {', '.join(missing[:5])}"
                           f"{' ...' if len(missing) > 5 else ''}; it is damaged or from another "
                           "fedhier version, so the run cannot be continued exactly")
-    return RunConfig.from_mapping({k: v for k, v in saved.items() if k in names},
-                                  where=str(path))
+    return check_ranges(RunConfig.from_mapping({k: v for k, v in saved.items() if k in names},
+                                                where=str(path)))
 
 
 def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:

@@ -10,7 +10,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedhier.cli_flags import add_config_flags, config_from_args, prepare_data, read_config_file
+from fedhier.cli_flags import (
+    add_config_flags,
+    check_ranges,
+    config_from_args,
+    prepare_data,
+    read_config_file,
+)
 from fedhier.config import RunConfig
 from fedhier.engines.registry import engine_names
 from fedhier.errors import FedhierError
@@ -57,7 +63,7 @@ def base_config(args: argparse.Namespace) -> RunConfig:
                      if getattr(args, f.name) is not None})
     values = {**size, **explicit}
     values.pop("out", None)
-    return RunConfig.from_mapping(values, where="experiment")
+    return check_ranges(RunConfig.from_mapping(values, where="experiment"))
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
