@@ -21,19 +21,19 @@ from typing import Any
 
 from fedhier.errors import ConfigError
 
+#: The device names --device accepts besides cuda:N (fedhier.config.DEVICES repeats them for
+#: readers of the configuration; a test keeps the two equal; no import: config imports us).
+DEVICE_KINDS = ("cpu", "cuda", "mps", "auto")
 DEVICE_HELP = "cpu, cuda, cuda:N, mps or auto (the best available: cuda, then mps, then cpu)"
 
 _CUDA_INDEX = re.compile(r"cuda:(\d{1,4})")
 
 
 def check_device_name(name: Any) -> None:
-    """Raise a one-line ConfigError unless ``name`` is one of
-    :data:`fedhier.config.DEVICES` (cpu, cuda, mps, auto) or cuda:N."""
-    from fedhier.config import DEVICES
-
-    if isinstance(name, str) and (name in DEVICES or _CUDA_INDEX.fullmatch(name)):
+    """Raise a one-line ConfigError unless ``name`` is cpu, cuda, cuda:N, mps or auto."""
+    if isinstance(name, str) and (name in DEVICE_KINDS or _CUDA_INDEX.fullmatch(name)):
         return
-    close = difflib.get_close_matches(str(name).lower(), [*DEVICES, "cuda:0"], n=1)
+    close = difflib.get_close_matches(str(name).lower(), [*DEVICE_KINDS, "cuda:0"], n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     raise ConfigError(f"unknown device '{name}'{hint}; choose {DEVICE_HELP}")
 

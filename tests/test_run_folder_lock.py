@@ -310,6 +310,12 @@ def test_device_auto_runs_and_records_the_device_used(tmp_path):
     assert config["device_used"] == str(devices.resolve_device("auto"))
 
 
+def test_device_names_are_one_list():
+    from fedhier.config import DEVICES
+
+    assert DEVICES == devices.DEVICE_KINDS
+
+
 def test_device_names_on_a_simulated_two_gpu_machine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
