@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import struct
 import sys
 import traceback
@@ -148,6 +149,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     return check_ranges(RunConfig.from_mapping({**base, **given}, where="command line"))
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
 #: the seeds every library the data layer calls accepts (scikit-learn's random_state)
 SEED_RANGE = (0, 2**32 - 1)
 
@@ -163,6 +166,11 @@ def check_ranges(cfg: RunConfig) -> RunConfig:
         for item in value if isinstance(value, tuple) else (value,):
             if isinstance(item, int) and not isinstance(item, bool) and abs(item) >= 2**62:
                 raise ConfigError(f"{f.name} {item} is too large (limit 2**62)")
+        if isinstance(value, float) and f.name != "round_timeout" and not (
+                math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+            # models, learning rates and optimiser state are float32 tensors
+            raise ConfigError(f"{f.name} {value} is not a finite float32 number "
+                              f"(|x| <= {FLOAT32_MAX:.3g})")
     if cfg.iterations >= 2**62:
         raise ConfigError(f"rounds x global_period = {cfg.iterations} local steps is too many "
                           "(limit 2**62)")
