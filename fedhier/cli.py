@@ -31,7 +31,7 @@ from fedhier.cli_flags import (
 )
 from fedhier.engines.registry import run_engine
 from fedhier.errors import FedhierError
-from fedhier.run_folder import write_json
+from fedhier.run_folder import read_metrics, write_json
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,6 +100,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                 raise FedhierError(f"{args.resume}/checkpoint.pt is after cloud round "
                                    f"{resume.round} of a {cfg.rounds}-round run; it does not "
                                    "belong to this run folder")
+            recorded = {r["round"] for r in read_metrics(args.resume)}
+            if not set(range(resume.round + 1)) <= recorded:
+                raise FedhierError(f"{args.resume}/metrics.jsonl lacks rounds of the "
+                                   f"checkpoint's 0..{resume.round}; the folder is damaged")
             resolve_device(cfg.device)
             fed = prepare_data(cfg)
             check_model(resume, initial_model(cfg, fed).state_dict(), args.resume)

@@ -79,6 +79,7 @@ def fuzz_settings(name: str) -> Any:
 COUNTS: Counter[str] = Counter()
 FAILURES: Counter[str] = Counter()
 VIOLATIONS: list[dict[str, str]] = []
+LATE: set[str] = set()  # the data errors prepare_data caught that no loader checks (yet)
 
 
 class CaseTimeoutError(BaseException):
@@ -185,6 +186,7 @@ def check(case: Case, result: Outcome, workdir: Path) -> None:
         errs = lines_of(result.err)
         if "cannot use this data (" in result.err:  # caught by prepare_data, not a loader
             COUNTS["late data errors"] += 1
+            LATE.add(result.err.split("cannot use this data (", 1)[1][:90])
         assert len(errs) == 1, "not one line: " + where
         assert errs[0].startswith("fedhier"), where
         assert mentions(errs[0], case.names), "names no flag or file: " + where
@@ -225,7 +227,7 @@ def fuzz_report(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
               "by_surface": dict(sorted((k, v) for k, v in COUNTS.items() if ":" in k)),
               "tracebacks": FAILURES["traceback"], "hangs": FAILURES["hang"],
               "internal_errors": FAILURES["exit 4"], "rule_violations": FAILURES["rule"],
-              "late_data_errors": COUNTS["late data errors"],
+              "late_data_errors": COUNTS["late data errors"], "late_kinds": sorted(LATE),
               "violations": VIOLATIONS}
     target = Path(os.environ.get("FEDHIER_FUZZ_REPORT")
                   or tmp_path_factory.getbasetemp() / "fuzz-counts.json")
@@ -331,6 +333,8 @@ def place(kind: str, workdir: Path, case_dir: Path) -> Path | str:
     """Turn a symbolic path value into a real path for one case."""
     if kind == "fresh":
         return case_dir / "run"
+    if kind.startswith("existing") and (case_dir / "run").is_file():
+        (case_dir / "run").unlink()
     if kind == "existing-empty":
         (case_dir / "run").mkdir(exist_ok=True)
         return case_dir / "run"
