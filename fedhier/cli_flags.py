@@ -9,12 +9,14 @@ import cycle through :mod:`fedhier.cli`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import struct
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, NoReturn
@@ -101,6 +103,36 @@ def read_config_file(path: Path) -> dict[str, Any]:
                           "file is a TOML text file") from None
 
 
+@contextlib.contextmanager
+def _library_logs_held(names: tuple[str, ...] = ("datasets",)) -> Iterator[list[Any]]:
+    """Hold back what the data libraries log while the data loads: on success it is
+    handed to their handlers as usual; on failure the last record joins the one-line error
+    instead of printing a second line ("Failed to read file ..." from ``datasets``)."""
+    held: list[logging.LogRecord] = []
+
+    class Hold(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record)
+
+    saved = []
+    for name in names:
+        log = logging.getLogger(name)
+        saved.append((log, log.handlers[:], log.propagate))
+        log.handlers, log.propagate = [Hold()], False
+    failed = False
+    try:
+        yield held
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        for log, handlers, propagate in saved:
+            log.handlers, log.propagate = handlers, propagate
+        if not failed:
+            for record in held:
+                logging.getLogger(record.name).handle(record)
+
+
 def prepare_data(cfg: RunConfig) -> Any:
     """:func:`fedhier.server.prepare` (load and partition the data), with every problem of the
     data reported as one line naming where it came from (``--dataset``/``--data-path``), and
@@ -112,11 +144,14 @@ def prepare_data(cfg: RunConfig) -> Any:
 
     source = (f"--data-path {cfg.data_path}" if cfg.data_path else f"--dataset {cfg.dataset}")
     try:
-        fed = prepare(cfg)
+        with _library_logs_held() as held:
+            fed = prepare(cfg)
     except DataError as exc:
         text = str(exc)
+        if held:  # what the library logged (e.g. pyarrow's reason) joins the one line
+            text += f" [{_one_line(held[-1].getMessage())[:300]}]"
         if cfg.dataset in text or (cfg.data_path and cfg.data_path in text):
-            raise
+            raise DataError(text) from exc
         raise DataError(f"{source}: {text}") from exc
     except (ValueError, IndexError, EOFError, struct.error) as exc:
         # Data files the loaders do not check (yet) fail inside numpy or pyarrow; say which
