@@ -18,19 +18,24 @@ from typing import Any
 
 from fedhier.aggregate import client_weights
 from fedhier.cli_flags import (
+    EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
+    OneLineParser,
     add_config_flags,
     config_from_args,
+    error_text,
+    exit_code_for,
+    prepare_data,
     resumed_config,
     run_command,
 )
 from fedhier.engines.registry import run_engine
 from fedhier.errors import FedhierError
-from fedhier.run_folder import write_json
+from fedhier.run_folder import read_metrics, write_json
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fedhier", description="Hierarchical federated learning on Flower.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,29 +80,58 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fedhier.checkpoint import load_checkpoint
+    """``fedhier run``: validate everything (flags, config file, data, partition, device, the
+    run folder's place) before the run folder is claimed; hold its lock for the run's life;
+    on failure remove what a failed start wrote, or mark the folder failed (failed.json)."""
+    from fedhier.checkpoint import check_model, load_checkpoint
     from fedhier.run_folder import RunFolder, default_run_dir
-    from fedhier.server import prepare
+    from fedhier.server import initial_model
+    from fedhier.train import resolve_device
 
     resume = None
     if args.resume:
-        cfg = resumed_config(args)
-        resume = load_checkpoint(args.resume)
-        folder = RunFolder(args.resume)
-        prepare(cfg)
+        if args.overwrite:
+            raise FedhierError("--resume continues a run in its own folder; drop --overwrite")
+        folder = RunFolder.claim_existing(args.resume)  # refused while another run writes it
+        try:
+            cfg = resumed_config(args)
+            resume = load_checkpoint(args.resume)
+            if not 0 <= resume.round <= cfg.rounds:
+                raise FedhierError(f"{args.resume}/checkpoint.pt is after cloud round "
+                                   f"{resume.round} of a {cfg.rounds}-round run; it does not "
+                                   "belong to this run folder")
+            recorded = {r["round"] for r in read_metrics(args.resume)}
+            if not set(range(resume.round + 1)) <= recorded:
+                raise FedhierError(f"{args.resume}/metrics.jsonl lacks rounds of the "
+                                   f"checkpoint's 0..{resume.round}; the folder is damaged")
+            resolve_device(cfg.device)
+            fed = prepare_data(cfg)
+            check_model(resume, initial_model(cfg, fed).state_dict(), args.resume)
+        except BaseException:
+            folder.lock.release()
+            raise
     else:
         cfg = config_from_args(args)
-        prepare(cfg)  # validate data and partition before anything is written
         name = f"{cfg.dataset.replace('/', '-')}-{cfg.engine}"
-        folder = RunFolder.create(cfg.out or default_run_dir(name), overwrite=args.overwrite)
+        out = cfg.out or default_run_dir(name)
+        if cfg.out:  # a default name is made unique by claim()
+            RunFolder.check_target(out, overwrite=args.overwrite)  # before loading the data
+        resolve_device(cfg.device)  # a device this machine lacks: one line, nothing written
+        prepare_data(cfg)  # validate data and partition before anything is written
+        folder = RunFolder.claim(out, overwrite=args.overwrite, unique=not cfg.out)
     progress = not args.no_progress
     try:
         summary = run_engine(cfg, folder, progress, resume)
     except KeyboardInterrupt:
+        note = folder.fail("interrupted (Ctrl-C)", EXIT_INTERRUPTED, interrupted=True)
         hint = (f"; resume with: fedhier run --resume {folder.path}"
-                if (folder.path / "checkpoint.pt").exists() else "")
-        print(f"fedhier: interrupted{hint}", file=sys.stderr)
+                if (folder.path / "checkpoint.pt").exists() and folder.path.is_dir() else "")
+        print(f"fedhier: interrupted{hint}{'; ' + note if note else ''}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BaseException as exc:
+        exc.add_note(folder.fail(error_text(exc), exit_code_for(exc)))
+        raise
+    folder.succeed()
     print(f"final test accuracy {summary['final_test_accuracy']:.4f}, test loss "
           f"{summary['final_test_loss']:.4f} after {summary['iterations']} iterations "
           f"({summary['rounds']} cloud rounds) in {summary['wall_seconds']:.1f} s "
@@ -108,6 +142,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_diversity(args: argparse.Namespace) -> int:
     import numpy as np
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     from fedhier.grouping import ClientInfo
@@ -116,19 +151,25 @@ def cmd_diversity(args: argparse.Namespace) -> int:
         direct_client_gradients,
         sample_diagnostics,
     )
-    from fedhier.server import initial_model, pooled_train_tensors, prepare
+    from fedhier.server import initial_model, pooled_train_tensors
     from fedhier.topology import build_hierarchy
     from fedhier.train import resolve_device
 
     cfg = config_from_args(args)
-    fed = prepare(cfg)
+    if args.json is not None:
+        check_output_file(args.json, "--json")
+    if args.model_file and not args.model_file.is_file():
+        raise FedhierError(f"--model-file {args.model_file}: no such file")
     device = resolve_device(cfg.device)
+    fed = prepare_data(cfg)
     model = initial_model(cfg, fed).to(device)
     params = {k: v.detach() for k, v in model.state_dict().items()}
     if args.model_file:
-        if not args.model_file.is_file():
-            raise FedhierError(f"model file {args.model_file} not found")
-        loaded = load_file(str(args.model_file))
+        try:
+            loaded = load_file(str(args.model_file))
+        except (SafetensorError, OSError) as exc:
+            raise FedhierError(f"--model-file {args.model_file}: not a readable .safetensors "
+                               f"file ({' '.join(str(exc).split())})") from None
         if loaded.keys() != params.keys() or any(
                 loaded[k].shape != params[k].shape for k in params):
             raise FedhierError(f"{args.model_file} does not hold a '{cfg.model}' model for "
@@ -165,20 +206,41 @@ def cmd_diversity(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_output_file(path: Path, flag: str) -> None:
+    """Refuse, before any work, an output file path that names a folder or lies under a
+    file; its parent folders are created here."""
+    if path.is_dir():
+        raise FedhierError(f"{flag} {path} is a folder; give a file name")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise FedhierError(f"{flag} {path}: {parent} is a file, not a folder")
+            break
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FedhierError(f"{flag} {path}: cannot create its folder "
+                           f"({exc.strerror or exc})") from None
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
-    from fedhier.plots import plot_runs
+    from fedhier.plots import check_image_path, plot_runs
 
     for run_dir in args.runs:
         if not (run_dir / "metrics.jsonl").is_file():
             raise FedhierError(f"{run_dir} is not a fedhier run folder (no metrics.jsonl)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    check_image_path(args.out, "--out")
+    check_output_file(args.out, "--out")
     print(f"wrote {plot_runs(args.runs, args.out)}")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # a flag argparse refuses (one line), or --help (exit 0)
+        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
     from fedhier.engines.deployment.cli import cmd_deploy
     from fedhier.experiments.cli import cmd_experiment
 

@@ -9,22 +9,68 @@ import cycle through :mod:`fedhier.cli`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
+import math
+import struct
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import fields
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 from fedhier.config import RunConfig, read_toml
 from fedhier.engines.registry import engine_help
-from fedhier.errors import FedhierError
+from fedhier.errors import ConfigError, DataError, FedhierError
 from fedhier.faults import RunFailureError
 
-#: Exit codes of every fedhier command (Ctrl-C is 130).
-EXIT_BAD_INPUT = 2
-EXIT_RUN_FAILED = 3
-EXIT_INTERRUPTED = 130
+#: Exit codes of every fedhier command (docs/faults.md has the table).
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2  # a flag, file or folder given is wrong; nothing was written
+EXIT_RUN_FAILED = 3  # the run stopped on purpose (failed clients, non-finite numbers)
+EXIT_INTERNAL = 4  # a bug in fedhier: one line asking for a report (--debug: the traceback)
+EXIT_WRITE_FAILED = 5  # an output could not be written (disk full, read-only, folder gone)
+EXIT_INTERRUPTED = 130  # Ctrl-C (or SIGTERM during fedhier deploy)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr (exit code 2), not the usage of
+    every flag followed by the error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {_one_line(message)} (see "
+                                  f"{self.prog} --help)\n")
+
+
+def _one_line(text: str) -> str:
+    """A message on one line (an exception's text may hold newlines)."""
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The exit code a command ends with when ``exc`` escapes it."""
+    from fedhier.run_folder import WriteError
+
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(exc, RunFailureError):
+        return EXIT_RUN_FAILED
+    if isinstance(exc, WriteError):
+        return EXIT_WRITE_FAILED
+    if isinstance(exc, FedhierError):
+        return EXIT_BAD_INPUT
+    return EXIT_INTERNAL
+
+
+def error_text(exc: BaseException) -> str:
+    """The one line (without the ``fedhier: ...:`` prefix) that reports ``exc``, with the
+    notes a command added (e.g. what became of the run folder)."""
+    text = _one_line(str(exc)) if isinstance(exc, FedhierError) else \
+        f"{type(exc).__name__}: {_one_line(str(exc))}".rstrip(": ")
+    notes = [_one_line(n) for n in getattr(exc, "__notes__", ()) if str(n).strip()]
+    return "; ".join([text, *notes])
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -47,11 +93,87 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                                metavar=metavar, help=help_text)
 
 
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The table of a ``--config`` TOML file; a one-line ConfigError naming the file if it
+    cannot be read, is not UTF-8 text or is not TOML."""
+    try:
+        return read_toml(path)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--config {path}: not UTF-8 text (byte {exc.start}); a config "
+                          "file is a TOML text file") from None
+
+
+@contextlib.contextmanager
+def _library_logs_held(names: tuple[str, ...] = ("datasets",)) -> Iterator[list[Any]]:
+    """Hold back what the data libraries log while the data loads: on success it is
+    handed to their handlers as usual; on failure the last record joins the one-line error
+    instead of printing a second line ("Failed to read file ..." from ``datasets``)."""
+    held: list[logging.LogRecord] = []
+
+    class Hold(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record)
+
+    saved = []
+    for name in names:
+        log = logging.getLogger(name)
+        saved.append((log, log.handlers[:], log.propagate))
+        log.handlers, log.propagate = [Hold()], False
+    failed = False
+    try:
+        yield held
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        for log, handlers, propagate in saved:
+            log.handlers, log.propagate = handlers, propagate
+        if not failed:
+            for record in held:
+                logging.getLogger(record.name).handle(record)
+
+
+def prepare_data(cfg: RunConfig) -> Any:
+    """:func:`fedhier.server.prepare` (load and partition the data), with every problem of the
+    data reported as one line naming where it came from (``--dataset``/``--data-path``), and
+    non-finite features refused before any training (they would stop the run later as
+    "non-finite values in the update of client ...", blaming the learning rate)."""
+    import numpy as np
+
+    from fedhier.server import prepare
+
+    source = (f"--data-path {cfg.data_path}" if cfg.data_path else f"--dataset {cfg.dataset}")
+    try:
+        with _library_logs_held() as held:
+            fed = prepare(cfg)
+    except DataError as exc:
+        text = str(exc)
+        if held:  # what the library logged (e.g. pyarrow's reason) joins the one line
+            text += f" [{_one_line(held[-1].getMessage())[:300]}]"
+        if cfg.dataset in text or (cfg.data_path and cfg.data_path in text):
+            raise DataError(text) from exc
+        raise DataError(f"{source}: {text}") from exc
+    except (ValueError, IndexError, EOFError, struct.error) as exc:
+        # Data files the loaders do not check (yet) fail inside numpy or pyarrow; say which
+        # data, and what failed, in one line (tests/test_fuzz_cli.py finds these).
+        raise DataError(f"{source}: cannot use this data ({type(exc).__name__}: {exc}); "
+                        "check the data files") from exc
+    for split, (x, _) in (("training", fed.bundle.train_arrays()),
+                          ("test", fed.bundle.test_arrays())):
+        if len(x) == 0:
+            raise DataError(f"{source}: the {split} split has no rows")
+        if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+            bad = int((~np.isfinite(x)).reshape(len(x), -1).any(1).sum())
+            raise DataError(f"{source}: {bad} {split} row(s) hold NaN or infinite feature "
+                            "values; clean the data first")
+    return fed
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """TOML file (if any) overlaid with the flags given on the command line."""
     base: dict[str, Any] = {}
     if args.config:
-        base = {str(k).replace("-", "_"): v for k, v in read_toml(args.config).items()}
+        base = {str(k).replace("-", "_"): v for k, v in read_config_file(args.config).items()}
         RunConfig.from_mapping(base, where=str(args.config))  # report the file's own errors
     given = {f.name: getattr(args, f.name) for f in fields(RunConfig)
              if getattr(args, f.name) is not None}
@@ -59,7 +181,35 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         base = {k: v for k, v in base.items() if k not in ("local_period", "global_period")}
     elif given.keys() & {"local_period", "global_period"}:
         base.pop("periods", None)
-    return RunConfig.from_mapping({**base, **given}, where="command line")
+    return check_ranges(RunConfig.from_mapping({**base, **given}, where="command line"))
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+#: the seeds every library the data layer calls accepts (scikit-learn's random_state)
+SEED_RANGE = (0, 2**32 - 1)
+
+
+def check_ranges(cfg: RunConfig) -> RunConfig:
+    """Limits RunConfig does not check (yet) but the libraries below it do, with a traceback:
+    a seed outside 0..2**32-1 reaches scikit-learn's train_test_split."""
+    low, high = SEED_RANGE
+    if not low <= cfg.seed <= high:
+        raise ConfigError(f"seed must be in {low}..{high}, got {cfg.seed}")
+    for f in fields(RunConfig):  # step counters and row indices are int64 in numpy and torch
+        value = getattr(cfg, f.name)
+        for item in value if isinstance(value, tuple) else (value,):
+            if isinstance(item, int) and not isinstance(item, bool) and abs(item) >= 2**62:
+                raise ConfigError(f"{f.name} {item} is too large (limit 2**62)")
+        if isinstance(value, float) and f.name != "round_timeout" and not (
+                math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+            # models, learning rates and optimiser state are float32 tensors
+            raise ConfigError(f"{f.name} {value} is not a finite float32 number "
+                              f"(|x| <= {FLOAT32_MAX:.3g})")
+    if cfg.iterations >= 2**62:
+        raise ConfigError(f"rounds x global_period = {cfg.iterations} local steps is too many "
+                          "(limit 2**62)")
+    return cfg
 
 
 def resumed_config(args: argparse.Namespace) -> RunConfig:
@@ -71,28 +221,44 @@ def resumed_config(args: argparse.Namespace) -> RunConfig:
     path = args.resume / "config.json"
     if not path.is_file():
         raise FedhierError(f"{args.resume} is not a fedhier run folder (no config.json)")
-    saved = json.loads(path.read_text())
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
+        reason = exc.strerror if isinstance(exc, OSError) else "not valid JSON"
+        raise ConfigError(f"--resume {args.resume}: cannot read {path} ({reason})") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"--resume {args.resume}: {path} is not a run configuration")
     names = {f.name for f in fields(RunConfig)}
-    return RunConfig.from_mapping({k: v for k, v in saved.items() if k in names},
-                                  where=str(path))
+    missing = sorted(names - saved.keys())
+    if missing:  # defaults would silently replace them: another federation than the checkpoint's
+        raise ConfigError(f"--resume {args.resume}: {path} lacks {', '.join(missing[:5])}"
+                          f"{' ...' if len(missing) > 5 else ''}; it is damaged or from another "
+                          "fedhier version, so the run cannot be continued exactly")
+    return check_ranges(RunConfig.from_mapping({k: v for k, v in saved.items() if k in names},
+                                                where=str(path)))
 
 
 def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """Run a command's handler; a run failure, bad input or Ctrl-C becomes one line on stderr
-    and its exit code (the traceback only with ``--debug``)."""
+    """Run a command's handler; a run failure, bad input, an unwritable output or Ctrl-C
+    becomes one line on stderr and its exit code (the traceback only with ``--debug``).
+
+    Anything else is a bug in fedhier: it too ends with one line (exit code 4) that says so,
+    and the fuzz tests count every such line as a failure (tests/test_fuzz_cli.py).
+    """
     debug = bool(getattr(args, "debug", False))
     try:
         return int(handler(args))
-    except RunFailureError as exc:
-        if debug:
-            traceback.print_exc()
-        print(f"fedhier: run stopped: {exc}", file=sys.stderr)
-        return EXIT_RUN_FAILED
-    except FedhierError as exc:
-        if debug:
-            traceback.print_exc()
-        print(f"fedhier: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("fedhier: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        notes = "; ".join(getattr(exc, "__notes__", ()))
+        print(f"fedhier: interrupted{'; ' + notes if notes else ''}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - every exception ends as one line + exit code
+        if debug:
+            traceback.print_exc()
+        code = exit_code_for(exc)
+        prefix = {EXIT_RUN_FAILED: "fedhier: run stopped: ",
+                  EXIT_INTERNAL: "fedhier: internal error: "}.get(code, "fedhier: error: ")
+        hint = ("; this is a bug in fedhier: please report it (rerun with --debug for the "
+                "traceback)" if code == EXIT_INTERNAL else "")
+        print(f"{prefix}{error_text(exc)}{hint}", file=sys.stderr)
+        return code

@@ -26,7 +26,7 @@ from fedhier.errors import ConfigError
 
 WEIGHTINGS = ("samples", "uniform")
 ENGINES = engine_names()
-DEVICES = ("cpu", "cuda", "auto")
+DEVICES = ("cpu", "cuda", "mps", "auto")  # and cuda:N (fedhier.devices)
 
 
 def _help(text: str) -> dict[str, str]:
@@ -149,7 +149,8 @@ class RunConfig:
         "Ray) or vectorized (all clients as one batched computation)"))
     client_chunk: int = field(default=0, metadata=_help(
         "vectorized engine: clients per batched chunk (0 = all at once)"))
-    device: str = field(default="cpu", metadata=_help("cpu, cuda or auto"))
+    device: str = field(default="cpu", metadata=_help(
+        "cpu, cuda, cuda:N, mps or auto (best available)"))
     seed: int = field(default=0, metadata=_help("seed for every random draw"))
     out: str = field(default="", metadata=_help(
         "run folder (default runs/<timestamp>-<name>)"))
@@ -272,7 +273,9 @@ class RunConfig:
         _one_of("weighting", self.weighting, WEIGHTINGS)
         _one_of("engine", self.engine, ENGINES)
         _one_of("model", self.model, MODELS)
-        _one_of("device", self.device, DEVICES)
+        from fedhier.devices import check_device_name
+
+        check_device_name(self.device)
         from fedhier.strategies.cloud_step import CLOUD_STRATEGIES
 
         _one_of("cloud_strategy", self.cloud_strategy, CLOUD_STRATEGIES)

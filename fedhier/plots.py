@@ -10,7 +10,37 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from fedhier.run_folder import read_json, read_metrics  # noqa: E402
+from fedhier.errors import ConfigError  # noqa: E402
+from fedhier.run_folder import read_json, read_metrics, writing  # noqa: E402
+
+#: keys every metrics.jsonl record needs for a curve
+CURVE_KEYS = ("iteration", "test_accuracy", "test_loss")
+
+
+def check_image_path(path: str | Path, flag: str) -> None:
+    """A one-line ConfigError unless matplotlib can write ``path``'s format (no suffix:
+    PNG)."""
+    suffix = Path(path).suffix.lower().lstrip(".")
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if suffix and suffix not in formats:
+        raise ConfigError(f"{flag} {path}: cannot draw a '.{suffix}' image; use .png, .pdf, "
+                          f".svg or another of {', '.join(sorted(formats))}")
+
+
+def _curve(run_dir: Path) -> tuple[list[float], list[float], list[float]]:
+    """(iterations, test accuracies, test losses) of a run folder; one-line ConfigError if
+    its metrics.jsonl lacks them."""
+    records = read_metrics(run_dir)
+    if not records:
+        raise ConfigError(f"{run_dir / 'metrics.jsonl'} has no rounds to plot")
+    for record in records:
+        missing = [k for k in CURVE_KEYS if not isinstance(record.get(k), int | float)]
+        if missing:
+            raise ConfigError(f"{run_dir / 'metrics.jsonl'}: round {record['round']} has no "
+                              f"numeric {', '.join(missing)}")
+    return ([r["iteration"] for r in records], [r["test_accuracy"] for r in records],
+            [r["test_loss"] for r in records])
 
 
 def _label(run_dir: Path) -> str:
@@ -24,13 +54,12 @@ def _label(run_dir: Path) -> str:
 
 def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
     """Test accuracy and test loss against local iterations, one line per run."""
+    curves = {Path(run_dir): _curve(Path(run_dir)) for run_dir in run_dirs}
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
-    for run_dir in map(Path, run_dirs):
-        records = read_metrics(run_dir)
-        its = [r["iteration"] for r in records]
+    for run_dir, (its, accuracy, loss) in curves.items():
         label = _label(run_dir)
-        ax_acc.plot(its, [r["test_accuracy"] for r in records], marker=".", label=label)
-        ax_loss.plot(its, [r["test_loss"] for r in records], marker=".", label=label)
+        ax_acc.plot(its, accuracy, marker=".", label=label)
+        ax_loss.plot(its, loss, marker=".", label=label)
     ax_acc.set(xlabel="local SGD iterations", ylabel="test accuracy", title="Test accuracy")
     ax_loss.set(xlabel="local SGD iterations", ylabel="test loss (cross-entropy)",
                 title="Test loss")
@@ -39,8 +68,11 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
     ax_acc.legend(fontsize=7)
     fig.tight_layout()
     out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        with writing(out):
+            fig.savefig(out, dpi=110)
+    finally:
+        plt.close(fig)
     return out
 
 
@@ -65,8 +97,11 @@ def plot_groups(groups_json: str | Path, out: str | Path) -> Path:
     fig.colorbar(image, ax=ax, label="share of the edge's rows")
     fig.tight_layout()
     out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        with writing(out):
+            fig.savefig(out, dpi=110)
+    finally:
+        plt.close(fig)
     return out
 
 

@@ -24,6 +24,7 @@ from fedhier.federation import Federation, resolved
 from fedhier.grouping import ClientInfo
 from fedhier.run_folder import RunFolder, read_metrics
 from fedhier.topology import Hierarchy
+from fedhier.train import resolve_device
 
 WEIGHTING_TEXT = {
     "samples": "clients weighted by their number of training rows (FedAvg practice)",
@@ -51,6 +52,7 @@ def describe(cfg: RunConfig, fed: Federation, engine: str) -> dict[str, Any]:
     return {
         **cfg.to_dict(),
         "engine": engine,
+        "device_used": str(resolve_device(cfg.device)),  # what 'auto' picked, cuda's index
         "iterations": cfg.iterations,
         "weighting_meaning": WEIGHTING_TEXT[cfg.weighting],
         "dataset_source": fed.bundle.source,

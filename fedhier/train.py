@@ -162,7 +162,10 @@ def params_of(model: nn.Module) -> Params:
 
 
 def resolve_device(device: str) -> torch.device:
-    """'auto' picks CUDA when available; otherwise the named device."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    """The device ``--device`` names on this machine ('auto': cuda, else mps, else cpu); a
+    one-line ConfigError naming the available devices if this machine lacks it
+    (:func:`fedhier.devices.resolve_device`)."""
+    from fedhier.devices import resolve_device as resolve
+
+    resolved: torch.device = resolve(device)
+    return resolved

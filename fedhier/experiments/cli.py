@@ -10,7 +10,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedhier.cli_flags import add_config_flags, config_from_args
+from fedhier.cli_flags import (
+    add_config_flags,
+    check_ranges,
+    config_from_args,
+    prepare_data,
+    read_config_file,
+)
 from fedhier.config import RunConfig
 from fedhier.engines.registry import engine_names
 from fedhier.errors import FedhierError
@@ -51,15 +57,13 @@ def add_parser(sub: Any) -> None:
 def base_config(args: argparse.Namespace) -> RunConfig:
     config_from_args(args)  # validates the flags and the config file, one-line errors
     size = QUICK if args.quick else FULL
-    from fedhier.config import read_toml
-
     explicit = {str(k).replace("-", "_"): v
-                for k, v in (read_toml(args.config) if args.config else {}).items()}
+                for k, v in (read_config_file(args.config) if args.config else {}).items()}
     explicit.update({f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig)
                      if getattr(args, f.name) is not None})
     values = {**size, **explicit}
     values.pop("out", None)
-    return RunConfig.from_mapping(values, where="experiment")
+    return check_ranges(RunConfig.from_mapping(values, where="experiment"))
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
@@ -69,12 +73,27 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     base = base_config(args)
     if args.seeds < 1:
         raise FedhierError("--seeds must be at least 1")
+    if args.jobs < 0:
+        raise FedhierError(f"--jobs must be >= 0 (0 = one per CPU core), got {args.jobs}")
+    if args.iterations < 0:
+        raise FedhierError(f"--iterations must be >= 0 (0 = the suite's default), got "
+                           f"{args.iterations}")
     total = args.iterations or ITERATIONS["quick" if args.quick else "full"]
     if total % base.global_period:
         raise FedhierError(f"--iterations {total} must be a multiple of G={base.global_period}")
     out = Path(args.out or f"runs/experiments/{args.name}-{base.dataset}"
                f"{'-quick' if args.quick else ''}")
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise FedhierError(f"--out {out} is a file; an experiment writes a folder")
+    from fedhier.train import resolve_device
+
+    resolve_device(base.device)
+    prepare_data(base)  # the data and partition of the base configuration are usable
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FedhierError(f"--out {out}: cannot create the folder "
+                           f"({exc.strerror or exc})") from None
     seeds = list(range(args.seeds))
     started = time.time()
     if args.name == "diversity":

@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from fedhier.cli_flags import (
+    OneLineParser,
     add_config_flags,
     config_from_args,
+    prepare_data,
     run_command,
 )
 from fedhier.config import RunConfig
@@ -67,14 +69,13 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
 def cmd_deploy(args: argparse.Namespace) -> int:
     """``fedhier deploy local``: 0 on success, 1 if the run failed, 124 on --timeout."""
     from fedhier.run_folder import default_run_dir
-    from fedhier.server import prepare
 
     cfg = resolve_config(args)
     if args.insecure and args.certs is not None:
         raise ConfigError("--insecure and --certs contradict each other; give one")
     if args.certs is not None and not Path(args.certs).is_dir():
         raise ConfigError(f"--certs {args.certs}: no such folder")
-    if args.timeout <= 0:
+    if not args.timeout > 0:  # NaN too
         raise ConfigError(f"--timeout must be positive, got {args.timeout}")
     app = Path(args.app).resolve()
     run_config_overrides(cfg, app)  # every flag must reach the ServerApp
@@ -82,10 +83,18 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"run folder {out} already exists and is not empty; choose another "
                           "--out")
+    from fedhier.run_folder import RunFolder
+    from fedhier.train import resolve_device
+
+    RunFolder.check_target(out)  # not under a file
     check_ports(args.base_port, args.nodes)
-    prepare(cfg)  # data and partition are valid before anything starts
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.deploy-", dir=out.parent))
+    resolve_device(cfg.device)
+    prepare_data(cfg)  # data and partition are valid before anything starts
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{out.name}.deploy-", dir=out.parent))
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot write beside it ({exc.strerror or exc})") from None
     echo: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731
     edges = (contiguous_edges(args.nodes, cfg.num_edges)
              if cfg.grouping in ("contiguous", "edge-tag") else None)
@@ -169,7 +178,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m fedhier.engines.deployment local --nodes N ...`` (same as ``fedhier deploy``)."""
-    parser = argparse.ArgumentParser(prog="fedhier")
+    parser = OneLineParser(prog="fedhier")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["deploy", *(sys.argv[1:] if argv is None else argv)])
     return run_command(cmd_deploy, args)
