@@ -263,6 +263,8 @@ def tidy(workdir: Path) -> None:
 # -- values for every flag ------------------------------------------------------------------
 
 INT_NOISE = ["0", "-1", "x", "", "2.5", "1e3", "99999999999999999999", " 3", "٣"]
+#: Example mobility files (a trace, an edge-round trace, a 4-edge ring reachability matrix).
+MOBILITY = Path(__file__).resolve().parents[1] / "examples" / "mobility"
 FLOAT_NOISE = ["nan", "inf", "-inf", "-1", "x", "", "1e400", "0x1p-3"]
 
 FLAG_VALUES: dict[str, list[str]] = {
@@ -286,6 +288,12 @@ FLAG_VALUES: dict[str, list[str]] = {
     "cloud_strategy": ["average", "fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad",
                        "fedprox", ""],
     "aggregators": ["mean", "median", "mean,median", "median,mean,mean", "mode", "", ","],
+    "mobility_rate": ["0", "0", "0.3", "1", *FLOAT_NOISE],
+    "mobility_trace": ["", "", "nowhere.csv", str(MOBILITY / "trace.csv"),
+                       str(MOBILITY / "trace_edge_rounds.csv"), str(MOBILITY / "ring4.csv")],
+    "reachability": ["", "", "nowhere.csv", str(MOBILITY / "ring4.csv"),
+                     str(MOBILITY / "trace.csv")],
+    "handoff": ["fresh", "carry", "teleport", ""],
     "server_lr": ["0", "0.5", *FLOAT_NOISE],
     "server_momentum": ["0", "0.9", "1", *FLOAT_NOISE],
     "rounds": ["1", "1", "2", *INT_NOISE],
