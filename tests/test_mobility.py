@@ -27,6 +27,7 @@ from fedhier.errors import ConfigError
 from fedhier.mobility import Mobility, read_reachability, read_trace
 from fedhier.run_folder import RunFolder
 from fedhier.topology import Hierarchy
+from tests.helpers import metrics
 
 BASE = RunConfig(dataset="digits", clients=8, groups=(2,), local_period=2, global_period=4,
                  rounds=2, batch_size=8, seed=11)
@@ -34,16 +35,8 @@ TINY = ["--dataset", "digits", "--clients", "6", "--groups", "2", "--local-perio
         "--global-period", "2", "--rounds", "1", "--no-progress"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+# Tiny models: one intra-op thread is fastest, and robust on a shared 2-core machine.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def close(a: object, b: object, tol: float) -> bool:

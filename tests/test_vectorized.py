@@ -23,6 +23,7 @@ from fedhier.engines.vectorized import run_vectorized
 from fedhier.models import build_model, linear_chain
 from fedhier.run_folder import RunFolder
 from fedhier.train import loss_fn
+from tests.helpers import metrics
 
 TOL = 1e-4
 IGNORED = {"wall_seconds"}
@@ -80,17 +81,8 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is fastest, and robust on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+# Tiny models: one intra-op thread is fastest, and robust on a shared 2-core machine.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
