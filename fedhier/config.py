@@ -122,6 +122,24 @@ class RunConfig:
         "a non-finite client update: stop the run, or skip-client (drop it from the average)"))
     checkpoint_every: int = field(default=0, metadata=_help(
         "write a checkpoint every K cloud rounds (0 = only on Ctrl-C)"))
+    # simulated time (fedhier.sim_clock): metrics.jsonl's sim_seconds
+    step_seconds: float = field(default=0.01, metadata=_help(
+        "simulated time: seconds of compute per local step of a typical client"))
+    compute_spread: float = field(default=0.0, metadata=_help(
+        "simulated time: each client's speed factor is exp(N(0, spread)), drawn with the "
+        "seed (0 = all equal)"))
+    edge_slowdown: str = field(default="", metadata=_help(
+        "simulated time: compute slowdown of some edges' clients, edge:factor pairs such "
+        "as 0:4"))
+    client_edge_mbps: float = field(default=100.0, metadata=_help(
+        "simulated time: bandwidth of each edge's link to its clients, Mbit/s (shared)"))
+    client_edge_latency_ms: float = field(default=5.0, metadata=_help(
+        "simulated time: one-way latency of a client-edge link, ms"))
+    edge_cloud_mbps: float = field(default=10.0, metadata=_help(
+        "simulated time: bandwidth of the cloud's (and each region's) link to its children, "
+        "Mbit/s (shared)"))
+    edge_cloud_latency_ms: float = field(default=50.0, metadata=_help(
+        "simulated time: one-way latency of a link above the edges, ms"))
     # local training
     batch_size: int = field(default=16, metadata=_help(
         "mini-batch size b; 0 = all of a client's rows (gradient descent)"))
@@ -251,6 +269,14 @@ class RunConfig:
             if self.mobility_trace else ()
         return Mobility(self.mobility_rate, reach, trace, self.handoff)
 
+    def time_model(self) -> Any:
+        """The :class:`fedhier.sim_clock.TimeModel` of this run's simulated clock."""
+        from fedhier.sim_clock import TimeModel, parse_edge_slowdown
+
+        return TimeModel(self.step_seconds, self.compute_spread, self.client_edge_mbps,
+                         self.client_edge_latency_ms, self.edge_cloud_mbps,
+                         self.edge_cloud_latency_ms, parse_edge_slowdown(self.edge_slowdown))
+
     @property
     def aggregator_names(self) -> tuple[str, ...]:
         """``aggregators`` as names: one for every level, or one per level."""
@@ -378,6 +404,7 @@ class RunConfig:
 
             load_plugin(self.grouping)  # a plugin that fails to import: stop before any output
         self.mobility()  # unreadable or inconsistent mobility files: stop before any output
+        self.time_model().check_edges(self.num_edges)
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in fields(RunConfig)}

@@ -45,6 +45,7 @@ from fedhier.grouping import ClientInfo, grouping_needs
 from fedhier.mobility import Mobility
 from fedhier.plan import EdgeRoundPlan, Workload, plan_edge_round
 from fedhier.round_diagnostics import client_diagnostics, diagnostics_due
+from fedhier.sim_clock import SimClock, TimeModel
 from fedhier.topology import Hierarchy, build_hierarchy, validate_periods
 
 Params = dict[str, torch.Tensor]
@@ -178,9 +179,11 @@ class HSGDSettings:
     regroup_every: int = 0
     aggregators: tuple[str, ...] = ("mean",)
     mobility: Mobility = field(default_factory=Mobility)
+    time_model: TimeModel = field(default_factory=TimeModel)
 
     def __post_init__(self) -> None:
         validate_periods(self.periods)
+        self.time_model.check_edges(self.groups[0] if self.groups else 1)
         check_aggregators(self.aggregators, len(self.periods))
         if len(self.groups) != len(self.periods) - 1:
             raise ConfigError(f"{len(self.groups)} group level(s) need "
@@ -222,6 +225,8 @@ class HierarchicalSGD:
         self.communication = Communication()
         self.model_bytes = 0
         self._restored_hierarchy: Hierarchy | None = None
+        self.clock: SimClock | None = None  # simulated time (fedhier.sim_clock)
+        self._restored_clock: dict[str, Any] | None = None
         self._maps: np.ndarray | None = None  # int64 [E, n]: this cloud round's edge maps
         self._moves: list[list[int]] = []  # [edge round, client, from, to] this cloud round
 
@@ -237,6 +242,10 @@ class HierarchicalSGD:
             self.hierarchy = self._restored_hierarchy
         else:
             self.hierarchy = self.group(executor, initial, s.seed)
+        self.clock = SimClock(s.time_model, s.seed, self.hierarchy.num_clients,
+                              self.hierarchy.num_nodes(1))
+        if self._restored_clock is not None:
+            self.clock.load_state_dict(self._restored_clock)
 
     def group(self, executor: Executor, params: Params, seed: int) -> Hierarchy:
         """A hierarchy drawn by the configured grouping with ``seed`` (gradient groupings take
@@ -385,6 +394,8 @@ class HierarchicalSGD:
                                          num_edges, s.min_clients_per_edge, work.edge_round)
         level = hierarchy.level_after(work.edge_round * s.local_period - 1)
         self.communication.add_edge_round(len(work.clients), len(survivors), self.model_bytes)
+        clock = self._clock()
+        clock.edge_round(work.clients, work.steps, work.edge_of_client, self.model_bytes)
         outcome: dict[str, Any] = {"level": level, "failed_clients": failed,
                                    "failed_edges": failed_edge_count, "train_loss": None}
         reported = alive if result.loss_reported is None else alive & result.loss_reported
@@ -405,6 +416,7 @@ class HierarchicalSGD:
             averaged, nodes = aggregate_levels(models, survivors, weights, hierarchy, level,
                                                s.aggregators)
         self.communication.add_aggregation(hierarchy, level, self.model_bytes)
+        clock.aggregate(hierarchy, level, self.model_bytes)
         self._broadcast(averaged, nodes, level)
         if level == hierarchy.num_levels:
             self.global_params = {k: v[0] for k, v in averaged.items()}
@@ -508,6 +520,7 @@ class HierarchicalSGD:
             else:
                 record.update(client_diagnostics(grads, self.weights, self._hierarchy()))
         record.update(self.communication.as_dict())
+        record["sim_seconds"] = self._clock().seconds
         return record
 
     def run(self, executor: Executor, initial: Params, num_rounds: int, *,
@@ -536,7 +549,8 @@ class HierarchicalSGD:
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs besides the global model and the clients' state."""
         return {"communication": self.communication.as_dict(),
-                "cloud_step": copy.deepcopy(self.cloud_step), "hierarchy": self.hierarchy}
+                "cloud_step": copy.deepcopy(self.cloud_step), "hierarchy": self.hierarchy,
+                "clock": self._clock().state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.communication = Communication(**state["communication"])
@@ -545,11 +559,17 @@ class HierarchicalSGD:
         # The grouping in force at the checkpoint (a regrouped or gradient-based one):
         # setup() must not draw a new one.
         self._restored_hierarchy = state.get("hierarchy")
+        self._restored_clock = state.get("clock")  # None in checkpoints before sim_seconds
 
     def _hierarchy(self) -> Hierarchy:
         if self.hierarchy is None:
             raise RuntimeError("HierarchicalSGD.setup(executor, ...) must run before training")
         return self.hierarchy
+
+    def _clock(self) -> SimClock:
+        if self.clock is None:
+            raise RuntimeError("HierarchicalSGD.setup(executor, ...) must run first")
+        return self.clock
 
     def _info(self) -> ClientInfo:
         if self.info is None:

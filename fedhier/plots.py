@@ -15,6 +15,8 @@ from fedhier.run_folder import read_json, read_metrics, writing  # noqa: E402
 
 #: keys every metrics.jsonl record needs for a curve
 CURVE_KEYS = ("iteration", "test_accuracy", "test_loss")
+#: keys drawn when a run records them (simulated time, traffic above the edges)
+COST_KEYS = ("sim_seconds", "edge_cloud_bytes")
 
 
 def check_image_path(path: str | Path, flag: str) -> None:
@@ -28,9 +30,10 @@ def check_image_path(path: str | Path, flag: str) -> None:
                           f".svg or another of {', '.join(sorted(formats))}")
 
 
-def _curve(run_dir: Path) -> tuple[list[float], list[float], list[float]]:
-    """(iterations, test accuracies, test losses) of a run folder; one-line ConfigError if
-    its metrics.jsonl lacks them."""
+def _curve(run_dir: Path) -> dict[str, list[float]]:
+    """A run folder's curves: key -> one value per recorded round (``CURVE_KEYS`` always;
+    ``sim_seconds`` and ``edge_cloud_bytes`` when every round has them); one-line
+    ConfigError if its metrics.jsonl lacks the CURVE_KEYS."""
     records = read_metrics(run_dir)
     if not records:
         raise ConfigError(f"{run_dir / 'metrics.jsonl'} has no rounds to plot")
@@ -39,8 +42,8 @@ def _curve(run_dir: Path) -> tuple[list[float], list[float], list[float]]:
         if missing:
             raise ConfigError(f"{run_dir / 'metrics.jsonl'}: round {record['round']} has no "
                               f"numeric {', '.join(missing)}")
-    return ([r["iteration"] for r in records], [r["test_accuracy"] for r in records],
-            [r["test_loss"] for r in records])
+    return {key: [r[key] for r in records] for key in (*CURVE_KEYS, *COST_KEYS)
+            if all(isinstance(r.get(key), int | float) for r in records)}
 
 
 def _label(run_dir: Path) -> str:
@@ -53,17 +56,29 @@ def _label(run_dir: Path) -> str:
 
 
 def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
-    """Test accuracy and test loss against local iterations, one line per run."""
+    """Test accuracy and loss against local iterations, and test accuracy against simulated
+    seconds and against the bytes sent above the edges (runs that record them), one line
+    per run."""
     curves = {Path(run_dir): _curve(Path(run_dir)) for run_dir in run_dirs}
-    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
-    for run_dir, (its, accuracy, loss) in curves.items():
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    (ax_acc, ax_loss), (ax_time, ax_bytes) = axes
+    for run_dir, curve in curves.items():
         label = _label(run_dir)
-        ax_acc.plot(its, accuracy, marker=".", label=label)
-        ax_loss.plot(its, loss, marker=".", label=label)
+        ax_acc.plot(curve["iteration"], curve["test_accuracy"], marker=".", label=label)
+        ax_loss.plot(curve["iteration"], curve["test_loss"], marker=".", label=label)
+        if "sim_seconds" in curve:
+            ax_time.plot(curve["sim_seconds"], curve["test_accuracy"], marker=".", label=label)
+        if "edge_cloud_bytes" in curve:
+            ax_bytes.plot([b / 1e6 for b in curve["edge_cloud_bytes"]], curve["test_accuracy"],
+                          marker=".", label=label)
     ax_acc.set(xlabel="local SGD iterations", ylabel="test accuracy", title="Test accuracy")
     ax_loss.set(xlabel="local SGD iterations", ylabel="test loss (cross-entropy)",
                 title="Test loss")
-    for ax in (ax_acc, ax_loss):
+    ax_time.set(xlabel="simulated seconds (sim_seconds)", ylabel="test accuracy",
+                title="Accuracy against simulated time")
+    ax_bytes.set(xlabel="MB sent above the edges (edge_cloud_bytes / 1e6)",
+                 ylabel="test accuracy", title="Accuracy against cloud-link traffic")
+    for ax in axes.flat:
         ax.grid(alpha=0.3)
     ax_acc.legend(fontsize=7)
     fig.tight_layout()

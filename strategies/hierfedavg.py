@@ -35,6 +35,7 @@ from fedhier.hsgd import (
 )
 from fedhier.mobility import Mobility
 from fedhier.plan import EdgeRoundPlan, Workload
+from fedhier.sim_clock import TimeModel
 from fedhier.strategies.cloud_step import as_cloud_step
 from fedhier.strategies.grid_executor import GridExecutor, metric_record
 from fedhier.topology import Hierarchy
@@ -103,6 +104,9 @@ class HierFedAvg(Strategy):
     mobility : fedhier.mobility.Mobility, optional
         Clients moving between edges (a seeded rate or a trace) and the handoff policy
         (docs/hsgd.md#mobility). None = static.
+    time_model : fedhier.sim_clock.TimeModel, optional
+        Compute and link speeds of the simulated clock behind each record's ``sim_seconds``
+        (docs/hsgd.md#simulated-time). None = the defaults.
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class HierFedAvg(Strategy):
         regroup_every: int = 0,
         aggregators: Sequence[str] = ("mean",),
         mobility: Mobility | None = None,
+        time_model: TimeModel | None = None,
     ) -> None:
         all_periods = tuple(periods) if periods else (local_period, global_period)
         if all_periods[0] != local_period or all_periods[-1] != global_period:
@@ -135,7 +140,8 @@ class HierFedAvg(Strategy):
             seed=seed, workload=workload or Workload(),
             min_clients_per_edge=min_clients_per_edge, on_nan=on_nan,
             diagnostics_every=diagnostics_every, regroup_every=regroup_every,
-            aggregators=tuple(aggregators), mobility=mobility or Mobility())
+            aggregators=tuple(aggregators), mobility=mobility or Mobility(),
+            time_model=time_model or TimeModel())
         self.algorithm = HierarchicalSGD(self.settings, as_cloud_step(cloud_strategy))
         self.min_available_nodes = min_available_nodes
         self.arrayrecord_key = arrayrecord_key
@@ -155,7 +161,7 @@ class HierFedAvg(Strategy):
                    periods=s.periods, cloud_strategy=cloud_strategy, workload=s.workload,
                    min_clients_per_edge=s.min_clients_per_edge, on_nan=s.on_nan,
                    diagnostics_every=s.diagnostics_every, regroup_every=s.regroup_every,
-                   aggregators=s.aggregators, mobility=s.mobility)
+                   aggregators=s.aggregators, mobility=s.mobility, time_model=s.time_model)
 
     # ------------------------------------------------------------------ what it holds
     @property

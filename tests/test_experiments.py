@@ -59,3 +59,20 @@ def test_interrupted_arm_is_started_over(tmp_path):
     assert main(["experiment", "levels", "--quick", "--seeds", "1", "--iterations", "16",
                  "--out", str(out)]) == 0
     assert (run_dir / "summary.json").exists()
+
+
+def test_time_suite_times_every_arm_with_its_own_cloud_link(tmp_path):
+    """Training is the same at every bandwidth, so each algorithm's accuracy curve is too;
+    the seconds to the target grow with a slower cloud link, and most for the flat arm that
+    aggregates most often."""
+    out, results = run_suite(tmp_path, "time", "--seeds", "1", "--iterations", "64")
+    arms = results["arms"]
+    assert len(arms) == 12 and (out / "time_to_accuracy.png").exists()
+    for algorithm in ("flat-I", "hsgd", "flat-G"):
+        curves = [arms[f"{algorithm}-{m}mbps"]["curves"] for m in ("1000", "100", "10", "1")]
+        assert all(c["test_accuracy"] == curves[0]["test_accuracy"] for c in curves)
+        ends = [c["sim_seconds"]["mean"][-1] for c in curves]
+        assert ends == sorted(ends) and ends[0] < ends[-1]
+    reach = results["seconds_to_target"]
+    assert reach["flat-I"]["1"]["mean"] > reach["flat-I"]["1000"]["mean"]
+    assert "Simulated seconds to reach" in (out / "results.md").read_text()

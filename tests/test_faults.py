@@ -200,6 +200,7 @@ def test_interrupted_run_resumes_bit_identically(engine, tmp_path, monkeypatch):
     assert [r["round"] for r in res] == list(range(7))
     assert [r["test_loss"] for r in ref] == [r["test_loss"] for r in res]
     assert [r["failed_clients"] for r in ref] == [r["failed_clients"] for r in res]
+    assert [r["sim_seconds"] for r in ref] == [r["sim_seconds"] for r in res]
 
 
 @pytest.mark.slow

@@ -42,7 +42,30 @@ RUNS: list[tuple[str, list[str]]] = [
                             "--alpha", "0.5", "--groups", "10"]),
     ("levels-digits", ["experiment", "levels", "--dataset", "digits", "--groups", "10"]),
     ("diversity-digits", ["experiment", "diversity", "--dataset", "digits"]),
+    ("time-fmnist-a0.5", ["experiment", "time", "--dataset", "fashion-mnist",
+                          "--alpha", "0.5", "--iterations", "400"]),
 ]
+
+
+def published_sections(results_md: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """The sections (run name -> text) and claim rows (run name -> rows) already published
+    in ``results_md``, so that publishing some runs keeps the others' evidence."""
+    if not results_md.exists():
+        return {}, {}
+    sections: dict[str, str] = {}
+    claims: dict[str, list[str]] = {}
+    name = ""
+    for line in results_md.read_text().splitlines():
+        if line.startswith("## "):
+            name = line[3:].split(":", 1)[0] if ":" in line else ""
+            if name:
+                sections[name] = line
+            continue
+        if name:
+            sections[name] += "\n" + line
+        elif line.startswith("| ") and not line.startswith("| run |"):
+            claims.setdefault(line[2:].split(" |", 1)[0], []).append(line)
+    return {k: v.rstrip() for k, v in sections.items()}, claims
 
 
 def publish(root: Path, only: list[str] | None = None) -> None:
@@ -54,10 +77,14 @@ def publish(root: Path, only: list[str] | None = None) -> None:
              "", "Sections appear for the runs that have been made; `make experiments` runs all "
              "of them (`python -m fedhier.experiments.publish NAME ...` runs some).", ""]
     claims: list[str] = []
+    old_sections, old_claims = published_sections(docs / "results.md")
     for name, args in RUNS:
         out = root / "runs" / "experiments" / name  # run from the repository root
         if only and name not in only:
             if not (out / "results.md").exists():
+                if name in old_sections:  # published before, its run folder is gone: keep
+                    parts += [old_sections[name], ""]
+                    claims += old_claims.get(name, [])
                 continue
         else:
             started = time.time()

@@ -241,6 +241,118 @@ def levels(base: RunConfig, seeds: Sequence[int], out: Path, engine: str, jobs: 
     return Report({"arms": summary, "claims": {}}, "\n".join(md), {})
 
 
+# --------------------------------------------------------------------------- time
+#: Bandwidths of the cloud link (Mbit/s) the ``time`` suite sweeps, fast to slow.
+CLOUD_MBPS = (1000.0, 100.0, 10.0, 1.0)
+
+
+def seconds_to_reach(records: Sequence[dict[str, Any]], target: float) -> float:
+    """Simulated seconds of the first round whose test accuracy reaches ``target`` (inf if
+    none does)."""
+    return next((float(r["sim_seconds"]) for r in records if r["test_accuracy"] >= target),
+                float("inf"))
+
+
+def time_to_accuracy(base: RunConfig, seeds: Sequence[int], out: Path, engine: str,
+                     jobs: int, total: int,
+                     cloud_mbps: Sequence[float] = CLOUD_MBPS) -> Report:
+    """H-SGD(I, G) against flat FedAvg (period I) and flat local SGD (period G) in simulated
+    time, as the cloud link slows down (``edge_cloud_mbps``).
+
+    A flat arm puts every client under its own edge, so each of its aggregations sends all n
+    client models over the cloud link (the edge hop carries one model: a relay); H-SGD sends
+    the N edge models, every G steps, and pays for its clients on the shared client-edge
+    links. Training is the same at every bandwidth; only the clock differs.
+    """
+    i, g, n = base.local_period, base.global_period, base.clients
+    algorithms = {
+        "flat-I": (f"flat FedAvg P=I={i}", {"groups": (n,), "local_period": i,
+                                             "global_period": i, "periods": ()}),
+        "hsgd": (f"H-SGD I={i}, G={g}, N={base.num_edges}", {}),
+        "flat-G": (f"flat local SGD P=G={g}", {"groups": (n,), "local_period": g,
+                                               "global_period": g, "periods": ()}),
+    }
+    arms = [_arm(f"{name}-{mbps:g}mbps", f"{label}, cloud {mbps:g} Mbit/s", base, total,
+                 edge_cloud_mbps=mbps, **changes)
+            for mbps in cloud_mbps for name, (label, changes) in algorithms.items()]
+    results = run_arms(arms, seeds, out, engine, jobs)
+    summary = _summarise(arms, results, ("test_accuracy", "sim_seconds", "edge_cloud_bytes"))
+    worst = min(summary[f"{name}-{cloud_mbps[0]:g}mbps"]["final"]["test_accuracy"]["mean"]
+                for name in algorithms)
+    target = round(0.95 * worst, 4)
+    reach: dict[str, dict[float, dict[str, float]]] = {name: {} for name in algorithms}
+    for mbps in cloud_mbps:
+        for name in algorithms:
+            times = np.array([seconds_to_reach(run, target) for run in
+                              results[f"{name}-{mbps:g}mbps"].values()])
+            reach[name][mbps] = {"mean": float(times.mean()), "std": float(times.std())
+                                 if np.isfinite(times).all() else float("inf")}
+    _plot_time(summary, reach, algorithms, cloud_mbps, target, out)
+    fastest = {mbps: min(algorithms, key=lambda a: reach[a][mbps]["mean"])
+               for mbps in cloud_mbps}
+    claims = {f"H-SGD reaches {target:.4f} first at the slowest cloud link "
+              f"({cloud_mbps[-1]:g} Mbit/s)": fastest[cloud_mbps[-1]] == "hsgd",
+              "flat FedAvg's time to accuracy grows more than H-SGD's as the cloud link slows":
+              reach["flat-I"][cloud_mbps[-1]]["mean"] - reach["flat-I"][cloud_mbps[0]]["mean"]
+              > reach["hsgd"][cloud_mbps[-1]]["mean"] - reach["hsgd"][cloud_mbps[0]]["mean"]}
+
+    def cell(value: dict[str, float]) -> str:
+        if not np.isfinite(value["mean"]):
+            return "not reached"
+        return f"{value['mean']:.1f} ± {value['std']:.1f}"
+
+    md = [f"Simulated seconds to reach test accuracy {target:.4f} (95% of the worst final "
+          "mean accuracy of the three algorithms), mean ± std over seeds; fastest in bold:", "",
+          "| cloud link (Mbit/s) | " + " | ".join(label for label, _ in algorithms.values())
+          + " |", "|---|" + "---|" * len(algorithms)]
+    for mbps in cloud_mbps:
+        cells = [f"**{cell(reach[a][mbps])}**" if a == fastest[mbps] else cell(reach[a][mbps])
+                 for a in algorithms]
+        md.append(f"| {mbps:g} | " + " | ".join(cells) + " |")
+    md += ["", _table({k: v for k, v in summary.items() if k.endswith(f"-{cloud_mbps[0]:g}mbps")},
+                      [("test_accuracy", "final test accuracy"),
+                       ("edge_cloud_bytes", "bytes above the edges")]), "",
+           "![time to accuracy](time_to_accuracy.png)", "![accuracy vs time](time_curves.png)"]
+    return Report({"arms": summary, "target_accuracy": target,
+                   "seconds_to_target": {a: {f"{m:g}": v for m, v in r.items()}
+                                         for a, r in reach.items()},
+                   "claims": claims}, "\n".join(md), claims)
+
+
+def _plot_time(summary: dict[str, Any], reach: dict[str, dict[float, dict[str, float]]],
+               algorithms: dict[str, tuple[str, dict[str, Any]]], cloud_mbps: Sequence[float],
+               target: float, out: Path) -> None:
+    """time_to_accuracy.png (seconds to target against cloud bandwidth) and time_curves.png
+    (mean accuracy against mean simulated seconds at the slowest and fastest links)."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name, (label, _) in algorithms.items():
+        ax.plot(cloud_mbps, [reach[name][m]["mean"] for m in cloud_mbps], marker="o",
+                label=label)
+    ax.set(xscale="log", yscale="log", xlabel="cloud link bandwidth (Mbit/s)",
+           ylabel=f"simulated seconds to test accuracy {target:.3f}",
+           title="Time to accuracy as the cloud link slows")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "time_to_accuracy.png", dpi=110)
+    plt.close(fig)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, mbps in zip(axes, (cloud_mbps[0], cloud_mbps[-1]), strict=True):
+        for name, (label, _) in algorithms.items():
+            curves = summary[f"{name}-{mbps:g}mbps"]["curves"]
+            ax.plot(curves["sim_seconds"]["mean"], curves["test_accuracy"]["mean"],
+                    label=label)
+        ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+        ax.set(xscale="log", xlabel="simulated seconds", ylabel="test accuracy",
+               title=f"Cloud link {mbps:g} Mbit/s")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "time_curves.png", dpi=110)
+    plt.close(fig)
+
+
 SUITES: dict[str, Callable[..., Report]] = {
     "sandwich": sandwich, "grouping": grouping, "periods": periods, "levels": levels,
+    "time": time_to_accuracy,
 }

@@ -1,0 +1,122 @@
+"""The simulated clock: closed forms of the time model, equal on every engine, resumable."""
+
+import json
+
+import numpy as np
+import pytest
+
+from fedhier.cli import main
+from fedhier.config import RunConfig
+from fedhier.engines.inprocess import run_inprocess
+from fedhier.engines.vectorized import run_vectorized
+from fedhier.errors import ConfigError
+from fedhier.run_folder import RunFolder
+from fedhier.sim_clock import SimClock, TimeModel, parse_edge_slowdown
+from fedhier.topology import Hierarchy
+from tests.helpers import metrics
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MODEL = TimeModel(step_seconds=0.02, client_edge_mbps=8.0, client_edge_latency_ms=3.0,
+                  edge_cloud_mbps=2.0, edge_cloud_latency_ms=40.0)
+B = 10_000  # model bytes: 0.01 s per model at 8 Mbit/s, 0.04 s at 2 Mbit/s
+
+
+def test_transfer_is_latency_plus_bytes_over_bandwidth():
+    seconds = MODEL.transfer_seconds("client-edge", np.array([0, 1, 3]), B)
+    np.testing.assert_allclose(seconds, [0.0, 0.003 + 0.01, 0.003 + 0.03], rtol=1e-12)
+    assert MODEL.transfer_seconds("edge-cloud", 2, B) == pytest.approx(0.04 + 0.08, rel=1e-12)
+
+
+def test_edge_round_waits_for_its_slowest_client_and_its_shared_link():
+    # clients 0, 1 at edge 0 (1 and 3 steps), client 2 at edge 1 slowed 4x, edge 2 idle
+    model = TimeModel(step_seconds=0.02, client_edge_mbps=8.0, client_edge_latency_ms=3.0,
+                      edge_slowdown=((1, 4.0),))
+    clock = SimClock(model, seed=0, num_clients=3, num_edges=3)
+    clock.edge_round(np.array([0, 1, 2]), np.array([1, 3, 2]), np.array([0, 0, 1]), B)
+    expected = [2 * (0.003 + 2 * 0.01) + 3 * 0.02, 2 * (0.003 + 0.01) + 2 * 0.02 * 4, 0.0]
+    np.testing.assert_allclose(clock.edge_time, expected, rtol=1e-12)
+
+
+def test_three_level_aggregation_syncs_each_subtree_then_the_cloud():
+    # edges 0, 1 under region 0 and edge 2 under region 1; the cloud above both regions
+    hierarchy = Hierarchy(periods=(1, 2, 4), parents=(np.array([0, 1, 2]), np.array([0, 0, 1])))
+    clock = SimClock(MODEL, seed=0, num_clients=3, num_edges=3)
+    clock.edge_time = np.array([1.0, 2.0, 0.5])
+    link = {m: 0.04 + m * 0.04 for m in (1, 2)}  # edge-cloud transfer of m models
+    clock.aggregate(hierarchy, 2, B)  # regions only
+    np.testing.assert_allclose(clock.edge_time, [2.0 + 2 * link[2]] * 2 + [0.5 + 2 * link[1]],
+                               rtol=1e-12)
+    before = clock.edge_time.copy()
+    clock.aggregate(hierarchy, 3, B)  # region uplinks, the cloud's link (2 regions), back down
+    region = [before[0] + link[2], before[2] + link[1]]
+    top = max(region) + link[2]
+    np.testing.assert_allclose(clock.edge_time, [top + link[2] + link[2]] * 2
+                               + [top + link[2] + link[1]], rtol=1e-12)
+
+
+def test_a_run_advances_by_the_closed_form(tmp_path):
+    """Two levels, everyone trains I steps: a cloud round lasts max over edges of
+    (G/I) (2 transfer(k_e) + I step) plus the cloud's two transfers of N models."""
+    cfg = RunConfig(dataset="digits", clients=8, groups=(3,), local_period=2, global_period=6,
+                    rounds=2, step_seconds=0.02, client_edge_mbps=8.0,
+                    client_edge_latency_ms=3.0, edge_cloud_mbps=2.0,
+                    edge_cloud_latency_ms=40.0)
+    run_inprocess(cfg, RunFolder.create(tmp_path / "r", cfg), progress=False)
+    records = metrics(tmp_path / "r")
+    edge_of = np.array(json.loads((tmp_path / "r" / "groups.json").read_text())["client_to_edge"])
+    model_bytes = records[1]["edge_cloud_bytes"] // (2 * 3)  # one cloud round: 3 edges up+down
+    per_edge = np.bincount(edge_of, minlength=3) * 8.0 * model_bytes / 8e6 + 0.003
+    edge_rounds = 3
+    round_seconds = (max(edge_rounds * (2 * per_edge + 2 * 0.02))
+                     + 2 * (0.04 + 3 * 8.0 * model_bytes / 2e6))
+    assert records[0]["sim_seconds"] == 0.0
+    assert records[1]["sim_seconds"] == pytest.approx(round_seconds, rel=1e-12)
+    assert records[2]["sim_seconds"] == pytest.approx(2 * round_seconds, rel=1e-12)
+
+
+def test_every_engine_has_the_same_clock(tmp_path):
+    cfg = RunConfig(dataset="digits", clients=8, groups=(4, 2), periods=(2, 4, 8), rounds=2,
+                    batch_size=8, participation=0.6, straggler_fraction=0.5,
+                    compute_spread=0.7, edge_slowdown="1:4", seed=5)
+    run_inprocess(cfg, RunFolder.create(tmp_path / "a", cfg), progress=False)
+    run_vectorized(cfg, RunFolder.create(tmp_path / "b", cfg), progress=False)
+    a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert [r["sim_seconds"] for r in a] == [r["sim_seconds"] for r in b]
+    assert a[-1]["sim_seconds"] > 0
+
+
+def test_a_slower_cloud_link_costs_a_flat_run_more_than_a_hierarchical_one(tmp_path):
+    """The reason for H-SGD: 8 local steps in edge rounds of 2 either reach the cloud once
+    (I=2, G=8) or after every edge round (flat, I=G=2); slowing the cloud link 10x costs the
+    flat run exactly 4x the extra time."""
+    def seconds(periods: str, rounds: int, mbps: float) -> float:
+        out = tmp_path / f"{periods}-{mbps}"
+        assert main(["run", "--clients", "8", "--groups", "2", "--periods", periods,
+                     "--rounds", str(rounds), "--edge-cloud-mbps", str(mbps), "--no-progress",
+                     "--out", str(out)]) == 0
+        return metrics(out)[-1]["sim_seconds"]
+
+    hier_fast, hier_slow = seconds("2,8", 1, 10.0), seconds("2,8", 1, 1.0)
+    flat_fast, flat_slow = seconds("2,2", 4, 10.0), seconds("2,2", 4, 1.0)
+    assert flat_slow - flat_fast == pytest.approx(4 * (hier_slow - hier_fast), rel=1e-9)
+    assert hier_slow < flat_slow
+
+
+@pytest.mark.parametrize("text,message", [
+    ("0:x", "edge:factor"), ("0", "edge:factor"), ("0:0", "edge:factor"),
+    ("0:4,0:2", "twice"), ("-1:2", "edge:factor"), ("0:inf", "edge:factor")])
+def test_bad_edge_slowdown_is_one_line(text, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_edge_slowdown(text)
+
+
+def test_time_model_inputs_are_checked_before_any_work(tmp_path, capsys):
+    for flags in (["--edge-slowdown", "4:2"], ["--edge-cloud-mbps", "0"],
+                  ["--step-seconds", "-1"]):
+        out = tmp_path / "never"
+        assert main(["run", "--groups", "4", *flags, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err
+        assert not out.exists()
+    assert parse_edge_slowdown(" 0:4, 3:2.5 ") == ((0, 4.0), (3, 2.5))
