@@ -13,9 +13,13 @@ The model (docs/hsgd.md, "Simulated time"):
 * **an edge round** at edge e with sent clients S: the edge's model goes down to S, the slowest
   of them computes its steps, the models come up: ``2 transfer(|S|) + max_{j in S} steps_j *
   seconds_j``. A failed client is waited for like the others (the edge cannot know);
-* **an aggregation at level L >= 2**: each level-l node (l = 2..L) waits for its last child
-  and receives its children's models (one transfer of as many models as it has children);
-  the level-L aggregate then goes back down the same links to every edge under it.
+* **uploads share a link one after another**: children's models go up a shared link in the
+  order they are ready (ties: lower index first); each occupies it ``8B / (mbps * 1e6)``
+  seconds and arrives ``latency`` later (:meth:`SimClock.upload_queue`). Children ready at
+  the same instant thus take ``transfer(m)``, as above;
+* **an aggregation at level L >= 2**: each level-l node (l = 2..L) waits for the last of its
+  children's models to arrive; the level-L aggregate then goes back down the same links to
+  every edge under it (``transfer(children)`` per tier).
 
 Edges keep their own clocks between aggregations (an edge with quick clients waits only at the
 next aggregation above it); ``seconds`` is the latest edge clock, the run's elapsed time. No
@@ -159,11 +163,30 @@ class SimClock:
             link = self.model.transfer_seconds(
                 "edge-cloud", np.bincount(parent, minlength=nodes), model_bytes)
             arrived = np.full(nodes, -np.inf)
-            np.maximum.at(arrived, parent, ready)
-            ready = arrived + link  # the node has all its children's models
+            for node in range(nodes):
+                children = np.flatnonzero(parent == node)
+                if len(children):
+                    arrivals, _ = self.upload_queue(ready[children], -np.inf, model_bytes)
+                    arrived[node] = arrivals.max()
+            ready = arrived  # the node has all its children's models
             above = parent[above]
             down += link[above]
         self.edge_time = ready[above] + down
+
+    def upload_queue(self, ready: np.ndarray, link_free: float,
+                     model_bytes: int) -> tuple[np.ndarray, float]:
+        """Arrival times (float64 [m]) of one model from each of m children ready at
+        ``ready`` over one shared link above the edges that is free from ``link_free``,
+        served in order of readiness (ties: lower index first); and when the link is free
+        again."""
+        per_model = 8.0 * model_bytes / (self.model.edge_cloud_mbps * 1e6)
+        latency = self.model.edge_cloud_latency_ms / 1e3
+        arrivals = np.empty(len(ready))
+        free = link_free
+        for child in np.argsort(ready, kind="stable"):
+            free = max(free, float(ready[child])) + per_model
+            arrivals[child] = free + latency
+        return arrivals, free
 
     def state_dict(self) -> dict[str, Any]:
         return {"edge_time": self.edge_time.tolist()}

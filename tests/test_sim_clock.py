@@ -38,26 +38,38 @@ def test_edge_round_waits_for_its_slowest_client_and_its_shared_link():
     np.testing.assert_allclose(clock.edge_time, expected, rtol=1e-12)
 
 
-def test_three_level_aggregation_syncs_each_subtree_then_the_cloud():
+def test_three_level_aggregation_queues_uploads_then_syncs_each_subtree():
     # edges 0, 1 under region 0 and edge 2 under region 1; the cloud above both regions
     hierarchy = Hierarchy(periods=(1, 2, 4), parents=(np.array([0, 1, 2]), np.array([0, 0, 1])))
     clock = SimClock(MODEL, seed=0, num_clients=3, num_edges=3)
     clock.edge_time = np.array([1.0, 2.0, 0.5])
-    link = {m: 0.04 + m * 0.04 for m in (1, 2)}  # edge-cloud transfer of m models
+    per, lat = 0.04, 0.04  # one model over the 2 Mbit/s link, its latency
     clock.aggregate(hierarchy, 2, B)  # regions only
-    np.testing.assert_allclose(clock.edge_time, [2.0 + 2 * link[2]] * 2 + [0.5 + 2 * link[1]],
-                               rtol=1e-12)
+    # region 0: edge 0's model is through at 1.04, edge 1's (ready at 2.0) at 2.04
+    region = [2.0 + per + lat, 0.5 + per + lat]
+    np.testing.assert_allclose(clock.edge_time, [region[0] + lat + 2 * per] * 2
+                               + [region[1] + lat + per], rtol=1e-12)
     before = clock.edge_time.copy()
-    clock.aggregate(hierarchy, 3, B)  # region uplinks, the cloud's link (2 regions), back down
-    region = [before[0] + link[2], before[2] + link[1]]
-    top = max(region) + link[2]
-    np.testing.assert_allclose(clock.edge_time, [top + link[2] + link[2]] * 2
-                               + [top + link[2] + link[1]], rtol=1e-12)
+    clock.aggregate(hierarchy, 3, B)  # region uplinks queued, the cloud, back down
+    ready = [before[0] + 2 * per + lat, before[2] + per + lat]  # each region's queue
+    first, second = sorted(ready)
+    top = max(first + per + lat, max(second, first + per) + per + lat)
+    np.testing.assert_allclose(clock.edge_time, [top + 2 * (lat + 2 * per)] * 2
+                               + [top + (lat + 2 * per) + (lat + per)], rtol=1e-12)
+
+
+def test_uploads_share_the_link_one_after_another():
+    clock = SimClock(MODEL, seed=0, num_clients=3, num_edges=3)
+    arrivals, free = clock.upload_queue(np.array([1.0, 0.0, 0.0]), -np.inf, B)
+    np.testing.assert_allclose(arrivals, [1.04 + 0.04, 0.04 + 0.04, 0.08 + 0.04], rtol=1e-12)
+    assert free == pytest.approx(1.04)
+    later, _ = clock.upload_queue(np.array([0.5]), free, B)  # the link is busy until 1.04
+    assert later[0] == pytest.approx(1.08 + 0.04)
 
 
 def test_a_run_advances_by_the_closed_form(tmp_path):
-    """Two levels, everyone trains I steps: a cloud round lasts max over edges of
-    (G/I) (2 transfer(k_e) + I step) plus the cloud's two transfers of N models."""
+    """Two levels, everyone trains I steps: edge e is done after (G/I) (2 transfer(k_e) +
+    I step); the cloud's link takes the N models one after another, then sends N back."""
     cfg = RunConfig(dataset="digits", clients=8, groups=(3,), local_period=2, global_period=6,
                     rounds=2, step_seconds=0.02, client_edge_mbps=8.0,
                     client_edge_latency_ms=3.0, edge_cloud_mbps=2.0,
@@ -68,8 +80,11 @@ def test_a_run_advances_by_the_closed_form(tmp_path):
     model_bytes = records[1]["edge_cloud_bytes"] // (2 * 3)  # one cloud round: 3 edges up+down
     per_edge = np.bincount(edge_of, minlength=3) * 8.0 * model_bytes / 8e6 + 0.003
     edge_rounds = 3
-    round_seconds = (max(edge_rounds * (2 * per_edge + 2 * 0.02))
-                     + 2 * (0.04 + 3 * 8.0 * model_bytes / 2e6))
+    ready = sorted(edge_rounds * (2 * per_edge + 2 * 0.02))  # each edge done training
+    per_model, link = 8.0 * model_bytes / 2e6, -np.inf
+    for edge_ready in ready:  # the cloud's link takes one model after another
+        link = max(link, edge_ready) + per_model
+    round_seconds = link + 0.04 + (0.04 + 3 * per_model)  # last arrival, then back down
     assert records[0]["sim_seconds"] == 0.0
     assert records[1]["sim_seconds"] == pytest.approx(round_seconds, rel=1e-12)
     assert records[2]["sim_seconds"] == pytest.approx(2 * round_seconds, rel=1e-12)
