@@ -122,6 +122,12 @@ class RunConfig:
         "a non-finite client update: stop the run, or skip-client (drop it from the average)"))
     checkpoint_every: int = field(default=0, metadata=_help(
         "write a checkpoint every K cloud rounds (0 = only on Ctrl-C)"))
+    async_buffer: int = field(default=0, metadata=_help(
+        "asynchronous edges: the cloud aggregates as soon as K edges reported their G steps "
+        "(0 = synchronous; K = number of edges is synchronous H-SGD)"))
+    max_staleness: int = field(default=4, metadata=_help(
+        "asynchronous edges: drop a report more than S cloud aggregations old; fresher ones "
+        "weigh 1/sqrt(1+s)"))
     # simulated time (fedhier.sim_clock): metrics.jsonl's sim_seconds
     step_seconds: float = field(default=0.01, metadata=_help(
         "simulated time: seconds of compute per local step of a typical client"))
@@ -277,6 +283,12 @@ class RunConfig:
                          self.client_edge_latency_ms, self.edge_cloud_mbps,
                          self.edge_cloud_latency_ms, parse_edge_slowdown(self.edge_slowdown))
 
+    def asynchronous(self) -> Any:
+        """The :class:`fedhier.staleness.AsyncEdges` settings of this run."""
+        from fedhier.staleness import AsyncEdges
+
+        return AsyncEdges(self.async_buffer, self.max_staleness)
+
     @property
     def aggregator_names(self) -> tuple[str, ...]:
         """``aggregators`` as names: one for every level, or one per level."""
@@ -405,6 +417,12 @@ class RunConfig:
             load_plugin(self.grouping)  # a plugin that fails to import: stop before any output
         self.mobility()  # unreadable or inconsistent mobility files: stop before any output
         self.time_model().check_edges(self.num_edges)
+        self.asynchronous().check(self.num_edges, len(self.periods), self.aggregator_names,
+                                  self.mobility_rate > 0 or bool(self.mobility_trace),
+                                  self.regroup_every > 0)
+        if self.async_buffer and self.cloud_strategy != "average":
+            raise ConfigError("asynchronous edges (async_buffer) use the staleness-weighted "
+                              "average at the cloud; choose cloud_strategy average")
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in fields(RunConfig)}

@@ -46,6 +46,7 @@ from fedhier.mobility import Mobility
 from fedhier.plan import EdgeRoundPlan, Workload, plan_edge_round
 from fedhier.round_diagnostics import client_diagnostics, diagnostics_due
 from fedhier.sim_clock import SimClock, TimeModel
+from fedhier.staleness import AsyncEdges
 from fedhier.topology import Hierarchy, build_hierarchy, validate_periods
 
 Params = dict[str, torch.Tensor]
@@ -180,10 +181,14 @@ class HSGDSettings:
     aggregators: tuple[str, ...] = ("mean",)
     mobility: Mobility = field(default_factory=Mobility)
     time_model: TimeModel = field(default_factory=TimeModel)
+    asynchronous: AsyncEdges = field(default_factory=AsyncEdges)
 
     def __post_init__(self) -> None:
         validate_periods(self.periods)
         self.time_model.check_edges(self.groups[0] if self.groups else 1)
+        self.asynchronous.check(self.groups[0] if self.groups else 1, len(self.periods),
+                                self.aggregators, self.mobility.active,
+                                bool(self.regroup_every))
         check_aggregators(self.aggregators, len(self.periods))
         if len(self.groups) != len(self.periods) - 1:
             raise ConfigError(f"{len(self.groups)} group level(s) need "
@@ -372,12 +377,15 @@ class HierarchicalSGD:
         start[moved] = old[moved]
         return start
 
-    def complete(self, work: EdgeRoundWork, plan: EdgeRoundPlan,
-                 result: TrainResult) -> dict[str, Any]:
+    def complete(self, work: EdgeRoundWork, plan: EdgeRoundPlan, result: TrainResult, *,
+                 hold_cloud: bool = False) -> dict[str, Any]:
         """Screen, scale, aggregate and broadcast one edge round's results.
 
         Returns its ``level``, ``failed_clients``, ``failed_edges`` and ``train_loss`` (the
         client-weighted mean of the survivors' reported mean mini-batch losses, or None).
+        With ``hold_cloud`` an edge round that ends at the cloud is not aggregated: the
+        outcome's ``held`` is (models [s, *shape], survivors int64 [s]), the screened and
+        scaled survivors' models (asynchronous edges aggregate them later).
         """
         s, hierarchy = self.settings, self._hierarchy()
         models = result.models
@@ -407,6 +415,9 @@ class HierarchicalSGD:
         if not alive.all():
             rows = torch.as_tensor(np.flatnonzero(alive), device=_device(models))
             models = {k: v.index_select(0, rows) for k, v in models.items()}
+        if hold_cloud and level == hierarchy.num_levels:
+            outcome["held"] = (models, survivors)
+            return outcome
         present = np.zeros(hierarchy.num_clients, dtype=bool)
         present[survivors] = True
         weights = presence_weights(self.weights, present, work.edge_of_client)
@@ -520,8 +531,12 @@ class HierarchicalSGD:
             else:
                 record.update(client_diagnostics(grads, self.weights, self._hierarchy()))
         record.update(self.communication.as_dict())
-        record["sim_seconds"] = self._clock().seconds
+        record["sim_seconds"] = self.elapsed_seconds()
         return record
+
+    def elapsed_seconds(self) -> float:
+        """The run's simulated time so far (:mod:`fedhier.sim_clock`)."""
+        return self._clock().seconds
 
     def run(self, executor: Executor, initial: Params, num_rounds: int, *,
             first_round: int = 1,

@@ -72,7 +72,8 @@ def settings_for(cfg: RunConfig) -> HSGDSettings:
                         min_clients_per_edge=cfg.min_clients_per_edge, on_nan=cfg.on_nan,
                         diagnostics_every=cfg.diagnostics_every,
                         regroup_every=cfg.regroup_every, aggregators=cfg.aggregator_names,
-                        mobility=cfg.mobility(), time_model=cfg.time_model())
+                        mobility=cfg.mobility(), time_model=cfg.time_model(),
+                        asynchronous=cfg.asynchronous())
 
 
 def central_evaluation(cfg: RunConfig, fed: Federation, model: torch.nn.Module,

@@ -22,13 +22,13 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
+from fedhier.async_edges import algorithm_for
 from fedhier.communication import Communication
 from fedhier.engines.flower_records import to_record, to_tensors
 from fedhier.errors import ConfigError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import (
     EdgeRoundWork,
-    HierarchicalSGD,
     HSGDSettings,
     Params,
     evaluation_metrics,
@@ -36,6 +36,7 @@ from fedhier.hsgd import (
 from fedhier.mobility import Mobility
 from fedhier.plan import EdgeRoundPlan, Workload
 from fedhier.sim_clock import TimeModel
+from fedhier.staleness import AsyncEdges
 from fedhier.strategies.cloud_step import as_cloud_step
 from fedhier.strategies.grid_executor import GridExecutor, metric_record
 from fedhier.topology import Hierarchy
@@ -107,6 +108,10 @@ class HierFedAvg(Strategy):
     time_model : fedhier.sim_clock.TimeModel, optional
         Compute and link speeds of the simulated clock behind each record's ``sim_seconds``
         (docs/hsgd.md#simulated-time). None = the defaults.
+    asynchronous : fedhier.staleness.AsyncEdges, optional
+        Asynchronous, buffered edges: the cloud aggregates the first K edge reports on the
+        simulated clock, stale ones weighted 1/sqrt(1+s) (docs/hsgd.md#asynchronous-edges).
+        None = synchronous H-SGD.
     """
 
     def __init__(
@@ -130,6 +135,7 @@ class HierFedAvg(Strategy):
         aggregators: Sequence[str] = ("mean",),
         mobility: Mobility | None = None,
         time_model: TimeModel | None = None,
+        asynchronous: AsyncEdges | None = None,
     ) -> None:
         all_periods = tuple(periods) if periods else (local_period, global_period)
         if all_periods[0] != local_period or all_periods[-1] != global_period:
@@ -141,8 +147,8 @@ class HierFedAvg(Strategy):
             min_clients_per_edge=min_clients_per_edge, on_nan=on_nan,
             diagnostics_every=diagnostics_every, regroup_every=regroup_every,
             aggregators=tuple(aggregators), mobility=mobility or Mobility(),
-            time_model=time_model or TimeModel())
-        self.algorithm = HierarchicalSGD(self.settings, as_cloud_step(cloud_strategy))
+            time_model=time_model or TimeModel(), asynchronous=asynchronous or AsyncEdges())
+        self.algorithm = algorithm_for(self.settings, as_cloud_step(cloud_strategy))
         self.min_available_nodes = min_available_nodes
         self.arrayrecord_key = arrayrecord_key
         self.configrecord_key = configrecord_key
@@ -161,7 +167,8 @@ class HierFedAvg(Strategy):
                    periods=s.periods, cloud_strategy=cloud_strategy, workload=s.workload,
                    min_clients_per_edge=s.min_clients_per_edge, on_nan=s.on_nan,
                    diagnostics_every=s.diagnostics_every, regroup_every=s.regroup_every,
-                   aggregators=s.aggregators, mobility=s.mobility, time_model=s.time_model)
+                   aggregators=s.aggregators, mobility=s.mobility, time_model=s.time_model,
+                   asynchronous=s.asynchronous)
 
     # ------------------------------------------------------------------ what it holds
     @property

@@ -307,6 +307,8 @@ FLAG_VALUES: dict[str, list[str]] = {
     "min_clients_per_edge": ["0", "1", "2", "100", *INT_NOISE],
     "on_nan": ["stop", "skip-client", "ignore"],
     "checkpoint_every": ["0", "1", *INT_NOISE],
+    "async_buffer": ["0", "0", "1", "2", "3", *INT_NOISE],
+    "max_staleness": ["4", "0", "1", *INT_NOISE],
     "step_seconds": ["0.01", "0", "1e-9", *FLOAT_NOISE],
     "compute_spread": ["0", "0.5", "3", *FLOAT_NOISE],
     "edge_slowdown": ["", "", "0:4", "1:0.5,0:2", "9:2", "0:0", "0:x", "0", "0:4,0:2", ":"],

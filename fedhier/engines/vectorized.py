@@ -23,6 +23,7 @@ import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
+from fedhier.async_edges import algorithm_for
 from fedhier.checkpoint import Checkpoint
 from fedhier.config import RunConfig
 from fedhier.engines.batched import (
@@ -35,7 +36,7 @@ from fedhier.errors import ConfigError
 from fedhier.faults import FaultModel
 from fedhier.federation import Federation
 from fedhier.grouping import ClientInfo
-from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, HierarchicalSGD, TrainResult
+from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, TrainResult
 from fedhier.optim import LocalOptimizer
 from fedhier.round_diagnostics import direct_client_gradients
 from fedhier.run_folder import RunFolder
@@ -339,7 +340,7 @@ def run_vectorized(cfg: RunConfig, folder: RunFolder, progress: bool = True, *,
     recorder = RunRecorder(folder, cfg, fed, "vectorized", progress,
                            resume_round=resume.round if resume else None,
                            elapsed=resume.wall_seconds if resume else 0.0)
-    algorithm = HierarchicalSGD(settings_for(cfg), as_cloud_step(make_cloud_strategy(
+    algorithm = algorithm_for(settings_for(cfg), as_cloud_step(make_cloud_strategy(
         cfg.cloud_strategy, cfg.server_lr, cfg.server_momentum)))
     executor = BatchedExecutor.build(cfg, fed, model, device)
     return run_recorded(algorithm, executor, cfg, recorder, params_of(model),
