@@ -76,3 +76,29 @@ def test_time_suite_times_every_arm_with_its_own_cloud_link(tmp_path):
     reach = results["seconds_to_target"]
     assert reach["flat-I"]["1"]["mean"] > reach["flat-I"]["1000"]["mean"]
     assert "Simulated seconds to reach" in (out / "results.md").read_text()
+
+
+def test_mobility_suite_sweeps_move_rates_and_times_async_edges(tmp_path):
+    out, results = run_suite(tmp_path, "mobility", "--seeds", "1", "--iterations", "64")
+    arms = results["arms"]
+    assert {f"{g}-rate{r}" for g in ("random", "min-divergence")
+            for r in ("0", "0.05", "0.2", "0.5")} | {"sync", "async"} == set(arms)
+    assert arms["async"]["config"]["async_buffer"] == 3
+    assert arms["async"]["config"]["rounds"] == 2 * arms["sync"]["config"]["rounds"]
+    assert "upward_divergence" in arms["random-rate0.2"]["final"]
+    assert (out / "mobility_rates.png").exists() and (out / "mobility_async.png").exists()
+    static = json.loads((out / "runs" / "random-rate0" / "seed0" / "metrics.jsonl")
+                        .read_text().splitlines()[-1])
+    assert "moved_clients" not in static  # rate 0: the static run
+
+
+def test_publishing_some_runs_keeps_the_sections_of_the_others(tmp_path):
+    from fedhier.experiments.publish import published_sections
+
+    results = tmp_path / "results.md"
+    results.write_text("# Results\n\n## Claims at a glance\n\n| run | claim | verdict |\n"
+                       "|---|---|---|\n| a-run | x holds | holds |\n\n## a-run: sandwich\n\n"
+                       "Command: `fedhier experiment sandwich`\n\n| arm | acc |\n")
+    sections, claims = published_sections(results)
+    assert list(sections) == ["a-run"] and "Command:" in sections["a-run"]
+    assert claims == {"a-run": ["| a-run | x holds | holds |"]}

@@ -22,7 +22,7 @@ from fedhier.engines.registry import engine_names
 from fedhier.errors import FedhierError
 from fedhier.run_folder import read_json, write_json
 
-NAMES = ("sandwich", "grouping", "periods", "diversity", "levels", "time")
+NAMES = ("sandwich", "grouping", "periods", "diversity", "levels", "time", "mobility")
 
 #: Base settings per size; flags given on the command line override them.
 QUICK = {"dataset": "digits", "clients": 20, "groups": 4, "alpha": 0.1,

@@ -44,6 +44,8 @@ RUNS: list[tuple[str, list[str]]] = [
     ("diversity-digits", ["experiment", "diversity", "--dataset", "digits"]),
     ("time-fmnist-a0.5", ["experiment", "time", "--dataset", "fashion-mnist",
                           "--alpha", "0.5", "--iterations", "400"]),
+    ("mobility-fmnist-a0.5", ["experiment", "mobility", "--dataset", "fashion-mnist",
+                              "--alpha", "0.5", "--iterations", "400"]),
 ]
 
 

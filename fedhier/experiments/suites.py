@@ -352,7 +352,97 @@ def _plot_time(summary: dict[str, Any], reach: dict[str, dict[float, dict[str, f
     plt.close(fig)
 
 
+# --------------------------------------------------------------------------- mobility
+#: Per-cloud-round move probabilities the ``mobility`` suite sweeps.
+MOVE_RATES = (0.0, 0.05, 0.2, 0.5)
+
+
+def mobility(base: RunConfig, seeds: Sequence[int], out: Path, engine: str, jobs: int,
+             total: int, rates: Sequence[float] = MOVE_RATES) -> Report:
+    """Clients moving between edges (random vs min-divergence grouping, both regrouping),
+    and asynchronous vs synchronous edges when one edge computes 4x slower."""
+    rounds = _rounds_for(total, base)
+    every = max(1, rounds // 5)
+    groupings = ("random", "min-divergence")
+    moving = [_arm(f"{g}-rate{rate:g}", f"{g}, move rate {rate:g}", base, total, grouping=g,
+                   mobility_rate=rate, regroup_every=every, diagnostics_every=every)
+              for g in groupings for rate in rates]
+    n_edges = base.num_edges
+    timing = {"sync": ("synchronous edges, edge 0 4x slower", 0),
+              "async": (f"async K={n_edges - 1}, edge 0 4x slower", n_edges - 1)}
+    # An async cloud round aggregates K of the N edges' reports, so the async arm gets twice
+    # the cloud rounds: the comparison is in simulated seconds, not rounds.
+    timed = [_arm(name, label, base, total * (2 if k else 1), edge_slowdown="0:4",
+                  async_buffer=k) for name, (label, k) in timing.items()]
+    results = run_arms([*moving, *timed], seeds, out, engine, jobs)
+    summary = _summarise([*moving, *timed], results,
+                         ("test_accuracy", "upward_divergence", "sim_seconds"))
+    final_of = {(g, rate): summary[f"{g}-rate{rate:g}"]["final"]
+                for g in groupings for rate in rates}
+    fig, (ax_acc, ax_up) = plt.subplots(1, 2, figsize=(11, 4))
+    for g in groupings:
+        for ax, key in ((ax_acc, "test_accuracy"), (ax_up, "upward_divergence")):
+            mean = np.array([final_of[g, r][key]["mean"] for r in rates])
+            std = np.array([final_of[g, r][key]["std"] for r in rates])
+            ax.errorbar(rates, mean, yerr=std, marker="o", capsize=3, label=g)
+    ax_acc.set(xlabel="move rate per cloud round", ylabel="final test accuracy",
+               title="Accuracy as clients move")
+    ax_up.set(xlabel="move rate per cloud round", ylabel="final upward divergence ε²",
+              title="Upward divergence as clients move")
+    for ax in (ax_acc, ax_up):
+        ax.grid(alpha=0.3)
+    ax_acc.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "mobility_rates.png", dpi=110)
+    plt.close(fig)
+    worst = min(summary[name]["final"]["test_accuracy"]["mean"] for name in timing)
+    target = round(0.95 * worst, 4)
+    reach = {}
+    for name in timing:
+        times = np.array([seconds_to_reach(run, target) for run in results[name].values()])
+        reach[name] = {"mean": float(times.mean()),
+                       "std": float(times.std()) if np.isfinite(times).all() else float("inf")}
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name, (label, _) in timing.items():
+        c = summary[name]["curves"]
+        ax.plot(c["sim_seconds"]["mean"], c["test_accuracy"]["mean"], label=label)
+    ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+    ax.set(xlabel="simulated seconds", ylabel="test accuracy",
+           title="Synchronous vs asynchronous edges, one edge 4x slower")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "mobility_async.png", dpi=110)
+    plt.close(fig)
+    up = {key: final_of[key]["upward_divergence"]["mean"] for key in final_of}
+    claims = {"min-divergence grouping keeps a lower final upward divergence than random at "
+              "every move rate": all(up["min-divergence", r] < up["random", r] for r in rates),
+              f"async edges reach {target:.4f} sooner than synchronous ones with one edge 4x "
+              "slower": reach["async"]["mean"] < reach["sync"]["mean"]}
+    md = ["Clients moving (Markov moves, fresh handoff; regrouping every "
+          f"{every} cloud rounds), final numbers, mean ± std over seeds:", "",
+          "| move rate | " + " | ".join(f"{g} accuracy | {g} upward div." for g in groupings)
+          + " |", "|---|" + "---|" * (2 * len(groupings))]
+    for rate in rates:
+        cells = [f"{final_of[g, rate][k]['mean']:.4f} ± {final_of[g, rate][k]['std']:.4f}"
+                 for g in groupings for k in ("test_accuracy", "upward_divergence")]
+        md.append(f"| {rate:g} | " + " | ".join(cells) + " |")
+    md += ["", "![rates](mobility_rates.png)", "",
+           f"Simulated seconds to test accuracy {target:.4f} (95% of the worse final mean "
+           "accuracy of the two), with edge 0's clients computing 4x slower:", "",
+           "| edges | seconds to target | final test accuracy | final sim_seconds |",
+           "|---|---|---|---|"]
+    for name, (label, _) in timing.items():
+        f = summary[name]["final"]
+        md.append(f"| {label} | {reach[name]['mean']:.1f} ± {reach[name]['std']:.1f} | "
+                  f"{f['test_accuracy']['mean']:.4f} ± {f['test_accuracy']['std']:.4f} | "
+                  f"{f['sim_seconds']['mean']:.1f} |")
+    md += ["", "![async](mobility_async.png)"]
+    return Report({"arms": summary, "target_accuracy": target, "seconds_to_target": reach,
+                   "claims": claims}, "\n".join(md), claims)
+
+
 SUITES: dict[str, Callable[..., Report]] = {
     "sandwich": sandwich, "grouping": grouping, "periods": periods, "levels": levels,
-    "time": time_to_accuracy,
+    "time": time_to_accuracy, "mobility": mobility,
 }
