@@ -51,17 +51,15 @@ class TimeModel:
     edge_slowdown: tuple[tuple[int, float], ...] = ()  # (edge, factor >= 1e-9)
 
     def __post_init__(self) -> None:
-        if not (self.step_seconds >= 0 and self.compute_spread >= 0
-                and self.client_edge_latency_ms >= 0 and self.edge_cloud_latency_ms >= 0):
-            raise ConfigError("step_seconds, compute_spread and the link latencies must be "
-                              ">= 0")
-        if not (self.client_edge_mbps > 0 and self.edge_cloud_mbps > 0):
-            raise ConfigError("client_edge_mbps and edge_cloud_mbps must be > 0")
-        for values in (self.step_seconds, self.compute_spread, self.client_edge_mbps,
-                       self.edge_cloud_mbps, self.client_edge_latency_ms,
-                       self.edge_cloud_latency_ms):
-            if not np.isfinite(values):
-                raise ConfigError("the time model's speeds and latencies must be finite")
+        for name in ("step_seconds", "compute_spread", "client_edge_latency_ms",
+                     "edge_cloud_latency_ms"):
+            value = getattr(self, name)
+            if not (np.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value}")
+        for name in ("client_edge_mbps", "edge_cloud_mbps"):
+            value = getattr(self, name)
+            if not (np.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a finite number > 0 (Mbit/s), got {value}")
 
     def check_edges(self, num_edges: int) -> None:
         """A one-line ConfigError when ``edge_slowdown`` names an edge that does not exist."""
