@@ -102,3 +102,19 @@ def test_publishing_some_runs_keeps_the_sections_of_the_others(tmp_path):
     sections, claims = published_sections(results)
     assert list(sections) == ["a-run"] and "Command:" in sections["a-run"]
     assert claims == {"a-run": ["| a-run | x holds | holds |"]}
+
+
+def test_a_run_from_before_a_setting_existed_is_reused(tmp_path):
+    """config.json of an older run lacks newer settings: at their defaults it is the same
+    run, at another value it is not."""
+    from fedhier.config import RunConfig
+    from fedhier.experiments.runner import _same_config
+    from fedhier.run_folder import write_json
+
+    cfg = RunConfig(clients=6, groups=(2,))
+    saved = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.to_dict().items()
+             if k not in ("async_buffer", "max_staleness")}
+    write_json(tmp_path / "config.json", saved)
+    assert _same_config(tmp_path, cfg)
+    assert not _same_config(tmp_path, cfg.replace(async_buffer=2))
+    assert not _same_config(tmp_path, cfg.replace(clients=7))

@@ -30,11 +30,19 @@ class Arm:
 
 
 def _same_config(run_dir: Path, cfg: RunConfig) -> bool:
-    """Whether a finished run folder ran ``cfg`` (the engine may differ: same numbers)."""
+    """Whether a finished run folder ran ``cfg`` (the engine may differ: same numbers). A
+    setting missing from an older config.json is taken at its default, which is what that run
+    did before the setting existed."""
     saved = read_json(run_dir, "config.json")
+    defaults = RunConfig().to_dict()
     mine = cfg.to_dict()
-    return all(saved.get(k) == (list(v) if isinstance(v, tuple) else v)
+    return all(saved.get(k, _listed(defaults[k])) == _listed(v)
                for k, v in mine.items() if k not in ("out", "engine"))
+
+
+def _listed(value: Any) -> Any:
+    """A tuple as config.json stores it (a list)."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _run_one(cfg: RunConfig, run_dir: str) -> str:
