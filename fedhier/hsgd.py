@@ -490,6 +490,10 @@ class HierarchicalSGD:
             cloud_round, {int(node): {k: v[i] for k, v in children.items()}
                           for i, node in enumerate(nodes)},
             {int(node): float(child_weight[node]) for node in nodes})
+        if not all(bool(torch.isfinite(v).all()) for v in new.values()):
+            raise RunFailureError(f"the cloud step ({_step_name(self.cloud_step)}) made the "
+                                  f"global model non-finite in cloud round {cloud_round}; "
+                                  "lower --server-lr or use --cloud-strategy average")
         device = _device(models)
         return {k: v.to(device).unsqueeze(0) for k, v in new.items()}, np.zeros(1, np.int64)
 
@@ -659,3 +663,8 @@ def client_accuracy_summary(accuracies: np.ndarray) -> dict[str, Any]:
 
 def _device(params: Mapping[str, torch.Tensor]) -> torch.device:
     return next(iter(params.values())).device
+
+
+def _step_name(step: Any) -> str:
+    """The class name of a cloud step, or of the Flower strategy it wraps."""
+    return type(getattr(step, "strategy", step)).__name__

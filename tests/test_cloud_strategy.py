@@ -28,3 +28,28 @@ def test_fedadam_runs_and_changes_the_model():
     plain = run_hier(BASE.replace(rounds=2))
     assert max_abs_diff(adam, plain) > 1e-4
     assert max_abs_diff(adam, initial_state(BASE)) > 1e-3
+
+
+def test_a_cloud_step_that_makes_the_model_non_finite_stops_the_run_naming_it():
+    import pytest
+    from flwr.app import ArrayRecord, ConfigRecord
+    from flwr.serverapp.strategy import FedAvg
+
+    from fedhier.clients.app import app as client_app
+    from fedhier.engines.inprocess_grid import InProcessGrid
+    from fedhier.faults import RunFailureError
+    from fedhier.strategies.hierfedavg import HierFedAvg
+
+    class Exploding(FedAvg):
+        def aggregate_train(self, server_round, replies):
+            arrays, metrics = super().aggregate_train(server_round, replies)
+            state = arrays.to_torch_state_dict()
+            return ArrayRecord({k: v * float("inf") for k, v in state.items()}), metrics
+
+    grid = InProcessGrid(client_app, BASE.clients, seed=BASE.seed)
+    strategy = HierFedAvg(BASE.local_period, BASE.global_period, BASE.groups,
+                          cloud_strategy=Exploding(min_available_nodes=1, min_train_nodes=1,
+                                                   fraction_evaluate=0.0))
+    with pytest.raises(RunFailureError, match="cloud step \\(Exploding\\).*cloud round 1"):
+        strategy.start(grid, ArrayRecord(initial_state(BASE)), num_rounds=1,
+                       train_config=ConfigRecord(BASE.to_run_config()))
