@@ -219,6 +219,17 @@ class RunConfig:
         return cls(**kwargs)
 
     @classmethod
+    def from_app_config(cls, values: Mapping[str, Any], where: str = "run_config") -> RunConfig:
+        """Build from a Flower app's run_config (``flwr run``): pyproject.toml's
+        ``[tool.flwr.app.config]`` lists every key, so a value equal to the field's default
+        counts as not set and the dataset card's ``[defaults]`` apply to it, as on the
+        command line (``--dataset shakespeare`` picks the LSTM)."""
+        kwargs = _checked(values, where)
+        given = {k: v for k, v in kwargs.items()
+                 if _listed_default(k) != (list(v) if isinstance(v, tuple) else v)}
+        return cls.from_mapping(given, where)
+
+    @classmethod
     def from_toml(cls, path: str | Path) -> RunConfig:
         """Read a TOML file whose top-level keys are RunConfig fields."""
         return cls.from_mapping(read_toml(path), where=str(path))
@@ -426,6 +437,12 @@ class RunConfig:
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in fields(RunConfig)}
+
+
+def _listed_default(key: str) -> Any:
+    """A field's default as a mapping holds it (a tuple as a list)."""
+    value = _FIELD_DEFAULTS[key]
+    return list(value) if isinstance(value, tuple) else value
 _PERIOD_KEYS = frozenset({"periods", "local_period", "global_period"})
 
 

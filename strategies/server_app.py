@@ -22,7 +22,7 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     """Run the hierarchical federation described by the run config."""
     quiet_flower()
-    cfg = RunConfig.from_mapping(context.run_config, where="run_config").replace(engine="flower")
+    cfg = RunConfig.from_app_config(context.run_config).replace(engine="flower")
     folder = RunFolder.create(cfg.out or default_run_dir("flwr-run"))
     summary = run_federation(grid, cfg, folder, engine="flower (flwr run)", progress=False)
     print(f"fedhier: run folder {folder.path}; final test accuracy "

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from fedhier.config import RunConfig
@@ -77,3 +79,18 @@ def test_group_counts_must_be_whole_numbers(value):
     """int() would silently truncate 2.5 to 2 and raise OverflowError on inf."""
     with pytest.raises(ConfigError, match="must be integers"):
         RunConfig.from_mapping({"groups": value})
+
+
+def test_flwr_run_config_at_the_defaults_lets_the_dataset_card_apply():
+    """pyproject.toml lists every key for `flwr run`; values left at the field defaults
+    count as not set, so `--run-config dataset='shakespeare'` picks the card's LSTM."""
+    import tomllib
+
+    table = tomllib.loads(Path("pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    shakespeare = RunConfig.from_app_config({**table, "dataset": "shakespeare"})
+    assert shakespeare.model == "lstm" and shakespeare.partition == "natural"
+    assert shakespeare.rounds == table["rounds"]  # a value the app set is kept
+    chosen = RunConfig.from_app_config({**table, "dataset": "shakespeare", "clients": 12})
+    assert chosen.clients == 12
+    assert RunConfig.from_app_config(table) == RunConfig.from_mapping(
+        {"rounds": table["rounds"]})
