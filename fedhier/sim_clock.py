@@ -160,16 +160,25 @@ class SimClock:
             nodes = hierarchy.num_nodes(upper)
             link = self.model.transfer_seconds(
                 "edge-cloud", np.bincount(parent, minlength=nodes), model_bytes)
-            arrived = np.full(nodes, -np.inf)
-            for node in range(nodes):
-                children = np.flatnonzero(parent == node)
-                if len(children):
-                    arrivals, _ = self.upload_queue(ready[children], -np.inf, model_bytes)
-                    arrived[node] = arrivals.max()
-            ready = arrived  # the node has all its children's models
+            ready = self._last_arrivals(ready, parent, nodes, model_bytes)
             above = parent[above]
             down += link[above]
         self.edge_time = ready[above] + down
+
+    def _last_arrivals(self, ready: np.ndarray, parent: np.ndarray, nodes: int,
+                       model_bytes: int) -> np.ndarray:
+        """float64 [nodes]: when each node has the last of its children's models, the
+        children (ready at ``ready`` [m], under ``parent`` [m]) queuing on its link
+        (:meth:`upload_queue`, one pass over all children in (node, ready, index) order)."""
+        per_model = 8.0 * model_bytes / (self.model.edge_cloud_mbps * 1e6)
+        latency = self.model.edge_cloud_latency_ms / 1e3
+        last = np.full(nodes, -np.inf)
+        free = np.full(nodes, -np.inf)
+        for child in np.lexsort((np.arange(len(ready)), ready, parent)).tolist():
+            node = parent[child]
+            free[node] = max(free[node], float(ready[child])) + per_model
+            last[node] = free[node] + latency
+        return last
 
     def upload_queue(self, ready: np.ndarray, link_free: float,
                      model_bytes: int) -> tuple[np.ndarray, float]:
