@@ -72,7 +72,7 @@ def settings_for(cfg: RunConfig) -> HSGDSettings:
                         min_clients_per_edge=cfg.min_clients_per_edge, on_nan=cfg.on_nan,
                         diagnostics_every=cfg.diagnostics_every,
                         regroup_every=cfg.regroup_every, aggregators=cfg.aggregator_names,
-                        mobility=cfg.mobility())
+                        mobility=cfg.mobility(), edge_periods=cfg.edge_period_list)
 
 
 def central_evaluation(cfg: RunConfig, fed: Federation, model: torch.nn.Module,

@@ -103,6 +103,10 @@ class HierFedAvg(Strategy):
     mobility : fedhier.mobility.Mobility, optional
         Clients moving between edges (a seeded rate or a trace) and the handoff policy
         (docs/hsgd.md#mobility). None = static.
+    edge_periods : sequence of int (default: ())
+        Per-edge periods I_i, one per edge, each dividing the next level's period; then
+        ``local_period`` must be their gcd g, the length of an edge round
+        (docs/hsgd.md#per-edge-periods). () = every edge aggregates every ``local_period``.
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class HierFedAvg(Strategy):
         regroup_every: int = 0,
         aggregators: Sequence[str] = ("mean",),
         mobility: Mobility | None = None,
+        edge_periods: Sequence[int] = (),
     ) -> None:
         all_periods = tuple(periods) if periods else (local_period, global_period)
         if all_periods[0] != local_period or all_periods[-1] != global_period:
@@ -135,7 +140,8 @@ class HierFedAvg(Strategy):
             seed=seed, workload=workload or Workload(),
             min_clients_per_edge=min_clients_per_edge, on_nan=on_nan,
             diagnostics_every=diagnostics_every, regroup_every=regroup_every,
-            aggregators=tuple(aggregators), mobility=mobility or Mobility())
+            aggregators=tuple(aggregators), mobility=mobility or Mobility(),
+            edge_periods=tuple(edge_periods))
         self.algorithm = HierarchicalSGD(self.settings, as_cloud_step(cloud_strategy))
         self.min_available_nodes = min_available_nodes
         self.arrayrecord_key = arrayrecord_key
@@ -155,7 +161,8 @@ class HierFedAvg(Strategy):
                    periods=s.periods, cloud_strategy=cloud_strategy, workload=s.workload,
                    min_clients_per_edge=s.min_clients_per_edge, on_nan=s.on_nan,
                    diagnostics_every=s.diagnostics_every, regroup_every=s.regroup_every,
-                   aggregators=s.aggregators, mobility=s.mobility)
+                   aggregators=s.aggregators, mobility=s.mobility,
+                   edge_periods=s.edge_periods)
 
     # ------------------------------------------------------------------ what it holds
     @property
@@ -230,7 +237,7 @@ class HierFedAvg(Strategy):
             self.algorithm.begin_cloud_round(executor, (server_round - 1) // edge_rounds + 1)
         work, plan = self.algorithm.plan(server_round)
         self._pending = (work, plan)
-        return executor.train_messages(work, self.algorithm.edge_models)
+        return executor.train_messages(work, self.algorithm.start_models(work))
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
