@@ -14,6 +14,12 @@ A cloud round is G / I edge rounds. Each edge round:
    its model); at the top level the global model is the aggregate, or the :class:`CloudStep`'s
    update (e.g. a Flower strategy: "hierarchical FedAdam").
 
+With per-edge periods (``HSGDSettings.edge_periods``, docs/hsgd.md#per-edge-periods) an edge
+round is g = gcd(I_i) steps, only the edges the schedule names aggregate
+(:func:`fedhier.topology.edge_levels_after`), each edge plans at the start of its own period,
+and the clients of the other edges continue from their carried models
+(:meth:`HierarchicalSGD.start_models`).
+
 The run's state (hierarchy, global and edge models, traffic counters, cloud step) lives in
 :class:`HierarchicalSGD`, which checkpoints and resumes itself (:meth:`state_dict`); one record
 builder (:meth:`record`) defines the metrics keys of every engine. No Flower import here.
