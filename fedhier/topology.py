@@ -81,7 +81,7 @@ def validate_edge_periods(edge_periods: tuple[int, ...], periods: tuple[int, ...
         raise ConfigError(f"edge_periods gives {len(edge_periods)} period(s) for {num_edges} "
                           f"edge(s) {list(edge_periods)}: give one per edge")
     if min(edge_periods) < 1:
-        raise ConfigError(f"edge periods must be positive integers, got {list(edge_periods)}")
+        raise ConfigError(f"edge_periods must be positive integers, got {list(edge_periods)}")
     if len(periods) < 2:
         raise ConfigError("per-edge periods need a level above the edges")
     above = periods[1]
