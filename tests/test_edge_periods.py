@@ -11,16 +11,17 @@
 """
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from flwr.app import ArrayRecord, ConfigRecord
 
 from fedhier.cli import main
+from fedhier.clients.app import app as client_app
 from fedhier.config import RunConfig
 from fedhier.engines.inprocess import run_inprocess
+from fedhier.engines.inprocess_grid import InProcessGrid
 from fedhier.engines.vectorized import run_vectorized
 from fedhier.errors import ConfigError
 from fedhier.grouping import ClientInfo
@@ -34,8 +35,10 @@ from fedhier.hsgd import (
 )
 from fedhier.plan import Workload
 from fedhier.run_folder import RunFolder
+from fedhier.server import settings_for
+from fedhier.strategies.hierfedavg import HierFedAvg
 from fedhier.topology import edge_levels_after
-from tests.helpers import metrics
+from tests.helpers import assert_same_run, initial_state, max_abs_diff, metrics
 
 BASE = RunConfig(dataset="digits", clients=8, groups=(4,), local_period=2, global_period=4,
                  rounds=2, batch_size=8, seed=11)
@@ -44,36 +47,6 @@ TINY = ["--dataset", "digits", "--clients", "6", "--groups", "2", "--global-peri
 TOL = 1e-5
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / "model_final.safetensors"))
-
-
-def close(a: object, b: object, tol: float) -> bool:
-    """Equal values; floats (also inside lists, None allowed) within ``tol``."""
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(close(u, v, tol) for u, v in zip(a, b, strict=True))
-    if isinstance(a, float) and isinstance(b, float):
-        return math.isclose(a, b, rel_tol=tol, abs_tol=tol * 1e-3)
-    return a == b
-
-
-def assert_same_runs(a: Path, b: Path, tol: float, ignore: frozenset = frozenset()) -> None:
-    """Every metrics key but wall_seconds (and ``ignore``) within ``tol``; final parameters
-    within ``tol`` (tol 0: identical bits)."""
-    ma, mb = metrics(a), metrics(b)
-    assert len(ma) == len(mb)
-    skip = {"wall_seconds", *ignore}
-    for ra, rb in zip(ma, mb, strict=True):
-        assert ra.keys() - skip == rb.keys() - skip
-        for key in ra.keys() - skip:
-            assert close(ra[key], rb[key], tol), (key, ra["round"], ra[key], rb[key])
-    fa, fb = final_state(a), final_state(b)
-    if tol == 0:
-        assert all(torch.equal(fa[k], fb[k]) for k in fa)
-    else:
-        assert max(float((fa[k] - fb[k]).abs().max()) for k in fa) <= tol
 
 
 # ------------------------------------------------------------------------------ the schedule
@@ -118,8 +91,8 @@ def test_equal_periods_are_the_two_level_run_bit_for_bit(engine, case, tmp_path)
     run = run_inprocess if engine == "inprocess" else run_vectorized
     run(off, RunFolder.create(tmp_path / "off"), progress=False)
     run(on, RunFolder.create(tmp_path / "on"), progress=False)
-    assert_same_runs(tmp_path / "off", tmp_path / "on", tol=0.0,
-                     ignore=frozenset({"edge_aggregations"}))
+    assert_same_run(tmp_path / "off", tmp_path / "on", off.rounds, tol=0.0,
+                    ignore=frozenset({"edge_aggregations"}))
     per_round = off.global_period // off.local_period
     assert all(r["edge_aggregations"] == [per_round] * off.num_edges
                for r in metrics(tmp_path / "on")[1:])
@@ -261,7 +234,7 @@ def test_engines_agree_with_per_edge_periods(case, tmp_path):
     run_inprocess(cfg, RunFolder.create(tmp_path / "inprocess"), progress=False)
     run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "vectorized"),
                    progress=False)
-    assert_same_runs(tmp_path / "inprocess", tmp_path / "vectorized", TOL)
+    assert_same_run(tmp_path / "inprocess", tmp_path / "vectorized", cfg.rounds, TOL)
     records = metrics(tmp_path / "vectorized")
     assert "edge_aggregations" in records[-1]
     if cfg.mobility_rate:
@@ -290,3 +263,23 @@ def test_settings_check_the_periods():
         HSGDSettings(periods=(1, 4), groups=(2,), edge_periods=(2, 4))
     with pytest.raises(ConfigError, match="one per edge"):
         HSGDSettings(periods=(2, 4), groups=(2,), edge_periods=(2,))
+
+
+def test_flower_hooks_run_the_same_edge_rounds():
+    """configure_train / aggregate_train (a ServerApp driving HierFedAvg edge round by edge
+    round) send carried models too, and reach start()'s global model."""
+    cfg = BASE.replace(edge_periods="1,2,2,4", global_period=4, rounds=1)
+    config = ConfigRecord(cfg.to_run_config())
+    arrays = ArrayRecord(initial_state(cfg))
+    expected = HierFedAvg.from_settings(settings_for(cfg)).start(
+        InProcessGrid(client_app, cfg.clients, seed=cfg.seed), arrays, num_rounds=1,
+        train_config=config).arrays.to_torch_state_dict()
+    strategy = HierFedAvg.from_settings(settings_for(cfg))
+    grid = InProcessGrid(client_app, cfg.clients, seed=cfg.seed)
+    strategy.setup(grid, config, 3600, arrays)
+    final = None
+    for edge_round in range(1, 5):
+        messages = strategy.configure_train(edge_round, arrays, config, grid)
+        final, _ = strategy.aggregate_train(edge_round, grid.send_and_receive(messages))
+    assert final is not None
+    assert max_abs_diff(final.to_torch_state_dict(), expected) == 0.0
