@@ -64,6 +64,9 @@ class RunConfig:
         "I: edge aggregation period, in local SGD steps"))
     global_period: int = field(default=20, metadata=_help(
         "G: cloud aggregation period, in local SGD steps (a multiple of I)"))
+    edge_periods: str = field(default="", metadata=_help(
+        "per-edge periods I_i, comma-separated, one per edge, each dividing the next level's "
+        "period (e.g. 2,4,4,8); the edge period I becomes their gcd ('' = off)"))
     regroup_every: int = field(default=0, metadata=_help(
         "regroup clients every K cloud rounds (0 = never); gradient grouping uses the current "
         "model's gradients"))
@@ -188,6 +191,21 @@ class RunConfig:
             object.__setattr__(self, "global_period", self.periods[-1])
         else:
             object.__setattr__(self, "periods", (self.local_period, self.global_period))
+        self._edge_round_from_edge_periods()
+
+    def _edge_round_from_edge_periods(self) -> None:
+        """With per-edge periods, I (and P_1) is g = gcd(I_i), the length of an edge round
+        (unparsable or non-positive periods are left to :meth:`validate`)."""
+        try:
+            edge_periods = self.edge_period_list
+        except ConfigError:
+            return
+        if edge_periods and min(edge_periods) > 0:
+            from fedhier.topology import edge_round_period
+
+            g = edge_round_period(edge_periods)
+            object.__setattr__(self, "local_period", g)
+            object.__setattr__(self, "periods", (g, *self.periods[1:]))
         self.validate()
 
     # -- construction ---------------------------------------------------------------------
@@ -306,6 +324,13 @@ class RunConfig:
         return tuple(name.strip() for name in self.aggregators.split(","))
 
     @property
+    def edge_period_list(self) -> tuple[int, ...]:
+        """``edge_periods`` as integers, one per edge; () = off."""
+        from fedhier.topology import parse_edge_periods
+
+        return parse_edge_periods(self.edge_periods)
+
+    @property
     def num_edges(self) -> int:
         """N: the number of edge servers (level-1 groups)."""
         return self.groups[0]
@@ -358,6 +383,12 @@ class RunConfig:
                 f"min_partition_size must be >= 0 (0 = auto), got {self.min_partition_size}")
         if self.classes_per_client < 1:
             raise ConfigError(f"classes_per_client must be >= 1, got {self.classes_per_client}")
+        from fedhier.topology import validate_edge_periods
+
+        validate_edge_periods(self.edge_period_list, self.periods, self.num_edges)
+        if self.normalize_updates and len(set(self.edge_period_list)) > 1:
+            raise ConfigError("normalize_updates (FedNova) is not supported with unequal "
+                              "edge_periods")
         if self.local_period < 1 or self.global_period < 1:
             raise ConfigError("local_period and global_period must be positive integers")
         if len(self.periods) == 2 and self.global_period % self.local_period != 0:
@@ -430,7 +461,7 @@ class RunConfig:
         self.time_model().check_edges(self.num_edges)
         self.asynchronous().check(self.num_edges, len(self.periods), self.aggregator_names,
                                   self.mobility_rate > 0 or bool(self.mobility_trace),
-                                  self.regroup_every > 0)
+                                  self.regroup_every > 0, bool(self.edge_periods))
         if self.async_buffer and self.cloud_strategy != "average":
             raise ConfigError("asynchronous edges (async_buffer) use the staleness-weighted "
                               "average at the cloud; choose cloud_strategy average")

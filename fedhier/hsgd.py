@@ -14,6 +14,12 @@ A cloud round is G / I edge rounds. Each edge round:
    its model); at the top level the global model is the aggregate, or the :class:`CloudStep`'s
    update (e.g. a Flower strategy: "hierarchical FedAdam").
 
+With per-edge periods (``HSGDSettings.edge_periods``, docs/hsgd.md#per-edge-periods) an edge
+round is g = gcd(I_i) steps, only the edges the schedule names aggregate
+(:func:`fedhier.topology.edge_levels_after`), each edge plans at the start of its own period,
+and the clients of the other edges continue from their carried models
+(:meth:`HierarchicalSGD.start_models`).
+
 The run's state (hierarchy, global and edge models, traffic counters, cloud step) lives in
 :class:`HierarchicalSGD`, which checkpoints and resumes itself (:meth:`state_dict`); one record
 builder (:meth:`record`) defines the metrics keys of every engine. No Flower import here.
@@ -47,7 +53,13 @@ from fedhier.plan import EdgeRoundPlan, Workload, plan_edge_round
 from fedhier.round_diagnostics import client_diagnostics, diagnostics_due
 from fedhier.sim_clock import SimClock, TimeModel
 from fedhier.staleness import AsyncEdges
-from fedhier.topology import Hierarchy, build_hierarchy, validate_periods
+from fedhier.topology import (
+    Hierarchy,
+    build_hierarchy,
+    edge_levels_after,
+    validate_edge_periods,
+    validate_periods,
+)
 
 Params = dict[str, torch.Tensor]
 log = logging.getLogger("fedhier")
@@ -67,7 +79,12 @@ class EdgeRoundWork:
         edge_of_client: int64 [n], the client -> edge map in force (it aggregates there).
         start_edge_of_client: int64 [n], the edge whose model each client starts from, when
             it differs from ``edge_of_client`` (a client that just moved with ``carry``
-            handoff starts from its old edge's model); None = its edge's.
+            handoff starts from its old edge's model); None = its edge's. With per-edge
+            periods a row >= the number of edges E names a carried client model (below).
+        carried: int64 [c], the sent clients that continue from their own model (per-edge
+            periods: their edge did not aggregate after their last edge round); client
+            ``carried[r]`` starts from row E + r of the start models
+            (:meth:`HierarchicalSGD.start_models`). None = every client starts from an edge.
     """
 
     edge_round: int
@@ -77,6 +94,7 @@ class EdgeRoundWork:
     steps: np.ndarray
     edge_of_client: np.ndarray
     start_edge_of_client: np.ndarray | None = None
+    carried: np.ndarray | None = None
 
     @property
     def start_edges(self) -> np.ndarray:
@@ -126,7 +144,9 @@ class Executor(Protocol):
 
     def train(self, work: EdgeRoundWork, edge_models: Params) -> TrainResult:
         """Run ``work``: each sent client trains from ``edge_models[name][its start
-        edge]`` (``work.start_edges``)."""
+        edge]`` (``work.start_edges``). ``edge_models``: name -> [E (+ c), *shape], the
+        start models (:meth:`HierarchicalSGD.start_models`: the edges' models, then any
+        carried client models)."""
         ...
 
     def evaluate(self, params: Params, cloud_round: int) -> ClientEvaluation | None:
@@ -182,13 +202,20 @@ class HSGDSettings:
     mobility: Mobility = field(default_factory=Mobility)
     time_model: TimeModel = field(default_factory=TimeModel)
     asynchronous: AsyncEdges = field(default_factory=AsyncEdges)
+    edge_periods: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         validate_periods(self.periods)
+        if self.edge_periods:
+            validate_edge_periods(self.edge_periods, self.periods,
+                                  self.groups[0] if self.groups else 0)
+            if self.workload.normalize_updates and len(set(self.edge_periods)) > 1:
+                raise ConfigError("normalize_updates (FedNova) is not supported with unequal "
+                                  "edge_periods")
         self.time_model.check_edges(self.groups[0] if self.groups else 1)
         self.asynchronous.check(self.groups[0] if self.groups else 1, len(self.periods),
                                 self.aggregators, self.mobility.active,
-                                bool(self.regroup_every))
+                                bool(self.regroup_every), bool(self.edge_periods))
         check_aggregators(self.aggregators, len(self.periods))
         if len(self.groups) != len(self.periods) - 1:
             raise ConfigError(f"{len(self.groups)} group level(s) need "
@@ -200,6 +227,7 @@ class HSGDSettings:
 
     @property
     def local_period(self) -> int:
+        """The length of one edge round in local steps: I, or g = gcd(I_i) per edge."""
         return self.periods[0]
 
     @property
@@ -234,6 +262,14 @@ class HierarchicalSGD:
         self._restored_clock: dict[str, Any] | None = None
         self._maps: np.ndarray | None = None  # int64 [E, n]: this cloud round's edge maps
         self._moves: list[list[int]] = []  # [edge round, client, from, to] this cloud round
+        # Per-edge periods: each client's planned steps left in its edge's period (int64 [n]),
+        # its FedNova scale (float64 [n]), its model not yet aggregated (name -> [n, *shape],
+        # valid where _has_carry, bool [n]) and each edge's aggregations this cloud round.
+        self._remaining = np.zeros(0, dtype=np.int64)
+        self._scale = np.ones(0, dtype=np.float64)
+        self._carried: Params = {}
+        self._has_carry = np.zeros(0, dtype=bool)
+        self._edge_aggregations = np.zeros(0, dtype=np.int64)
 
     # ---------------------------------------------------------------- set-up and grouping
     def setup(self, executor: Executor, initial: Params) -> None:
@@ -311,6 +347,11 @@ class HierarchicalSGD:
                                        hierarchy.edge_of_client(), num_edges)
         self.edge_models = {k: v.unsqueeze(0).repeat(num_edges, *([1] * v.dim()))
                             for k, v in self.global_params.items()}
+        n = hierarchy.num_clients
+        self._remaining = np.zeros(n, dtype=np.int64)
+        self._scale = np.ones(n, dtype=np.float64)
+        self._has_carry = np.zeros(n, dtype=bool)
+        self._edge_aggregations = np.zeros(num_edges, dtype=np.int64)
         if self.cloud_step is not None:
             self.cloud_step.begin(cloud_round, self.global_params,
                                   hierarchy.num_nodes(hierarchy.num_levels - 1))
@@ -326,13 +367,15 @@ class HierarchicalSGD:
         for k in range(1, edge_rounds + 1):
             edge_round = (cloud_round - 1) * edge_rounds + k
             work, plan = self.plan(edge_round)
-            outcome = self.complete(work, plan, executor.train(work, self.edge_models))
+            outcome = self.complete(work, plan, executor.train(work, self.start_models(work)))
             failed += outcome["failed_clients"]
             failed_edge_count += outcome["failed_edges"]
             if outcome["train_loss"] is not None:
                 losses.append(outcome["train_loss"])
         out: dict[str, Any] = {"local_train_loss": float(np.mean(losses)) if losses else None,
                "failed_clients": failed, "failed_edges": failed_edge_count, **regrouped}
+        if s.edge_periods:
+            out["edge_aggregations"] = self._edge_aggregations.tolist()
         if s.mobility.active:
             out["moved_clients"] = len(self._moves)
             if self._moves:
@@ -346,15 +389,56 @@ class HierarchicalSGD:
         s = self.settings
         start_edges = self._move(edge_round)
         hierarchy = self._hierarchy()
-        plan = plan_edge_round(hierarchy, s.workload, self.weights, s.seed, edge_round)
+        start_step = (edge_round - 1) * s.local_period
+        carried = None
+        if s.edge_periods:
+            plan, start_edges, carried = self._plan_periods(edge_round, start_step, start_edges)
+        else:
+            plan = plan_edge_round(hierarchy, s.workload, self.weights, s.seed, edge_round)
         clients = plan.participants
         work = EdgeRoundWork(
             edge_round=edge_round,
             cloud_round=(edge_round - 1) // s.edge_rounds_per_cloud_round + 1,
-            start_step=(edge_round - 1) * s.local_period, clients=clients,
+            start_step=start_step, clients=clients,
             steps=plan.steps[clients], edge_of_client=hierarchy.edge_of_client(),
-            start_edge_of_client=start_edges)
+            start_edge_of_client=start_edges, carried=carried)
         return work, plan
+
+    def _plan_periods(self, edge_round: int, start_step: int, start_edges: np.ndarray | None,
+                      ) -> tuple[EdgeRoundPlan, np.ndarray | None, np.ndarray | None]:
+        """Per-edge periods: the edges whose period starts at ``start_step`` plan their whole
+        period (:func:`plan_edge_round`); every client then does up to g of its remaining
+        planned steps, from its carried model when it has one.
+
+        Returns the edge round's plan (steps int64 [n] in 0..g), the start rows (int64 [n] or
+        None, see :class:`EdgeRoundWork`) and the carried clients (int64 [c] or None).
+        """
+        s, hierarchy = self.settings, self._hierarchy()
+        periods = np.asarray(s.edge_periods, dtype=np.int64)
+        starting = np.flatnonzero(start_step % periods == 0)
+        if len(starting):
+            period_plan = plan_edge_round(hierarchy, s.workload, self.weights, s.seed,
+                                          edge_round, starting, s.edge_periods)
+            planned = np.isin(hierarchy.edge_of_client(), starting)
+            self._remaining[planned] = period_plan.steps[planned]
+            self._scale[planned] = period_plan.scale[planned]
+        steps = np.minimum(self._remaining, s.local_period)
+        self._remaining -= steps
+        carried = np.flatnonzero(self._has_carry & (steps > 0))
+        if not len(carried):
+            return EdgeRoundPlan(steps=steps, scale=self._scale.copy()), start_edges, None
+        rows = hierarchy.edge_of_client() if start_edges is None else start_edges.copy()
+        rows[carried] = hierarchy.num_nodes(1) + np.arange(len(carried))
+        return EdgeRoundPlan(steps=steps, scale=self._scale.copy()), rows, carried
+
+    def start_models(self, work: EdgeRoundWork) -> Params:
+        """name -> [E + c, *shape]: the models ``work``'s clients start from, rows indexed by
+        ``work.start_edges``: the E edges' models, then the c carried client models."""
+        if work.carried is None:
+            return self.edge_models
+        index = torch.as_tensor(work.carried, device=_device(self._carried))
+        return {k: torch.cat([v, self._carried[k].index_select(0, index)])
+                for k, v in self.edge_models.items()}
 
     def _move(self, edge_round: int) -> np.ndarray | None:
         """Put the map of ``edge_round`` in force; returns the start edges of a ``carry``
@@ -371,6 +455,8 @@ class HierarchicalSGD:
             return None
         self.hierarchy = self._hierarchy().with_edge_map(new)
         self._moves.extend([edge_round, int(c), int(old[c]), int(new[c])] for c in moved)
+        if s.mobility.handoff != "carry" and len(self._has_carry):
+            self._has_carry[moved] = False  # fresh: a moved client drops its own model
         if s.mobility.handoff != "carry" or k == 1:  # k = 1: every edge holds the global model
             return None
         start = new.copy()
@@ -400,21 +486,32 @@ class HierarchicalSGD:
         failed = len(work.clients) - len(survivors)
         failed_edge_count = failed_edges(work.edge_of_client, work.clients, survivors,
                                          num_edges, s.min_clients_per_edge, work.edge_round)
-        level = hierarchy.level_after(work.edge_round * s.local_period - 1)
-        self.communication.add_edge_round(len(work.clients), len(survivors), self.model_bytes)
-        clock = self._clock()
-        clock.edge_round(work.clients, work.steps, work.edge_of_client, self.model_bytes)
+        levels = edge_levels_after(work.edge_round * s.local_period - 1, s.periods,
+                                   s.edge_periods, num_edges)
+        level = int(levels.max()) if num_edges else 0
+        if s.edge_periods:
+            self._edge_aggregations += levels > 0
         outcome: dict[str, Any] = {"level": level, "failed_clients": failed,
                                    "failed_edges": failed_edge_count, "train_loss": None}
         reported = alive if result.loss_reported is None else alive & result.loss_reported
         if reported.any():
             w = self.weights[work.clients[reported]]
             outcome["train_loss"] = float(np.dot(w, result.losses[reported]) / w.sum())
-        if not len(survivors):
-            return outcome  # nothing came back: every edge keeps its model
-        if not alive.all():
+        if not alive.all() and len(survivors):
             rows = torch.as_tensor(np.flatnonzero(alive), device=_device(models))
             models = {k: v.index_select(0, rows) for k, v in models.items()}
+        clock = self._clock()
+        if s.edge_periods:
+            sent = len(work.clients) - (0 if work.carried is None else len(work.carried))
+            failed_here = work.clients[~alive]
+            models, survivors = self._carry(work, models, survivors, levels[work.edge_of_client])
+            self._time_edge_round(work, levels, np.union1d(survivors, failed_here))
+        else:
+            sent = len(work.clients)
+            clock.edge_round(work.clients, work.steps, work.edge_of_client, self.model_bytes)
+        self.communication.add_edge_round(sent, len(survivors), self.model_bytes)
+        if not len(survivors):
+            return outcome  # nothing came back: every edge keeps its model
         if hold_cloud and level == hierarchy.num_levels:
             outcome["held"] = (models, survivors)
             return outcome
@@ -432,6 +529,52 @@ class HierarchicalSGD:
         if level == hierarchy.num_levels:
             self.global_params = {k: v[0] for k, v in averaged.items()}
         return outcome
+
+    def _time_edge_round(self, work: EdgeRoundWork, levels: np.ndarray,
+                         uploading: np.ndarray) -> None:
+        """Per-edge periods on the simulated clock: a client receives its edge's model only
+        when it does not continue from its own, and an edge receives models only when it
+        aggregates (from ``uploading``, int64: its clients aggregated now or failed)."""
+        downloads = np.ones(len(work.clients), dtype=bool)
+        if work.carried is not None:
+            downloads[np.isin(work.clients, work.carried)] = False
+        edges = work.edge_of_client[uploading]
+        uploads = np.bincount(edges[levels[edges] > 0], minlength=len(levels))
+        self._clock().edge_round(work.clients, work.steps, work.edge_of_client,
+                                 self.model_bytes, downloads=downloads, uploads=uploads)
+
+    def _carry(self, work: EdgeRoundWork, models: Params, survivors: np.ndarray,
+               client_levels: np.ndarray) -> tuple[Params, np.ndarray]:
+        """Per-edge periods: keep the survivors whose edge does not aggregate now as carried
+        models; return the models (name -> [m, *shape]) and ids (int64 [m]) that aggregate
+        now: the survivors of aggregating edges, then their edges' earlier carried models.
+
+        ``client_levels``: int64 [n], the level each client's edge aggregates at (0 = not).
+        A sent client that failed loses its carried model.
+        """
+        self._has_carry[work.clients] = False
+        keep = client_levels[survivors] == 0
+        if keep.any():
+            device = _device(models)
+            rows = torch.as_tensor(np.flatnonzero(keep), device=device)
+            into = torch.as_tensor(survivors[keep], device=device)
+            if not self._carried:
+                n = len(self._has_carry)
+                self._carried = {k: torch.zeros(n, *v.shape[1:], dtype=v.dtype, device=device)
+                                 for k, v in models.items()}
+            for key, value in models.items():
+                self._carried[key].index_copy_(0, into, value.index_select(0, rows))
+            self._has_carry[survivors[keep]] = True
+        earlier = np.flatnonzero(self._has_carry & (client_levels > 0))
+        if not keep.any() and not len(earlier):
+            return models, survivors
+        device = _device(models)
+        now = torch.as_tensor(np.flatnonzero(~keep), device=device)
+        carried = torch.as_tensor(earlier, device=device)
+        out = {k: torch.cat([v.index_select(0, now), self._carried[k].index_select(0, carried)])
+               for k, v in models.items()}
+        self._has_carry[earlier] = False
+        return out, np.concatenate([survivors[~keep], earlier]).astype(np.int64)
 
     def _scale_updates(self, models: Params, work: EdgeRoundWork, scale: np.ndarray) -> None:
         """FedNova: client j's model becomes w_start + s_j (w_j - w_start), w_start its

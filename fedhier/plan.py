@@ -71,25 +71,37 @@ def stragglers(num_clients: int, fraction: float, seed: int) -> np.ndarray:
 
 
 def plan_edge_round(hierarchy: Hierarchy, workload: Workload, weights: np.ndarray, seed: int,
-                    edge_round: int) -> EdgeRoundPlan:
-    """Plan edge round ``edge_round`` (1-based): steps and update scale per client."""
+                    edge_round: int, edges: np.ndarray | None = None,
+                    edge_periods: tuple[int, ...] = ()) -> EdgeRoundPlan:
+    """Plan edge round ``edge_round`` (1-based): steps and update scale per client.
+
+    Args:
+        edges: int64 ids of the edges that plan now (per-edge periods: those whose period
+            starts with this edge round); None = every edge. Other edges' clients get 0.
+        edge_periods: I_i per edge (per-edge periods), the local work of each of its
+            sampled clients over its whole period; () = I (``hierarchy.periods[0]``) for all.
+    """
     n = hierarchy.num_clients
-    local_period = hierarchy.periods[0]
     edge_of = hierarchy.edge_of_client()
+    planning = range(hierarchy.num_nodes(1)) if edges is None else edges.tolist()
     steps = np.zeros(n, dtype=np.int64)
-    for edge in range(hierarchy.num_nodes(1)):
+    period = np.full(n, hierarchy.periods[0], dtype=np.int64)  # each client's edge's period
+    if edge_periods:
+        period = np.asarray(edge_periods, dtype=np.int64)[edge_of]
+    for edge in planning:
         members = np.flatnonzero(edge_of == edge)
-        steps[sample_clients(members, workload.participation, seed, edge_round, edge)] = (
-            local_period)
+        picked = sample_clients(members, workload.participation, seed, edge_round, edge)
+        steps[picked] = period[picked]
     slow = stragglers(n, workload.straggler_fraction, seed) & (steps > 0)
-    low = min(workload.straggler_min_steps, max(local_period - 1, 1))
     for client in np.flatnonzero(slow):
+        local_period = int(period[client])
+        low = min(workload.straggler_min_steps, max(local_period - 1, 1))
         high = max(local_period - 1, low)
         steps[client] = generator(seed, "straggler-steps", edge_round, int(client)).integers(
             low, high + 1)
     scale = np.ones(n, dtype=np.float64)
     if workload.normalize_updates:
-        for edge in range(hierarchy.num_nodes(1)):
+        for edge in planning:
             members = np.flatnonzero((edge_of == edge) & (steps > 0))
             p = weights[members] / weights[members].sum()
             tau_eff = float(np.dot(p, steps[members]))

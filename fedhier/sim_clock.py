@@ -129,22 +129,38 @@ class SimClock:
         return float(self.edge_time.max()) if len(self.edge_time) else 0.0
 
     def edge_round_seconds(self, clients: np.ndarray, steps: np.ndarray,
-                           edge_of_client: np.ndarray, model_bytes: int) -> np.ndarray:
+                           edge_of_client: np.ndarray, model_bytes: int,
+                           downloads: np.ndarray | None = None,
+                           uploads: np.ndarray | None = None) -> np.ndarray:
         """float64 [E]: each edge's time for an edge round in which ``clients`` (int64 [k])
         do ``steps`` (int64 [k]) local steps at the edges ``edge_of_client`` [n] names
-        (0 for an edge without a sent client)."""
+        (0 for an edge without a sent client).
+
+        By default every sent client receives its edge's model and sends one back; per-edge
+        periods say which sent clients receive one (``downloads``, bool [k]) and how many
+        models each edge receives at the end (``uploads``, int64 [E]).
+        """
         num_edges = len(self.edge_time)
         edges = edge_of_client[clients]
         compute = steps * self.step_seconds[clients] * self.edge_factor[edges]
         slowest = np.zeros(num_edges)
         np.maximum.at(slowest, edges, compute)
         sent = np.bincount(edges, minlength=num_edges)
-        return 2 * self.model.transfer_seconds("client-edge", sent, model_bytes) + slowest
+        if downloads is None and uploads is None:
+            return 2 * self.model.transfer_seconds("client-edge", sent, model_bytes) + slowest
+        down = sent if downloads is None else np.bincount(edges[downloads],
+                                                          minlength=num_edges)
+        up = sent if uploads is None else uploads
+        return (self.model.transfer_seconds("client-edge", down, model_bytes) + slowest
+                + self.model.transfer_seconds("client-edge", up, model_bytes))
 
     def edge_round(self, clients: np.ndarray, steps: np.ndarray,
-                   edge_of_client: np.ndarray, model_bytes: int) -> None:
+                   edge_of_client: np.ndarray, model_bytes: int,
+                   downloads: np.ndarray | None = None,
+                   uploads: np.ndarray | None = None) -> None:
         """Advance each edge's clock by its edge round (see :meth:`edge_round_seconds`)."""
-        self.edge_time += self.edge_round_seconds(clients, steps, edge_of_client, model_bytes)
+        self.edge_time += self.edge_round_seconds(clients, steps, edge_of_client, model_bytes,
+                                                  downloads, uploads)
 
     def aggregate(self, hierarchy: Hierarchy, level: int, model_bytes: int) -> None:
         """An aggregation at ``level``: the edges under each level-``level`` node wait for

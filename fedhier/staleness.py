@@ -29,7 +29,8 @@ class AsyncEdges:
         return self.buffer > 0
 
     def check(self, num_edges: int, num_levels: int, aggregators: tuple[str, ...] = ("mean",),
-              moving: bool = False, regrouping: bool = False) -> None:
+              moving: bool = False, regrouping: bool = False,
+              edge_periods: bool = False) -> None:
         """One-line ConfigErrors for settings no run could honour."""
         if self.buffer < 0 or self.max_staleness < 0:
             raise ConfigError(f"async_buffer and max_staleness must be >= 0, got "
@@ -44,6 +45,9 @@ class AsyncEdges:
                               "(clients -> edges -> cloud)")
         if any(name != "mean" for name in aggregators):
             raise ConfigError("asynchronous edges (async_buffer) need the mean aggregator")
+        if edge_periods:
+            raise ConfigError("asynchronous edges (async_buffer) run one period per edge: "
+                              "edge_periods are not supported with them")
         if moving or regrouping:
             raise ConfigError("asynchronous edges (async_buffer) keep the grouping fixed: "
                               "no mobility and no regroup_every")

@@ -6,10 +6,15 @@ l = 1..L has a period P_l in local SGD iterations, P_1 < P_2 < ... < P_L, each a
 the one below. After local step t (0-based) the hierarchy aggregates at the highest level l
 with (t + 1) % P_l == 0, over each level-l node's subtree (algorithms.md §1-§2).
 Two-level H-SGD is periods (I, G).
+
+Per-edge periods (docs/hsgd.md#per-edge-periods): edge i may aggregate every I_i steps
+(each I_i dividing P_2); P_1 is then g = gcd(I_i), the length of one edge round, and
+:func:`edge_levels_after` says which edges aggregate after a step.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -48,6 +53,61 @@ def aggregation_level(step: int, periods: tuple[int, ...]) -> int:
         if (step + 1) % period == 0:
             level = index
     return level
+
+
+def parse_edge_periods(text: str) -> tuple[int, ...]:
+    """``"2,4,4,8"`` -> (2, 4, 4, 8); ``""`` -> () (per-edge periods off). One-line errors."""
+    if not text.strip():
+        return ()
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"edge_periods must be comma-separated integers, one per edge, got "
+                          f"'{text}'") from None
+
+
+def edge_round_period(edge_periods: tuple[int, ...]) -> int:
+    """g = gcd of the per-edge periods: the length (local steps) of one edge round."""
+    return math.gcd(*edge_periods)
+
+
+def validate_edge_periods(edge_periods: tuple[int, ...], periods: tuple[int, ...],
+                          num_edges: int) -> None:
+    """Raise ConfigError unless there is one positive period I_i per edge, each dividing the
+    next level's period P_2 (the cloud's G on two levels), and ``periods[0]`` is their gcd."""
+    if not edge_periods:
+        return
+    if len(edge_periods) != num_edges:
+        raise ConfigError(f"edge_periods gives {len(edge_periods)} period(s) for {num_edges} "
+                          f"edge(s) {list(edge_periods)}: give one per edge")
+    if min(edge_periods) < 1:
+        raise ConfigError(f"edge_periods must be positive integers, got {list(edge_periods)}")
+    if len(periods) < 2:
+        raise ConfigError("per-edge periods need a level above the edges")
+    above = periods[1]
+    bad = [p for p in edge_periods if above % p]
+    if bad:
+        raise ConfigError(f"edge period {bad[0]} does not divide the next level's period "
+                          f"{above} (edge_periods {list(edge_periods)})")
+    if periods[0] != edge_round_period(edge_periods):
+        raise ConfigError(f"the edge-level period {periods[0]} must be the gcd "
+                          f"{edge_round_period(edge_periods)} of edge_periods "
+                          f"{list(edge_periods)}")
+
+
+def edge_levels_after(step: int, periods: tuple[int, ...], edge_periods: tuple[int, ...],
+                      num_edges: int) -> np.ndarray:
+    """int64 [num_edges]: the level each edge aggregates at after 0-based local step ``step``.
+
+    The one schedule of every engine. Without per-edge periods every edge shares
+    :func:`aggregation_level`; with them edge i follows periods (I_i, P_2, ..., P_L): it
+    aggregates (level 1) when ``step + 1`` is a multiple of I_i, and every edge takes part in
+    the higher levels' aggregations (each I_i divides P_2).
+    """
+    if not edge_periods:
+        return np.full(num_edges, aggregation_level(step, periods), dtype=np.int64)
+    return np.array([aggregation_level(step, (p, *periods[1:])) for p in edge_periods],
+                    dtype=np.int64)
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,10 @@ class HierFedAvg(Strategy):
         Asynchronous, buffered edges: the cloud aggregates the first K edge reports on the
         simulated clock, stale ones weighted 1/sqrt(1+s) (docs/hsgd.md#asynchronous-edges).
         None = synchronous H-SGD.
+    edge_periods : sequence of int (default: ())
+        Per-edge periods I_i, one per edge, each dividing the next level's period; then
+        ``local_period`` must be their gcd g, the length of an edge round
+        (docs/hsgd.md#per-edge-periods). () = every edge aggregates every ``local_period``.
     """
 
     def __init__(
@@ -136,6 +140,7 @@ class HierFedAvg(Strategy):
         mobility: Mobility | None = None,
         time_model: TimeModel | None = None,
         asynchronous: AsyncEdges | None = None,
+        edge_periods: Sequence[int] = (),
     ) -> None:
         all_periods = tuple(periods) if periods else (local_period, global_period)
         if all_periods[0] != local_period or all_periods[-1] != global_period:
@@ -147,7 +152,8 @@ class HierFedAvg(Strategy):
             min_clients_per_edge=min_clients_per_edge, on_nan=on_nan,
             diagnostics_every=diagnostics_every, regroup_every=regroup_every,
             aggregators=tuple(aggregators), mobility=mobility or Mobility(),
-            time_model=time_model or TimeModel(), asynchronous=asynchronous or AsyncEdges())
+            time_model=time_model or TimeModel(), asynchronous=asynchronous or AsyncEdges(),
+            edge_periods=tuple(edge_periods))
         self.algorithm = algorithm_for(self.settings, as_cloud_step(cloud_strategy))
         self.min_available_nodes = min_available_nodes
         self.arrayrecord_key = arrayrecord_key
@@ -168,7 +174,7 @@ class HierFedAvg(Strategy):
                    min_clients_per_edge=s.min_clients_per_edge, on_nan=s.on_nan,
                    diagnostics_every=s.diagnostics_every, regroup_every=s.regroup_every,
                    aggregators=s.aggregators, mobility=s.mobility, time_model=s.time_model,
-                   asynchronous=s.asynchronous)
+                   asynchronous=s.asynchronous, edge_periods=s.edge_periods)
 
     # ------------------------------------------------------------------ what it holds
     @property
@@ -233,6 +239,9 @@ class HierFedAvg(Strategy):
         """Send each planned client its edge's model for edge round ``server_round``
         (1-based); at the first edge round of a cloud round every edge starts from
         ``arrays``."""
+        if self.settings.asynchronous.active:
+            raise ConfigError("asynchronous edges run through HierFedAvg.start(); the "
+                              "per-edge-round hooks are synchronous H-SGD")
         if self.executor is None:
             self.setup(grid, config, 3600, arrays)
         executor = self._require_executor()
@@ -243,7 +252,7 @@ class HierFedAvg(Strategy):
             self.algorithm.begin_cloud_round(executor, (server_round - 1) // edge_rounds + 1)
         work, plan = self.algorithm.plan(server_round)
         self._pending = (work, plan)
-        return executor.train_messages(work, self.algorithm.edge_models)
+        return executor.train_messages(work, self.algorithm.start_models(work))
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -64,13 +64,16 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def assert_same_run(a: Path, b: Path, rounds: int, tol: float = 1e-5) -> None:
-    """Two run folders hold the same metrics (floats to ``tol``) and final model."""
+def assert_same_run(a: Path, b: Path, rounds: int, tol: float = 1e-5,
+                    ignore: frozenset[str] = frozenset()) -> None:
+    """Two run folders hold the same metrics (floats to ``tol``; keys in ``ignore`` left
+    out) and final model (tol 0: the same bits)."""
     ma, mb = metrics(a), metrics(b)
     assert len(ma) == len(mb) == rounds + 1
+    skip = IGNORED_KEYS | ignore
     for ra, rb in zip(ma, mb, strict=True):
-        assert ra.keys() == rb.keys()
-        for key in ra.keys() - IGNORED_KEYS:
+        assert ra.keys() - ignore == rb.keys() - ignore
+        for key in ra.keys() - skip:
             if isinstance(ra[key], float):
                 assert math.isclose(ra[key], rb[key], rel_tol=tol, abs_tol=tol), key
             else:

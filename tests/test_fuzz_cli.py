@@ -282,6 +282,8 @@ FLAG_VALUES: dict[str, list[str]] = {
     "local_period": ["1", "2", "4", "3", *INT_NOISE],
     "global_period": ["2", "4", "3", "1", *INT_NOISE],
     "regroup_every": ["0", "1", *INT_NOISE],
+    "edge_periods": ["", "", "1,2", "2,2", "1,1,2,2", "0,2", "3,2", "-1,2", "x", "1,,2",
+                     "2"],
     "diagnostics_every": ["0", "1", *INT_NOISE],
     "diagnostics_max_samples": ["0", "5", *INT_NOISE],
     "periods": ["1,2", "1,2,4", "2,1", "0,2", "1,2,3", "", "x", "1", "1,,2"],
