@@ -135,3 +135,27 @@ def test_time_model_inputs_are_checked_before_any_work(tmp_path, capsys):
         assert "\n" not in err and err
         assert not out.exists()
     assert parse_edge_slowdown(" 0:4, 3:2.5 ") == ((0, 4.0), (3, 2.5))
+
+
+def test_per_edge_periods_pay_only_for_the_transfers_they_make():
+    """A client that continues from its own model downloads nothing, and an edge that does
+    not aggregate receives nothing: its edge round is its slowest client's compute."""
+    clock = SimClock(MODEL, seed=0, num_clients=3, num_edges=2)
+    clients, steps, edge_of = np.array([0, 1, 2]), np.array([2, 2, 2]), np.array([0, 0, 1])
+    seconds = clock.edge_round_seconds(clients, steps, edge_of, B,
+                                       downloads=np.array([True, True, False]),
+                                       uploads=np.array([2, 0]))
+    np.testing.assert_allclose(seconds, [2 * (0.003 + 2 * 0.01) + 2 * 0.02, 2 * 0.02],
+                               rtol=1e-12)
+
+
+def test_unequal_edge_periods_run_on_the_same_clock_on_every_engine(tmp_path):
+    cfg = RunConfig(dataset="digits", clients=8, groups=(2,), local_period=2, global_period=8,
+                    edge_periods="2,8", rounds=2, batch_size=8, compute_spread=0.3)
+    run_inprocess(cfg, RunFolder.create(tmp_path / "a", cfg), progress=False)
+    run_vectorized(cfg, RunFolder.create(tmp_path / "b", cfg), progress=False)
+    a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert [r["sim_seconds"] for r in a] == [r["sim_seconds"] for r in b]
+    plain = cfg.replace(edge_periods="")
+    run_inprocess(plain, RunFolder.create(tmp_path / "c", plain), progress=False)
+    assert a[-1]["client_edge_bytes"] < metrics(tmp_path / "c")[-1]["client_edge_bytes"]
