@@ -8,13 +8,16 @@ root runs the same ServerApp logic through ``fedhier.strategies.server_app:app``
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import os
 import threading
-from collections.abc import Iterator
-from queue import Queue
+import time
+from collections.abc import Iterable, Iterator
+from queue import Empty, Queue
 from typing import Any
 
-from flwr.app import Context
+from flwr.app import Context, Message
 from flwr.serverapp import Grid, ServerApp
 
 from fedhier.checkpoint import Checkpoint
@@ -44,8 +47,7 @@ def run_simulation_engine(cfg: RunConfig, folder: RunFolder, progress: bool = Tr
     def main(grid: Grid, context: Context) -> None:
         # The ServerApp runs in a Flower thread; its exception (a run failure, a stop
         # requested inside it) is handed to the caller's thread, as on the other engines.
-        if hasattr(grid, "pull_interval"):  # InMemoryGrid: look for replies every 10 ms
-            grid.pull_interval = PULL_INTERVAL
+        replies.wait_on(grid)
         try:
             summary.update(run_federation(grid, cfg, folder, engine="flower",
                                           progress=progress, resume=resume))
@@ -64,7 +66,8 @@ def run_simulation_engine(cfg: RunConfig, folder: RunFolder, progress: bool = Tr
         "client_resources": {"num_cpus": 1, "num_gpus": num_gpus / max(cfg.clients, 1)},
         "init_args": init_args,
     }
-    with _fast_dispatch():
+    replies = _Replies()
+    with _fast_dispatch(replies):
         run_simulation(server_app=server_app, client_app=client_app,
                        num_supernodes=cfg.clients,
                        backend_config=backend_config)  # type: ignore[arg-type]
@@ -82,15 +85,64 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-#: Seconds between two looks for replies (ServerApp side) and for new messages (SuperNode
-#: side); Flower's are 0.1 s each.
-PULL_INTERVAL = 0.01
+#: Seconds between two walks over the stored messages for new ones to hand to the clients
+#: (Flower's: 0.1 s); and the longest wait for replies between two looks (Flower's pull
+#: interval: 0.1 s), which only matters for replies the LinkState makes itself (expired
+#: messages): the Simulation Engine's replies wake the ServerApp as they are stored.
 DISPATCH_INTERVAL = 0.01
+PULL_INTERVAL = 0.1
+
+
+class _Replies:
+    """Counts the replies the Simulation Engine stores, so that the ServerApp's
+    ``send_and_receive`` wakes when its last reply is in instead of looking every 0.1 s."""
+
+    def __init__(self) -> None:
+        self.stored = 0
+        self.changed = threading.Condition()
+
+    def add(self) -> None:
+        with self.changed:
+            self.stored += 1
+            self.changed.notify_all()
+
+    def _all_in(self, seen: int, target: int) -> bool:
+        return self.stored > seen and self.stored >= target
+
+    def wait_on(self, grid: Grid) -> None:
+        """Give ``grid`` (Flower's InMemoryGrid) a ``send_and_receive`` that waits for
+        these notifications; the same pushes and pulls as Flower's, fewer pulls."""
+        if not all(hasattr(grid, a) for a in ("push_messages", "pull_messages")):
+            return
+
+        def send_and_receive(messages: Iterable[Message], *,
+                             timeout: float | None = None) -> list[Message]:
+            with self.changed:
+                base = self.stored
+            ids = set(grid.push_messages(messages))
+            total = len(ids)
+            end = math.inf if timeout is None else time.time() + timeout
+            out: list[Message] = []
+            while True:
+                with self.changed:
+                    seen = self.stored
+                replies = list(grid.pull_messages(ids))
+                out.extend(replies)
+                ids.difference_update(r.metadata.reply_to_message_id for r in replies)
+                left = end - time.time()
+                if not ids or left <= 0:
+                    return out
+                with self.changed:  # all replies in since the push, or a new one since the pull
+                    self.changed.wait_for(functools.partial(self._all_in, seen, base + total),
+                                          timeout=min(PULL_INTERVAL, left))
+
+        grid.send_and_receive = send_and_receive  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
-def _fast_dispatch() -> Iterator[None]:
-    """Run the Simulation Engine with :func:`_add_messages_to_queue` as its dispatcher.
+def _fast_dispatch(replies: _Replies) -> Iterator[None]:
+    """Run the Simulation Engine with :func:`_add_messages_to_queue` as its dispatcher and
+    a reply injector that tells ``replies``.
 
     Flower's dispatcher (``vce_api.add_messages_to_queue``) asks the LinkState, every 0.1 s,
     for one message per node with ``get_message_ins(node, limit=1)``, and each such call
@@ -98,11 +150,13 @@ def _fast_dispatch() -> Iterator[None]:
     checks per tick, which kept one of two cores busy for the whole run. Ours hands out the
     same messages (at most one per node per tick, each checked once as Flower checks it,
     marked delivered as Flower marks it) in one walk. Where the LinkState is not the
-    in-memory one it knows, Flower's own dispatcher runs.
+    in-memory one it knows, Flower's own dispatcher runs. The injector stores each reply as
+    Flower's ``put_message_into_state`` does, then counts it in ``replies``.
     """
     from flwr.server.superlink.fleet.vce import vce_api
 
     original = vce_api.add_messages_to_queue
+    original_injector = vce_api.put_message_into_state
 
     def dispatch(state: Any, queue: Queue, nodes_mapping: dict[int, int],
                  f_stop: threading.Event) -> None:
@@ -112,11 +166,22 @@ def _fast_dispatch() -> Iterator[None]:
             return
         _add_messages_to_queue(state, queue, nodes_mapping, f_stop)
 
+    def inject(state: Any, queue: Queue, f_stop: threading.Event) -> None:
+        while not f_stop.is_set():
+            try:
+                reply = queue.get(timeout=1.0)
+            except Empty:
+                continue
+            state.store_message_res(reply)
+            replies.add()
+
     vce_api.add_messages_to_queue = dispatch
+    vce_api.put_message_into_state = inject
     try:
         yield
     finally:
         vce_api.add_messages_to_queue = original
+        vce_api.put_message_into_state = original_injector
 
 
 def _add_messages_to_queue(state: Any, queue: Queue, nodes_mapping: dict[int, int],
