@@ -90,6 +90,9 @@ def _cuda() -> bool:
 #: interval: 0.1 s), which only matters for replies the LinkState makes itself (expired
 #: messages): the Simulation Engine's replies wake the ServerApp as they are stored.
 DISPATCH_INTERVAL = 0.01
+#: The Flower release whose private dispatcher (``vce_api``) :func:`_fast_dispatch` replaces;
+#: under any other the Simulation Engine runs unpatched.
+PATCHED_FLOWER = "1.42.0"
 PULL_INTERVAL = 0.1
 
 
@@ -153,8 +156,12 @@ def _fast_dispatch(replies: _Replies) -> Iterator[None]:
     in-memory one it knows, Flower's own dispatcher runs. The injector stores each reply as
     Flower's ``put_message_into_state`` does, then counts it in ``replies``.
     """
+    import flwr
     from flwr.server.superlink.fleet.vce import vce_api
 
+    if flwr.__version__ != PATCHED_FLOWER:  # another Flower: its own dispatcher, unpatched
+        yield
+        return
     original = vce_api.add_messages_to_queue
     original_injector = vce_api.put_message_into_state
 
