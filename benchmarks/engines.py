@@ -26,10 +26,20 @@ that a busy spell on a shared machine hits every engine alike, and the table rep
 median. Wall time is the headline; CPU time of the process (``time.process_time``, one torch
 thread) is reported too, as it is less sensitive to other load (flower: the driver only).
 
+Every engine's row shows its steps/s, its ratio to the plain loop and its fraction of the
+float32 matmul peak measured in the same run (useful FLOPs over the window / peak GFLOP/s);
+plain and vectorized are measured again side by side at 2 threads (against the 2-thread peak).
+
 Run ``python benchmarks/engines.py`` (all), ``--quick`` (3 rounds, no flower, no 10,000
-clients), ``--skip-flower`` or ``--engines plain,inprocess`` (a subset: only the table);
-results go to benchmarks/results/engines.json (``--out`` to change). ``--profile`` adds one
-untimed cProfile run of inprocess and vectorized.
+clients, no 2-thread runs), ``--skip-flower`` or ``--engines plain,inprocess`` (a subset: only
+the table); results go to benchmarks/results/engines.json (``--out`` to change).
+``--profile`` adds one untimed cProfile run of inprocess and vectorized. ``--device cuda``
+runs the fedhier engines on that device (the plain loop stays on the cpu); the device used is
+printed.
+
+``--scale 1000,10000,100000``: only the vectorized engine on W1 replicated to each client
+count (``--client-chunk``, default 1,000), each in a fresh process: steps/s, peak RSS
+(``ru_maxrss``) and bytes per client (results: benchmarks/results/engines_scale.json).
 """
 
 from __future__ import annotations
@@ -225,24 +235,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     if args.worker != "plain":
         instrument_recorder(marks)
     if args.worker == "scaling":
-        cfg = w1_config(args.rounds, clients=args.clients, groups=(args.clients // 10,),
-                        client_chunk=args.client_chunk)
-        fed = replicated_federation(cfg, args.clients)
-        small = w1_config(1)  # warm-up: lazy initialisation (not at full size: minutes)
-        run_engine("vectorized", small, marks, replicated_federation(small, small.clients))
-        marks.marks.clear()
-        out["rss_before_mb"] = rss_mb()
-        run_engine("vectorized", cfg, marks, fed)
-        window = marks.window()
-        edge_rounds = args.rounds * cfg.global_period // cfg.local_period
-        out.update(clients=args.clients, edges=args.clients // 10, rounds=args.rounds,
-                   client_chunk=args.client_chunk, window=window,
-                   seconds_per_edge_round=window["wall"] / edge_rounds,
-                   client_steps_per_s=args.clients * args.rounds * cfg.global_period
-                   / window["wall"], peak_rss_mb=peak_rss_mb(), load_before=load_before,
-                   load_after=os.getloadavg()[0])
-        return out
-    cfg = w1_config(args.rounds)
+        return {**out, **scaling_run(args, marks, load_before)}
+    cfg = w1_config(args.rounds, **({} if args.worker == "plain" else {"device": args.device}))
     repeats = 1 if args.worker == "flower" else args.repeats
     if args.worker != "flower":  # warm-up: lazy initialisation, caches, allocator
         if args.worker == "plain":
@@ -263,6 +257,48 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     out.update(windows=windows, final_test_accuracy=accuracy, peak_rss_mb=peak_rss_mb(),
                load_before=load_before, load_after=os.getloadavg()[0])
     return out
+
+
+def scaling_run(args: argparse.Namespace, marks: Marks, load_before: float) -> dict[str, Any]:
+    """One vectorized run of W1 replicated to ``args.clients`` clients, in this process.
+
+    Peak RSS (``ru_maxrss``) is this process's: the imports, a one-round 100-client warm-up
+    run, building the federation and the run itself. ``rss_before_mb`` is the resident memory
+    just before the measured run starts (imports and warm-up, no federation yet).
+    """
+    small = w1_config(1, device=args.device)  # warm-up: lazy initialisation, at small size
+    run_engine("vectorized", small, marks, replicated_federation(small, small.clients))
+    marks.marks.clear()
+    rss_before = rss_mb()
+    start = time.perf_counter()
+    cfg = w1_config(args.rounds, clients=args.clients, groups=(max(1, args.clients // 10),),
+                    client_chunk=args.client_chunk, device=args.device)
+    fed = replicated_federation(cfg, args.clients)
+    federation_seconds = time.perf_counter() - start
+    run_engine("vectorized", cfg, marks, fed)
+    total = time.perf_counter() - start
+    window = marks.window()
+    edge_rounds = args.rounds * cfg.global_period // cfg.local_period
+    return dict(clients=args.clients, edges=max(1, args.clients // 10), rounds=args.rounds,
+                client_chunk=args.client_chunk, device=device_name(args.device),
+                window=window, seconds_per_edge_round=window["wall"] / edge_rounds,
+                client_steps_per_s=args.clients * args.rounds * cfg.global_period
+                / window["wall"], federation_seconds=federation_seconds,
+                setup_seconds=marks.marks[0][1] - start, total_seconds=total,
+                rss_before_mb=rss_before, peak_rss_mb=peak_rss_mb(),
+                load_before=load_before, load_after=os.getloadavg()[0])
+
+
+def device_name(device: str) -> str:
+    """The device ``--device`` resolves to here, with the GPU's name for CUDA."""
+    import torch
+
+    from fedhier.train import resolve_device
+
+    resolved = resolve_device(device)
+    if resolved.type == "cuda":
+        return f"{resolved} ({torch.cuda.get_device_name(resolved)})"
+    return str(resolved)
 
 
 def profiled(run: Any, out: dict[str, Any]) -> float:
@@ -382,8 +418,10 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
                         "final save/plot. flower: one run; others: median over interleaved passes, "
                         "each a fresh process with a one-round warm-up run.",
     }
+    report["device"] = device_name(args.device)
     print(f"W1 on {report['machine']['cpu']} ({report['machine']['cores']} cores), "
-          f"{args.threads} torch thread(s), load average {os.getloadavg()[0]:.2f}")
+          f"{args.threads} torch thread(s), device {report['device']} (plain loop: cpu), "
+          f"load average {os.getloadavg()[0]:.2f}")
     engines = [e for e in args.engines if not (e == "flower" and (args.skip_flower or args.quick))]
     raw: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
     for _ in range(args.repeats):  # interleaved, so a busy spell hits every engine alike
@@ -403,15 +441,28 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
                             results["inprocess"][speedup] >= 1 / 1.5}
                            if "inprocess" in results else {})
         return report
-    if args.threads != 2 and not args.quick:
-        extra = summarise(spawn("vectorized", args, threads=2), steps_per_run)
-        extra["speedup_vs_plain"] = plain["median_seconds"] / extra["median_seconds"]
-        extra["cpu_speedup_vs_plain"] = plain["cpu_seconds_median"] / extra["cpu_seconds_median"]
-        report["vectorized_2_threads"] = extra
     peak = spawn("matmul", args)
     peak2 = spawn("matmul", args, threads=2) if args.threads != 2 else peak
     flops = report["workload"]["rows_per_step_total"] * FLOPS_PER_EXAMPLE * (
         args.rounds * W1["global_period"])
+    for res in results.values():  # useful FLOPs / window, against the matmul peak
+        res["fraction_of_peak"] = flops / res["median_seconds"] / 1e9 / peak["matmul_gflops"]
+    if args.threads != 2 and not args.quick:  # plain and vectorized, side by side at 2 threads
+        two: dict[str, list[dict[str, Any]]] = {"plain": [], "vectorized": []}
+        for _ in range(args.repeats):
+            for name in two:
+                two[name].append(spawn(name, args, threads=2, repeats=1))
+        plain2 = summarise(merge(two["plain"]), steps_per_run)
+        for name, runs in two.items():
+            extra = summarise(merge(runs), steps_per_run)
+            extra["speedup_vs_plain"] = plain["median_seconds"] / extra["median_seconds"]
+            extra["cpu_speedup_vs_plain"] = (plain["cpu_seconds_median"]
+                                             / extra["cpu_seconds_median"])
+            extra["speedup_vs_plain_2_threads"] = (plain2["median_seconds"]
+                                                   / extra["median_seconds"])
+            extra["fraction_of_peak"] = (flops / extra["median_seconds"] / 1e9
+                                         / peak2["matmul_gflops"])
+            report[f"{name}_2_threads"] = extra
     vec = results["vectorized"]
     report["vectorized_flops"] = {
         "formula": FLOPS_FORMULA, "flops_per_example": FLOPS_PER_EXAMPLE,
@@ -424,11 +475,13 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
                 "aggregation); the engine pads every client to 16 rows and skips the input "
                 "gradient of the first layer, so executed FLOPs differ from useful ones",
     }
-    counts = [100, 1000] if args.quick else [100, 1000, 10000]
+    counts = [] if args.skip_scaling else [100, 1000] if args.quick else [100, 1000, 10000]
     rounds = {100: max(2, min(args.rounds, 5)), 1000: 2, 10000: 1}
-    scaling = [spawn("scaling", args, clients=n, rounds=rounds[n]) for n in counts]
-    if not args.quick:
-        scaling.append(spawn("scaling", args, clients=10000, rounds=1, client_chunk=1000))
+    scaling = [spawn("scaling", args, clients=n, rounds=rounds[n], device=args.device)
+               for n in counts]
+    if not args.quick and not args.skip_scaling:
+        scaling.append(spawn("scaling", args, clients=10000, rounds=1, client_chunk=1000,
+                             device=args.device))
     report["scaling"] = {
         "workload": "W1 replicated: client j holds the rows of W1 client j mod 100 (its own "
                     "batch order), 10 clients per edge, random grouping; per-client work equals "
@@ -449,18 +502,68 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def parent_scale(args: argparse.Namespace) -> dict[str, Any]:
+    """``--scale N1,N2,...``: the vectorized engine on W1 replicated to each client count,
+    each in a fresh process (so ``ru_maxrss`` is that size's peak), chunked by
+    ``--client-chunk`` (default 1,000 clients per chunk)."""
+    chunk = args.client_chunk or 1000
+    print(f"scale: W1 replicated, vectorized, {args.threads} torch thread(s), device "
+          f"{device_name(args.device)}, client_chunk {chunk}, {args.rounds} cloud round(s), "
+          f"load average {os.getloadavg()[0]:.2f}")
+    runs = [spawn("scaling", args, clients=n, repeats=1, client_chunk=min(chunk, n),
+                  device=args.device) for n in args.scale]
+    for previous, run in zip([None, *runs[:-1]], runs, strict=True):
+        run["bytes_per_client"] = (run["peak_rss_mb"] - run["rss_before_mb"]) * 2**20 / run[
+            "clients"]
+        run["marginal_bytes_per_client"] = (
+            None if previous is None else (run["peak_rss_mb"] - previous["peak_rss_mb"])
+            * 2**20 / (run["clients"] - previous["clients"]))
+    return {"command": "python benchmarks/engines.py " + " ".join(sys.argv[1:]),
+            "machine": machine(), "threads": args.threads, "device": device_name(args.device),
+            "scale": {
+                "workload": "W1 replicated: client j holds the rows of W1 client j mod 100 "
+                            "(its own batch order), 10 clients per edge, random grouping, "
+                            "mlp 64-128-10 (9,610 parameters = 37.5 KiB per client model)",
+                "memory": "peak_rss_mb: ru_maxrss of the fresh worker process; "
+                          "bytes_per_client = (peak - RSS before the measured run) / clients; "
+                          "marginal = peak difference / client difference to the previous size",
+                "runs": runs}}
+
+
+def print_scale(report: dict[str, Any]) -> None:
+    print(f"\ndevice: {report['device']}")
+    print(f"{'clients':>9}{'chunk':>7}{'steps/s':>10}{'s/edge round':>14}{'set-up s':>10}"
+          f"{'RSS before MB':>15}{'peak RSS MB':>13}{'bytes/client':>14}{'marginal B/client':>19}")
+    for run in report["scale"]["runs"]:
+        marginal = run["marginal_bytes_per_client"]
+        print(f"{run['clients']:>9,}{run['client_chunk']:>7,}{run['client_steps_per_s']:>10,.0f}"
+              f"{run['seconds_per_edge_round']:>14.3f}{run['setup_seconds']:>10.1f}"
+              f"{run['rss_before_mb']:>15,.0f}{run['peak_rss_mb']:>13,.0f}"
+              f"{run['bytes_per_client']:>14,.0f}"
+              f"{'-' if marginal is None else f'{marginal:,.0f}':>19}")
+
+
 def print_report(report: dict[str, Any]) -> None:
     print()
-    print(f"{'engine':<22}{'seconds':>9}{'steps/s':>10}{'vs plain':>10}{'CPU s':>8}"
-          f"{'CPU vs plain':>14}{'peak RSS MB':>13}{'test acc':>10}")
+    print(f"device: {report.get('device', 'cpu')} (plain loop: cpu); fraction of peak = useful "
+          f"GFLOP/s over the window / measured float32 matmul GFLOP/s at the same threads")
+    print(f"{'engine':<22}{'seconds':>9}{'steps/s':>10}{'vs plain':>10}{'of peak':>9}"
+          f"{'CPU s':>8}{'CPU vs plain':>14}{'peak RSS MB':>13}{'test acc':>10}")
     rows = list(report["engines"].items())
-    if "vectorized_2_threads" in report:
-        rows.append(("vectorized, 2 threads", report["vectorized_2_threads"]))
+    for name in ("plain", "vectorized"):
+        if f"{name}_2_threads" in report:
+            rows.append((f"{name}, 2 threads", report[f"{name}_2_threads"]))
     for name, res in rows:
+        of_peak = (f"{res['fraction_of_peak']:>8.1%}" if "fraction_of_peak" in res
+                   else f"{'-':>8}")
         print(f"{name:<22}{res['median_seconds']:>9.2f}{res['client_sgd_steps_per_s']:>10,.0f}"
-              f"{res['speedup_vs_plain']:>9.1f}x{res['cpu_seconds_median']:>8.2f}"
+              f"{res['speedup_vs_plain']:>9.1f}x{of_peak:>9}{res['cpu_seconds_median']:>8.2f}"
               f"{res['cpu_speedup_vs_plain']:>13.1f}x{res['peak_rss_mb']:>13,.0f}"
               f"{res['final_test_accuracy']:>10.4f}")
+    if "vectorized_2_threads" in report and "plain_2_threads" in report:
+        print(f"at 2 threads, vectorized is "
+              f"{report['vectorized_2_threads']['speedup_vs_plain_2_threads']:.1f}x the plain "
+              f"loop at 2 threads")
     if "vectorized_flops" not in report:  # an --engines subset
         for key in ("targets", "targets_by_cpu_time"):
             print(f"\n{key}:", ", ".join(f"{k}: {'met' if v else 'NOT met'}"
@@ -487,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="3 cloud rounds, one repeat, no flower, no 10,000 clients")
     parser.add_argument("--skip-flower", action="store_true", help="skip the Ray engine")
+    parser.add_argument("--skip-scaling", action="store_true",
+                        help="skip the 100 / 1,000 / 10,000-client scaling table")
     parser.add_argument("--engines", default=",".join(ENGINES),
                         help="comma-separated subset of the engines (plain is always run); "
                              "without vectorized: only the engine table and targets")
@@ -497,21 +602,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the inprocess and vectorized runs (one more, untimed "
                              "run each) and print the top functions")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON output file")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON output file (default benchmarks/results/engines.json, "
+                             "with --scale engines_scale.json)")
+    parser.add_argument("--scale", default="",
+                        help="comma-separated client counts (e.g. 1000,10000,100000): only "
+                             "the vectorized engine's memory and speed at those sizes")
+    parser.add_argument("--client-chunk", type=int, default=0,
+                        help="--scale: clients per chunk (default 1000)")
+    parser.add_argument("--device", default="cpu",
+                        help="torch device of the fedhier engines (cpu, cuda, auto)")
     parser.add_argument("--worker", choices=(*ENGINES, "matmul", "scaling"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--clients", type=int, default=100, help=argparse.SUPPRESS)
-    parser.add_argument("--client-chunk", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     chosen = set(args.engines.split(",")) | {"plain"}
     if not chosen <= set(ENGINES):
         parser.error(f"--engines: unknown {sorted(chosen - set(ENGINES))}; choose from {ENGINES}")
     args.engines = [e for e in ENGINES if e in chosen]
+    rounds_given = args.rounds
     args.rounds = args.rounds or (3 if args.quick else W1["rounds"])
     args.repeats = args.repeats or (1 if args.quick else 3)
+    args.scale = [int(n.replace("_", "")) for n in args.scale.split(",") if n]
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return 0
+    if args.scale:
+        args.rounds = rounds_given or 1
+        report = parent_scale(args)
+        print_scale(report)
+        out = args.out or RESULTS.with_name("engines_scale.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"\nwrote {out}")
+        return 0
+    args.out = args.out or RESULTS
     report = parent(args)
     print_report(report)
     for name in PROFILED if args.profile else ():

@@ -91,6 +91,11 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
     return out
 
 
+#: Rows (edges, clients) a figure grows for; past this the figure keeps its size (a 100,000-client
+#: run has 10,000 edges: one inch-row each would be a picture of gigabytes).
+MAX_LABELLED_ROWS = 60
+
+
 def plot_groups(groups_json: str | Path, out: str | Path) -> Path:
     """Heatmap of each edge's label composition (share of its rows per label)."""
     import json
@@ -101,14 +106,18 @@ def plot_groups(groups_json: str | Path, out: str | Path) -> Path:
     counts = np.array([e["label_histogram"] for e in groups["edges"]], dtype=np.float64)
     shares = counts / np.maximum(counts.sum(1, keepdims=True), 1)
     proxy = groups.get("label_upward_divergence", float("nan"))
-    fig, ax = plt.subplots(figsize=(1.2 + 0.45 * counts.shape[1], 1.2 + 0.35 * len(counts)))
+    labelled = len(counts) <= MAX_LABELLED_ROWS  # else one row per edge, unlabelled
+    height = 1.2 + 0.35 * min(len(counts), MAX_LABELLED_ROWS)
+    fig, ax = plt.subplots(figsize=(1.2 + 0.45 * counts.shape[1], height))
     image = ax.imshow(shares, cmap="viridis", aspect="auto", vmin=0,
                       vmax=max(shares.max(), 1e-9))
-    ax.set(xlabel="label", ylabel="edge (rows)", xticks=range(counts.shape[1]),
-           yticks=range(len(counts)),
-           yticklabels=[f"{i} ({int(c.sum())})" for i, c in enumerate(counts)],
+    ax.set(xlabel="label", ylabel="edge (rows)" if labelled else f"edge 0..{len(counts) - 1}",
+           xticks=range(counts.shape[1]),
            title=f"{groups['grouping']} grouping: label share per edge\n"
                  f"label upward divergence {proxy:.4f}")
+    if labelled:
+        ax.set(yticks=range(len(counts)),
+               yticklabels=[f"{i} ({int(c.sum())})" for i, c in enumerate(counts)])
     fig.colorbar(image, ax=ax, label="share of the edge's rows")
     fig.tight_layout()
     out = Path(out)
@@ -130,14 +139,16 @@ def plot_groups_history(history_json: str | Path, out: str | Path) -> Path:
     history = json.loads(Path(history_json).read_text())
     maps = np.array(history["client_to_edge"], dtype=np.int64).T  # [n, rounds]
     edges = int(maps.max()) + 1 if maps.size else 1
-    fig, ax = plt.subplots(figsize=(2.5 + 0.25 * maps.shape[1], 1.5 + 0.12 * maps.shape[0]))
+    fig, ax = plt.subplots(figsize=(2.5 + 0.25 * min(maps.shape[1], 4 * MAX_LABELLED_ROWS),
+                                    1.5 + 0.12 * min(maps.shape[0], 4 * MAX_LABELLED_ROWS)))
     image = ax.imshow(maps, cmap=plt.get_cmap("tab20", edges), aspect="auto",
                       interpolation="nearest", vmin=-0.5, vmax=edges - 0.5)
     ax.set(xlabel="cloud round", ylabel="client", title="client -> edge over cloud rounds")
     step = max(1, maps.shape[1] // 20)  # at most about 20 labelled rounds
     ax.set_xticks(range(0, maps.shape[1], step),
                   [str(r) for r in history["rounds"][::step]])
-    fig.colorbar(image, ax=ax, label="edge", ticks=range(edges))
+    fig.colorbar(image, ax=ax, label="edge",
+                 ticks=range(0, edges, max(1, edges // MAX_LABELLED_ROWS)))
     fig.tight_layout()
     out = Path(out)
     fig.savefig(out, dpi=110)

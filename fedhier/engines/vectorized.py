@@ -57,7 +57,8 @@ from fedhier.train import (
 
 Params = dict[str, torch.Tensor]
 
-#: Largest minibatch-index block precomputed at once (int64 entries; 2**22 = 32 MiB).
+#: Largest minibatch-index block precomputed at once (entries, int32: 2**22 = 16 MiB); one
+#: cloud round is always computed whole ([G, n, width]: 128 MiB for W1 at 100,000 clients).
 INDEX_BLOCK_ENTRIES = 2**22
 #: Rows per forward pass when evaluating the global model on the clients' training rows.
 EVAL_CHUNK = 4096
@@ -263,12 +264,13 @@ class BatchedExecutor:
             self.momentum, self.next_momentum = self.next_momentum, {}
 
     def minibatch_rows(self, cloud_round: int) -> torch.Tensor:
-        """int64 [G, n, width]: the pool rows of cloud round ``cloud_round``'s mini-batches.
+        """int32 [G, n, width]: the pool rows of cloud round ``cloud_round``'s mini-batches.
 
         Computed with :meth:`ClientRows.minibatch_rows` for blocks of cloud rounds at once
         (:meth:`index_blocks`) and moved to the device once per block.
         """
         if cloud_round not in self._rows:
+            self._rows = {}  # free the previous block before the next one is built
             cfg, g = self.cfg, self.cfg.global_period
             count = max(1, min(self.index_blocks(), cfg.rounds - cloud_round + 1))
             rows = torch.as_tensor(self.data.minibatch_rows(
