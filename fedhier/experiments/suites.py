@@ -253,6 +253,14 @@ def seconds_to_reach(records: Sequence[dict[str, Any]], target: float) -> float:
                 float("inf"))
 
 
+def seconds_over_seeds(runs: dict[int, list[dict[str, Any]]],
+                       target: float) -> dict[str, float]:
+    """Mean and std over seeds of :func:`seconds_to_reach` (inf when a seed never does)."""
+    times = np.array([seconds_to_reach(run, target) for run in runs.values()])
+    return {"mean": float(times.mean()),
+            "std": float(times.std()) if np.isfinite(times).all() else float("inf")}
+
+
 def time_to_accuracy(base: RunConfig, seeds: Sequence[int], out: Path, engine: str,
                      jobs: int, total: int,
                      cloud_mbps: Sequence[float] = CLOUD_MBPS) -> Report:
@@ -283,10 +291,7 @@ def time_to_accuracy(base: RunConfig, seeds: Sequence[int], out: Path, engine: s
     reach: dict[str, dict[float, dict[str, float]]] = {name: {} for name in algorithms}
     for mbps in cloud_mbps:
         for name in algorithms:
-            times = np.array([seconds_to_reach(run, target) for run in
-                              results[f"{name}-{mbps:g}mbps"].values()])
-            reach[name][mbps] = {"mean": float(times.mean()), "std": float(times.std())
-                                 if np.isfinite(times).all() else float("inf")}
+            reach[name][mbps] = seconds_over_seeds(results[f"{name}-{mbps:g}mbps"], target)
     _plot_time(summary, reach, algorithms, cloud_mbps, target, out)
     fastest = {mbps: min(algorithms, key=lambda a: reach[a][mbps]["mean"])
                for mbps in cloud_mbps}
@@ -402,9 +407,7 @@ def mobility(base: RunConfig, seeds: Sequence[int], out: Path, engine: str, jobs
     target = round(0.95 * worst, 4)
     reach = {}
     for name in timing:
-        times = np.array([seconds_to_reach(run, target) for run in results[name].values()])
-        reach[name] = {"mean": float(times.mean()),
-                       "std": float(times.std()) if np.isfinite(times).all() else float("inf")}
+        reach[name] = seconds_over_seeds(results[name], target)
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name, (label, _) in timing.items():
         c = summary[name]["curves"]
