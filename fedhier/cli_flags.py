@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import json
 import logging
-import math
 import struct
 import sys
 import traceback
@@ -181,35 +180,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         base = {k: v for k, v in base.items() if k not in ("local_period", "global_period")}
     elif given.keys() & {"local_period", "global_period"}:
         base.pop("periods", None)
-    return check_ranges(RunConfig.from_mapping({**base, **given}, where="command line"))
-
-
-FLOAT32_MAX = 3.4028234663852886e38
-
-#: the seeds every library the data layer calls accepts (scikit-learn's random_state)
-SEED_RANGE = (0, 2**32 - 1)
-
-
-def check_ranges(cfg: RunConfig) -> RunConfig:
-    """Limits RunConfig does not check (yet) but the libraries below it do, with a traceback:
-    a seed outside 0..2**32-1 reaches scikit-learn's train_test_split."""
-    low, high = SEED_RANGE
-    if not low <= cfg.seed <= high:
-        raise ConfigError(f"seed must be in {low}..{high}, got {cfg.seed}")
-    for f in fields(RunConfig):  # step counters and row indices are int64 in numpy and torch
-        value = getattr(cfg, f.name)
-        for item in value if isinstance(value, tuple) else (value,):
-            if isinstance(item, int) and not isinstance(item, bool) and abs(item) >= 2**62:
-                raise ConfigError(f"{f.name} {item} is too large (limit 2**62)")
-        if isinstance(value, float) and f.name != "round_timeout" and not (
-                math.isfinite(value) and abs(value) <= FLOAT32_MAX):
-            # models, learning rates and optimiser state are float32 tensors
-            raise ConfigError(f"{f.name} {value} is not a finite float32 number "
-                              f"(|x| <= {FLOAT32_MAX:.3g})")
-    if cfg.iterations >= 2**62:
-        raise ConfigError(f"rounds x global_period = {cfg.iterations} local steps is too many "
-                          "(limit 2**62)")
-    return cfg
+    return RunConfig.from_mapping({**base, **given}, where="command line")
 
 
 def resumed_config(args: argparse.Namespace) -> RunConfig:
@@ -234,8 +205,8 @@ def resumed_config(args: argparse.Namespace) -> RunConfig:
         raise ConfigError(f"--resume {args.resume}: {path} lacks {', '.join(missing[:5])}"
                           f"{' ...' if len(missing) > 5 else ''}; it is damaged or from another "
                           "fedhier version, so the run cannot be continued exactly")
-    return check_ranges(RunConfig.from_mapping({k: v for k, v in saved.items() if k in names},
-                                                where=str(path)))
+    return RunConfig.from_mapping({k: v for k, v in saved.items() if k in names},
+                                  where=str(path))
 
 
 def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -344,6 +345,8 @@ class RunConfig:
     def validate(self) -> None:
         from fedhier.models import MODELS  # local: keep config import-light
 
+        _check_ranges(self)  # first: huge or non-finite numbers reach no other check
+
         _one_of("weighting", self.weighting, WEIGHTINGS)
         _one_of("engine", self.engine, ENGINES)
         _one_of("model", self.model, MODELS)
@@ -465,6 +468,32 @@ class RunConfig:
         if self.async_buffer and self.cloud_strategy != "average":
             raise ConfigError("asynchronous edges (async_buffer) use the staleness-weighted "
                               "average at the cloud; choose cloud_strategy average")
+
+
+#: Largest finite float32: models, learning rates and optimiser state are float32 tensors.
+FLOAT32_MAX = 3.4028234663852886e38
+#: The seeds every library the data layer calls accepts (scikit-learn's random_state).
+SEED_RANGE = (0, 2**32 - 1)
+
+
+def _check_ranges(cfg: RunConfig) -> None:
+    """Limits of the libraries below: a seed outside 0..2**32-1 reaches scikit-learn, step
+    counters and row indices are int64, and numbers become float32 tensors."""
+    low, high = SEED_RANGE
+    if not low <= cfg.seed <= high:
+        raise ConfigError(f"seed must be in {low}..{high}, got {cfg.seed}")
+    for f in fields(RunConfig):
+        value = getattr(cfg, f.name)
+        for item in value if isinstance(value, tuple) else (value,):
+            if isinstance(item, int) and not isinstance(item, bool) and abs(item) >= 2**62:
+                raise ConfigError(f"{f.name} {item} is too large (limit 2**62)")
+        if isinstance(value, float) and f.name != "round_timeout" and not (
+                math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+            raise ConfigError(f"{f.name} {value} is not a finite float32 number "
+                              f"(|x| <= {FLOAT32_MAX:.3g})")
+    if cfg.rounds * cfg.global_period >= 2**62:
+        raise ConfigError(f"rounds x global_period = {cfg.rounds * cfg.global_period} local "
+                          "steps is too many (limit 2**62)")
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in fields(RunConfig)}

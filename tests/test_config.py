@@ -94,3 +94,16 @@ def test_flwr_run_config_at_the_defaults_lets_the_dataset_card_apply():
     assert chosen.clients == 12
     assert RunConfig.from_app_config(table) == RunConfig.from_mapping(
         {"rounds": table["rounds"]})
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"seed": -1}, "seed must be in"), ({"seed": 2**32}, "seed must be in"),
+    ({"lr": float("nan")}, "finite float32"), ({"alpha": 1e39}, "finite float32"),
+    ({"rounds": 2**62}, "too large")])
+def test_range_limits_hold_for_every_way_in(values, message):
+    """The libraries' limits are RunConfig's own checks, so a `flwr run` run_config or a
+    TOML file meets them as the command line does."""
+    with pytest.raises(ConfigError, match=message):
+        RunConfig.from_app_config(values)
+    with pytest.raises(ConfigError, match=message):
+        RunConfig.from_mapping(values)

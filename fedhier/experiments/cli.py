@@ -12,7 +12,6 @@ from typing import Any
 
 from fedhier.cli_flags import (
     add_config_flags,
-    check_ranges,
     config_from_args,
     prepare_data,
     read_config_file,
@@ -63,7 +62,7 @@ def base_config(args: argparse.Namespace) -> RunConfig:
                      if getattr(args, f.name) is not None})
     values = {**size, **explicit}
     values.pop("out", None)
-    return check_ranges(RunConfig.from_mapping(values, where="experiment"))
+    return RunConfig.from_mapping(values, where="experiment")
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
