@@ -199,8 +199,8 @@ class RunConfig:
         (unparsable or non-positive periods are left to :meth:`validate`)."""
         try:
             edge_periods = self.edge_period_list
-        except ConfigError:
-            return
+        except ConfigError:  # validate() reports it, after the checks that come first
+            edge_periods = ()
         if edge_periods and min(edge_periods) > 0:
             from fedhier.topology import edge_round_period
 

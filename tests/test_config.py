@@ -107,3 +107,12 @@ def test_range_limits_hold_for_every_way_in(values, message):
         RunConfig.from_app_config(values)
     with pytest.raises(ConfigError, match=message):
         RunConfig.from_mapping(values)
+
+
+def test_unparsable_edge_periods_do_not_skip_the_other_checks():
+    """Found by the long fuzz profile: `--edge-periods x` once skipped validate() entirely,
+    so `--client-holdout inf` reached the data layer (internal error)."""
+    with pytest.raises(ConfigError, match="client_holdout"):
+        RunConfig.from_mapping({"edge_periods": "x", "client_holdout": float("inf")})
+    with pytest.raises(ConfigError, match="edge_periods"):
+        RunConfig.from_mapping({"edge_periods": "x"})
