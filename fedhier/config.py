@@ -221,7 +221,7 @@ class RunConfig:
         kwargs = _checked(values, where)
         if "dataset" not in kwargs and str(kwargs.get("data_path", "")).lower().endswith(".npz"):
             kwargs["dataset"] = "npz"  # a local .npz describes itself (datasets_cfg/npz.toml)
-        dataset = kwargs.get("dataset", _FIELD_DEFAULTS["dataset"])
+        dataset = kwargs.get("dataset", FIELD_DEFAULTS["dataset"])
         defaults = dataset_defaults(dataset)
         if "periods" in kwargs:  # the user's periods replace all of the card's
             defaults = {k: v for k, v in defaults.items() if k not in _PERIOD_KEYS}
@@ -243,10 +243,9 @@ class RunConfig:
         ``[tool.flwr.app.config]`` lists every key, so a value equal to the field's default
         counts as not set and the dataset card's ``[defaults]`` apply to it, as on the
         command line (``--dataset shakespeare`` picks the LSTM)."""
-        kwargs = _checked(values, where)
-        given = {k: v for k, v in kwargs.items()
-                 if _listed_default(k) != (list(v) if isinstance(v, tuple) else v)}
-        return cls.from_mapping(given, where)
+        kwargs = _checked(values, where)  # tuples as tuples, like the defaults
+        return cls.from_mapping({k: v for k, v in kwargs.items() if v != FIELD_DEFAULTS[k]},
+                                where)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> RunConfig:
@@ -496,13 +495,8 @@ def _check_ranges(cfg: RunConfig) -> None:
                           "steps is too many (limit 2**62)")
 
 
-_FIELD_DEFAULTS = {f.name: f.default for f in fields(RunConfig)}
-
-
-def _listed_default(key: str) -> Any:
-    """A field's default as a mapping holds it (a tuple as a list)."""
-    value = _FIELD_DEFAULTS[key]
-    return list(value) if isinstance(value, tuple) else value
+#: Every setting's default (what a setting missing from a mapping takes).
+FIELD_DEFAULTS = {f.name: f.default for f in fields(RunConfig)}
 _PERIOD_KEYS = frozenset({"periods", "local_period", "global_period"})
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedhier.config import RunConfig
+from fedhier.config import FIELD_DEFAULTS, RunConfig
 from fedhier.engines.registry import run_engine
 from fedhier.run_folder import RunFolder, read_json, read_metrics
 
@@ -34,10 +34,8 @@ def _same_config(run_dir: Path, cfg: RunConfig) -> bool:
     setting missing from an older config.json is taken at its default, which is what that run
     did before the setting existed."""
     saved = read_json(run_dir, "config.json")
-    defaults = RunConfig().to_dict()
-    mine = cfg.to_dict()
-    return all(saved.get(k, _listed(defaults[k])) == _listed(v)
-               for k, v in mine.items() if k not in ("out", "engine"))
+    return all(saved.get(k, _listed(FIELD_DEFAULTS[k])) == _listed(v)
+               for k, v in cfg.to_dict().items() if k not in ("out", "engine"))
 
 
 def _listed(value: Any) -> Any:
