@@ -104,20 +104,19 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
             arrivals, self.link_free = clock.upload_queue(np.array([job.finish]),
                                                           self.link_free, self.model_bytes)
             arrival = float(arrivals[0])
-            self.communication.edge_cloud_messages += 1
-            self.communication.edge_cloud_bytes += self.model_bytes
+            self.communication.add_edge_cloud(1, self.model_bytes)
             staleness = self.version - job.version
             if staleness > s.asynchronous.max_staleness:  # too old: the edge starts over
                 dropped += 1
                 self.idle[job.edge] = arrival + float(clock.model.transfer_seconds(
                     "edge-cloud", 1, self.model_bytes))
-                self._count_downloads(1)
+                self.communication.add_edge_cloud(1, self.model_bytes)
                 continue
             accepted.append((job, staleness))
         self._aggregate(accepted)
         self.now = arrival + float(clock.model.transfer_seconds("edge-cloud", len(accepted),
                                                                 self.model_bytes))
-        self._count_downloads(len(accepted))
+        self.communication.add_edge_cloud(len(accepted), self.model_bytes)
         for job, _ in accepted:
             self.idle[job.edge] = self.now
         self.version += 1
@@ -127,10 +126,6 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                 "failed_edges": stats["failed_edges"],
                 "async_reports": [[job.edge, staleness] for job, staleness in accepted],
                 "stale_dropped": dropped}
-
-    def _count_downloads(self, edges: int) -> None:
-        self.communication.edge_cloud_messages += edges
-        self.communication.edge_cloud_bytes += edges * self.model_bytes
 
     def _start_jobs(self, executor: Executor, stats: dict[str, Any]) -> None:
         """Train the jobs of every idle edge from the current global model: the G / I edge

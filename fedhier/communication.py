@@ -29,9 +29,12 @@ class Communication:
     def add_aggregation(self, hierarchy: Hierarchy, level: int, model_bytes: int) -> None:
         """An aggregation at ``level``: every node of tiers 1..level-1 sends up and receives."""
         for lower in range(1, level):
-            messages = 2 * hierarchy.num_nodes(lower)
-            self.edge_cloud_messages += messages
-            self.edge_cloud_bytes += messages * model_bytes
+            self.add_edge_cloud(2 * hierarchy.num_nodes(lower), model_bytes)
+
+    def add_edge_cloud(self, messages: int, model_bytes: int) -> None:
+        """``messages`` models went between the edges and the tiers above."""
+        self.edge_cloud_messages += messages
+        self.edge_cloud_bytes += messages * model_bytes
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
