@@ -72,12 +72,17 @@ class TimeModel:
                          model_bytes: int) -> np.ndarray:
         """float64: seconds to send ``messages`` models one way over a ``tier`` link
         ("client-edge" or "edge-cloud"); 0 messages take no time."""
+        latency, per_model = self.link(tier, model_bytes)
+        m = np.asarray(messages, dtype=np.float64)
+        return np.where(m > 0, latency + m * per_model, 0.0)
+
+    def link(self, tier: str, model_bytes: int) -> tuple[float, float]:
+        """(one-way latency, seconds one model occupies the link) of a ``tier`` link
+        ("client-edge" or "edge-cloud")."""
         mbps, latency_ms = ((self.client_edge_mbps, self.client_edge_latency_ms)
                             if tier == "client-edge"
                             else (self.edge_cloud_mbps, self.edge_cloud_latency_ms))
-        m = np.asarray(messages, dtype=np.float64)
-        seconds = latency_ms / 1e3 + m * 8.0 * model_bytes / (mbps * 1e6)
-        return np.where(m > 0, seconds, 0.0)
+        return latency_ms / 1e3, 8.0 * model_bytes / (mbps * 1e6)
 
     def client_step_seconds(self, seed: int, num_clients: int) -> np.ndarray:
         """float64 [n]: each client's seconds per local step (before its edge's slowdown)."""
@@ -184,16 +189,10 @@ class SimClock:
     def _last_arrivals(self, ready: np.ndarray, parent: np.ndarray, nodes: int,
                        model_bytes: int) -> np.ndarray:
         """float64 [nodes]: when each node has the last of its children's models, the
-        children (ready at ``ready`` [m], under ``parent`` [m]) queuing on its link
-        (:meth:`upload_queue`, one pass over all children in (node, ready, index) order)."""
-        per_model = 8.0 * model_bytes / (self.model.edge_cloud_mbps * 1e6)
-        latency = self.model.edge_cloud_latency_ms / 1e3
+        children (ready at ``ready`` [m], under ``parent`` [m]) queuing on its link."""
+        arrivals, _ = self._queue(ready, parent, np.full(nodes, -np.inf), model_bytes)
         last = np.full(nodes, -np.inf)
-        free = np.full(nodes, -np.inf)
-        for child in np.lexsort((np.arange(len(ready)), ready, parent)).tolist():
-            node = parent[child]
-            free[node] = max(free[node], float(ready[child])) + per_model
-            last[node] = free[node] + latency
+        np.maximum.at(last, parent, arrivals)
         return last
 
     def upload_queue(self, ready: np.ndarray, link_free: float,
@@ -202,13 +201,23 @@ class SimClock:
         ``ready`` over one shared link above the edges that is free from ``link_free``,
         served in order of readiness (ties: lower index first); and when the link is free
         again."""
-        per_model = 8.0 * model_bytes / (self.model.edge_cloud_mbps * 1e6)
-        latency = self.model.edge_cloud_latency_ms / 1e3
+        arrivals, free = self._queue(ready, np.zeros(len(ready), dtype=np.int64),
+                                     np.array([link_free]), model_bytes)
+        return arrivals, float(free[0])
+
+    def _queue(self, ready: np.ndarray, parent: np.ndarray, free: np.ndarray,
+               model_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+        """The shared links above the edges, one per node: children's models (ready at
+        ``ready`` [m], sent to ``parent`` [m]) go one after another in order of readiness
+        (ties: lower index first) over a link free from ``free`` [nodes]. Returns each
+        model's arrival time [m] and when each link is free again [nodes]."""
+        latency, per_model = self.model.link("edge-cloud", model_bytes)
+        free = free.copy()
         arrivals = np.empty(len(ready))
-        free = link_free
-        for child in np.argsort(ready, kind="stable"):
-            free = max(free, float(ready[child])) + per_model
-            arrivals[child] = free + latency
+        for child in np.lexsort((np.arange(len(ready)), ready, parent)).tolist():
+            node = parent[child]
+            free[node] = max(free[node], float(ready[child])) + per_model
+            arrivals[child] = free[node] + latency
         return arrivals, free
 
     def state_dict(self) -> dict[str, Any]:
