@@ -327,6 +327,16 @@ def time_to_accuracy(base: RunConfig, seeds: Sequence[int], out: Path, engine: s
                    "claims": claims}, "\n".join(md), claims)
 
 
+def _accuracy_over_time(ax: Any, curves: dict[str, dict[str, Any]], target: float) -> None:
+    """Mean test accuracy against mean simulated seconds, one line per label, and the
+    target accuracy as a dotted line."""
+    for label, c in curves.items():
+        ax.plot(c["sim_seconds"]["mean"], c["test_accuracy"]["mean"], label=label)
+    ax.axhline(target, color="grey", linestyle=":", linewidth=1)
+    ax.set(xlabel="simulated seconds", ylabel="test accuracy")
+    ax.grid(alpha=0.3)
+
+
 def _plot_time(summary: dict[str, Any], reach: dict[str, dict[float, dict[str, float]]],
                algorithms: dict[str, tuple[str, dict[str, Any]]], cloud_mbps: Sequence[float],
                target: float, out: Path) -> None:
@@ -346,14 +356,9 @@ def _plot_time(summary: dict[str, Any], reach: dict[str, dict[float, dict[str, f
     plt.close(fig)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, mbps in zip(axes, (cloud_mbps[0], cloud_mbps[-1]), strict=True):
-        for name, (label, _) in algorithms.items():
-            curves = summary[f"{name}-{mbps:g}mbps"]["curves"]
-            ax.plot(curves["sim_seconds"]["mean"], curves["test_accuracy"]["mean"],
-                    label=label)
-        ax.axhline(target, color="grey", linestyle=":", linewidth=1)
-        ax.set(xscale="log", xlabel="simulated seconds", ylabel="test accuracy",
-               title=f"Cloud link {mbps:g} Mbit/s")
-        ax.grid(alpha=0.3)
+        _accuracy_over_time(ax, {label: summary[f"{name}-{mbps:g}mbps"]["curves"]
+                                 for name, (label, _) in algorithms.items()}, target)
+        ax.set(xscale="log", title=f"Cloud link {mbps:g} Mbit/s")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "time_curves.png", dpi=110)
@@ -409,13 +414,9 @@ def mobility(base: RunConfig, seeds: Sequence[int], out: Path, engine: str, jobs
     for name in timing:
         reach[name] = seconds_over_seeds(results[name], target)
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for name, (label, _) in timing.items():
-        c = summary[name]["curves"]
-        ax.plot(c["sim_seconds"]["mean"], c["test_accuracy"]["mean"], label=label)
-    ax.axhline(target, color="grey", linestyle=":", linewidth=1)
-    ax.set(xlabel="simulated seconds", ylabel="test accuracy",
-           title="Synchronous vs asynchronous edges, one edge 4x slower")
-    ax.grid(alpha=0.3)
+    _accuracy_over_time(ax, {label: summary[name]["curves"]
+                             for name, (label, _) in timing.items()}, target)
+    ax.set(title="Synchronous vs asynchronous edges, one edge 4x slower")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "mobility_async.png", dpi=110)
