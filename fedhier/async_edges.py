@@ -81,17 +81,12 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         self.idle: dict[int, float] = {}  # edge -> simulated second it got the global model
         self.link_free = -math.inf  # the cloud link is busy uploading until then
         self.now = 0.0  # simulated second of the last cloud aggregation's broadcast
+        self._restored_edge_models: Params | None = None  # from a checkpoint
 
     # ---------------------------------------------------------------- one cloud round
     def cloud_round(self, executor: Executor, cloud_round: int) -> dict[str, Any]:
         """Wait for K fresh-enough reports, aggregate them; returns the training keys."""
         s = self.settings
-        hierarchy = self._hierarchy()
-        if cloud_round == 1 and not self.jobs and not self.idle:
-            self.idle = dict.fromkeys(range(hierarchy.num_nodes(1)), 0.0)
-            self.edge_models = {k: v.unsqueeze(0).repeat(hierarchy.num_nodes(1),
-                                                         *([1] * v.dim()))
-                                for k, v in self.global_params.items()}
         clock = self._clock()
         stats: dict[str, Any] = {"losses": [], "failed_clients": 0, "failed_edges": 0}
         accepted: list[tuple[EdgeJob, int]] = []
@@ -223,11 +218,18 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         self._restored_edge_models = saved["edge_models"]
 
     def setup(self, executor: Executor, initial: Params) -> None:
+        """As synchronous H-SGD; a fresh run then has every edge idle at second 0 with the
+        initial model, a resumed one its checkpointed edges."""
         super().setup(executor, initial)
-        restored = getattr(self, "_restored_edge_models", None)
+        restored = self._restored_edge_models
         if restored is not None:
             device = next(iter(initial.values())).device
             self.edge_models = {k: v.to(device) for k, v in restored.items()}
+            return
+        edges = self._hierarchy().num_nodes(1)
+        self.idle = dict.fromkeys(range(edges), 0.0)
+        self.edge_models = {k: v.unsqueeze(0).repeat(edges, *([1] * v.dim()))
+                            for k, v in self.global_params.items()}
 
 
 def algorithm_for(settings: HSGDSettings,
