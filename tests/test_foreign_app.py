@@ -181,3 +181,27 @@ def test_bare_client_runs(one_torch_thread, caplog):
     assert "train_loss" not in records[-1]  # no evaluate handler
     assert "global_divergence" not in records[-1]
     assert "gradient" in caplog.text  # the diagnostics say they need gradients
+
+
+def test_from_settings_keeps_every_setting():
+    """HierFedAvg's constructor lists each setting again: a setting added to HSGDSettings but
+    not passed through from_settings would silently take its default."""
+    import dataclasses
+
+    from fedhier.hsgd import HSGDSettings
+    from fedhier.mobility import Mobility
+    from fedhier.plan import Workload
+    from fedhier.sim_clock import TimeModel
+    from fedhier.staleness import AsyncEdges
+    from fedhier.strategies import HierFedAvg
+
+    changed = HSGDSettings(
+        periods=(2, 8), groups=(2,), grouping="contiguous", weighting="uniform", seed=5,
+        workload=Workload(participation=0.5), min_clients_per_edge=1, on_nan="skip-client",
+        diagnostics_every=2, regroup_every=3, aggregators=("median",),
+        mobility=Mobility(rate=0.1), time_model=TimeModel(step_seconds=0.5),
+        asynchronous=AsyncEdges(0, 2), edge_periods=(2, 8))
+    default = HSGDSettings(periods=(2, 8), groups=(2,))
+    assert all(getattr(changed, f.name) != getattr(default, f.name)
+               for f in dataclasses.fields(HSGDSettings) if f.name not in ("periods", "groups"))
+    assert HierFedAvg.from_settings(changed).settings == changed
