@@ -28,7 +28,6 @@ clients. Two-level hierarchies, static groupings and the plain average only (che
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +36,9 @@ import numpy as np
 import torch
 
 from fedhier.aggregate import presence_weights
+from fedhier.edge_tier import train_edges
 from fedhier.errors import ConfigError
+from fedhier.grouping import ClientInfo
 from fedhier.hsgd import (
     CloudStep,
     Executor,
@@ -47,6 +48,7 @@ from fedhier.hsgd import (
     aggregate_levels,
 )
 from fedhier.staleness import staleness_weight
+from fedhier.topology import Hierarchy
 
 
 @dataclass
@@ -125,7 +127,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
     def _start_jobs(self, executor: Executor, stats: dict[str, Any]) -> None:
         """Train the jobs of every idle edge from the current global model: the G / I edge
         rounds of cloud round ``version + 1``, restricted to those edges' clients."""
-        s, hierarchy, clock = self.settings, self._hierarchy(), self._clock()
+        hierarchy, clock = self._hierarchy(), self._clock()
         edges = np.array(sorted(self.idle), dtype=np.int64)
         for edge in edges.tolist():
             clock.edge_time[edge] = self.idle[edge]
@@ -133,21 +135,11 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                 value[edge] = self.global_params[key]
         self.idle = {}
         edge_of = hierarchy.edge_of_client()
-        per_round = s.edge_rounds_per_cloud_round
-        held: tuple[Params, np.ndarray] | None = None
-        for k in range(1, per_round + 1):
-            work, plan = self.plan(self.version * per_round + k)
-            mine = np.isin(edge_of[work.clients], edges)
-            work = dataclasses.replace(work, clients=work.clients[mine], steps=work.steps[mine])
-            if not len(work.clients):
-                continue
-            outcome = self.complete(work, plan, executor.train(work, self.edge_models),
-                                    hold_cloud=True)
-            stats["failed_clients"] += outcome["failed_clients"]
-            stats["failed_edges"] += outcome["failed_edges"]
-            if outcome["train_loss"] is not None:
-                stats["losses"].append(outcome["train_loss"])
-            held = outcome.get("held")
+        outcome = train_edges(self, executor, edges, self.version + 1)
+        stats["failed_clients"] += outcome.failed_clients
+        stats["failed_edges"] += outcome.failed_edges
+        stats["losses"].extend(outcome.losses[outcome.losses[:, 1] > 0, 0].tolist())
+        held = outcome.held
         for edge in edges.tolist():
             models, survivors = None, np.zeros(0, dtype=np.int64)
             if held is not None:
@@ -217,10 +209,11 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         self.now = saved["now"]
         self._restored_edge_models = saved["edge_models"]
 
-    def setup(self, executor: Executor, initial: Params) -> None:
+    def setup(self, executor: Executor, initial: Params, *, info: ClientInfo | None = None,
+              hierarchy: Hierarchy | None = None) -> None:
         """As synchronous H-SGD; a fresh run then has every edge idle at second 0 with the
         initial model, a resumed one its checkpointed edges."""
-        super().setup(executor, initial)
+        super().setup(executor, initial, info=info, hierarchy=hierarchy)
         restored = self._restored_edge_models
         if restored is not None:
             device = next(iter(initial.values())).device

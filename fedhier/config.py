@@ -175,6 +175,9 @@ class RunConfig:
     engine: str = field(default="inprocess", metadata=_help(
         "inprocess (Flower strategy + ClientApp in one process), flower (Simulation Engine on "
         "Ray) or vectorized (all clients as one batched computation)"))
+    edge_servers: bool = field(default=False, metadata=_help(
+        "the cloud's nodes are edge servers that run their own clients' edge rounds (set by "
+        "fedhier deploy local --edges; every other engine keeps the edges inside the cloud)"))
     client_chunk: int = field(default=0, metadata=_help(
         "vectorized engine: clients per batched chunk (0 = all at once)"))
     device: str = field(default="cpu", metadata=_help(
@@ -464,9 +467,28 @@ class RunConfig:
         self.asynchronous().check(self.num_edges, len(self.periods), self.aggregator_names,
                                   self.mobility_rate > 0 or bool(self.mobility_trace),
                                   self.regroup_every > 0, bool(self.edge_periods))
+        if self.edge_servers:
+            self._check_edge_servers()
         if self.async_buffer and self.cloud_strategy != "average":
             raise ConfigError("asynchronous edges (async_buffer) use the staleness-weighted "
                               "average at the cloud; choose cloud_strategy average")
+
+
+    def _check_edge_servers(self) -> None:
+        """What edge servers as processes do not run (yet), in one line."""
+        from fedhier.grouping import grouping_needs
+
+        if "gradients" in grouping_needs(self.grouping):
+            raise ConfigError(f"edge servers as processes place clients before the run; the "
+                              f"'{self.grouping}' grouping needs their gradients: choose "
+                              "contiguous, random or a label-based grouping")
+        if self.local_optimizer().has_state and self.optimizer_state == "keep":
+            raise ConfigError("edge servers do not forward clients' kept optimizer state "
+                              "(checkpoints): use optimizer_state reset")
+        from fedhier.edge_tier import check_edge_tier
+
+        check_edge_tier(len(self.periods), self.mobility_rate > 0 or bool(self.mobility_trace),
+                        self.regroup_every > 0, self.async_buffer > 0, bool(self.edge_periods))
 
 
 #: Largest finite float32: models, learning rates and optimiser state are float32 tensors.

@@ -272,14 +272,21 @@ class HierarchicalSGD:
         self._edge_aggregations = np.zeros(0, dtype=np.int64)
 
     # ---------------------------------------------------------------- set-up and grouping
-    def setup(self, executor: Executor, initial: Params) -> None:
-        """Profile the clients, take their weights and group them (unless resumed)."""
+    def setup(self, executor: Executor, initial: Params, *, info: ClientInfo | None = None,
+              hierarchy: Hierarchy | None = None) -> None:
+        """Profile the clients, take their weights and group them (unless resumed).
+
+        ``info`` and ``hierarchy``, when given, are the clients' profiles and the tree in
+        force as another process knows them (an edge server: :mod:`fedhier.edge_tier`).
+        """
         s = self.settings
-        self.info = executor.profiles()
+        self.info = executor.profiles() if info is None else info
         self.weights = client_weights(s.weighting, self.info.num_examples)
         self.global_params = dict(initial)
         self.model_bytes = executor.model_bytes(initial)
-        if self._restored_hierarchy is not None:  # a resumed run keeps its grouping
+        if hierarchy is not None:
+            self.hierarchy = hierarchy
+        elif self._restored_hierarchy is not None:  # a resumed run keeps its grouping
             self.hierarchy = self._restored_hierarchy
         else:
             self.hierarchy = self.group(executor, initial, s.seed)
@@ -467,8 +474,9 @@ class HierarchicalSGD:
                  hold_cloud: bool = False) -> dict[str, Any]:
         """Screen, scale, aggregate and broadcast one edge round's results.
 
-        Returns its ``level``, ``failed_clients``, ``failed_edges`` and ``train_loss`` (the
-        client-weighted mean of the survivors' reported mean mini-batch losses, or None).
+        Returns its ``level``, ``failed_clients``, ``failed_edges``, ``train_loss`` (the
+        client-weighted mean of the survivors' reported mean mini-batch losses, or None) and
+        ``loss_weight`` (the sum of those clients' weights).
         With ``hold_cloud`` an edge round that ends at the cloud is not aggregated: the
         outcome's ``held`` is (models [s, *shape], survivors int64 [s]), the screened and
         scaled survivors' models (asynchronous edges aggregate them later).
@@ -492,11 +500,13 @@ class HierarchicalSGD:
         if s.edge_periods:
             self._edge_aggregations += levels > 0
         outcome: dict[str, Any] = {"level": level, "failed_clients": failed,
-                                   "failed_edges": failed_edge_count, "train_loss": None}
+                                   "failed_edges": failed_edge_count, "train_loss": None,
+                                   "loss_weight": 0.0}
         reported = alive if result.loss_reported is None else alive & result.loss_reported
         if reported.any():
             w = self.weights[work.clients[reported]]
             outcome["train_loss"] = float(np.dot(w, result.losses[reported]) / w.sum())
+            outcome["loss_weight"] = float(w.sum())
         if not alive.all() and len(survivors):
             rows = torch.as_tensor(np.flatnonzero(alive), device=_device(models))
             models = {k: v.index_select(0, rows) for k, v in models.items()}
@@ -621,7 +631,6 @@ class HierarchicalSGD:
     def _cloud_update(self, cloud_round: int, models: Params, survivors: np.ndarray,
                       weights: np.ndarray) -> tuple[Params, np.ndarray]:
         """The cloud step over the aggregates of the cloud's children; -> ([1, *shape], [0])."""
-        assert self.cloud_step is not None
         hierarchy = self._hierarchy()
         child_level = hierarchy.num_levels - 1
         children, nodes = aggregate_levels(models, survivors, weights, hierarchy, child_level,
@@ -629,16 +638,51 @@ class HierarchicalSGD:
         child_weight = np.bincount(hierarchy.ancestors(child_level)[survivors],
                                    weights=weights[survivors],
                                    minlength=hierarchy.num_nodes(child_level))
+        return self._cloud_step_on(cloud_round, children, nodes, child_weight[nodes])
+
+    def _cloud_step_on(self, cloud_round: int, children: Params, nodes: np.ndarray,
+                       child_weight: np.ndarray) -> tuple[Params, np.ndarray]:
+        """The cloud step over the cloud's children ``nodes`` (int64 [m]) holding
+        ``children`` (name -> [m, *shape]) with weights ``child_weight`` (float64 [m]);
+        -> ([1, *shape], [0])."""
+        assert self.cloud_step is not None
         new = self.cloud_step.step(
             cloud_round, {int(node): {k: v[i] for k, v in children.items()}
                           for i, node in enumerate(nodes)},
-            {int(node): float(child_weight[node]) for node in nodes})
+            {int(node): float(child_weight[i]) for i, node in enumerate(nodes)})
         if not all(bool(torch.isfinite(v).all()) for v in new.values()):
             raise RunFailureError(f"the cloud step ({_step_name(self.cloud_step)}) made the "
                                   f"global model non-finite in cloud round {cloud_round}; "
                                   "lower --server-lr or use --cloud-strategy average")
-        device = _device(models)
+        device = _device(children)
         return {k: v.to(device).unsqueeze(0) for k, v in new.items()}, np.zeros(1, np.int64)
+
+    def aggregate_edges(self, cloud_round: int, models: Params, edges: np.ndarray,
+                        weights: np.ndarray) -> None:
+        """The cloud aggregation of a two-level run from the edges' own aggregates (edge
+        servers that aggregated their clients themselves: :mod:`fedhier.edge_tier`).
+
+        Args:
+            models: name -> [m, *shape], the level-1 aggregates of the m edges ``edges``
+                (int64 [m], increasing) that had a surviving client; weights: float64 [m],
+                each one's total client weight. With the plain mean this is the cloud step
+                of :meth:`complete` up to float rounding (it averaged the clients directly).
+        """
+        hierarchy = self._hierarchy()
+        level = hierarchy.num_levels
+        if self.cloud_step is not None:
+            averaged, nodes = self._cloud_step_on(cloud_round, models, edges, weights)
+        else:
+            rule = AGGREGATORS[self.settings.aggregators[-1]]
+            device = _device(models)
+            w = torch.as_tensor(weights, device=device)
+            owner = torch.zeros(len(edges), dtype=torch.int64, device=device)
+            averaged = {k: rule.function(v, w, owner, 1) for k, v in models.items()}
+            nodes = np.zeros(1, dtype=np.int64)
+        self.communication.add_aggregation(hierarchy, level, self.model_bytes)
+        self._clock().aggregate(hierarchy, level, self.model_bytes)
+        self._broadcast(averaged, nodes, level)
+        self.global_params = {k: v[0] for k, v in averaged.items()}
 
     def _broadcast(self, averaged: Params, nodes: np.ndarray, level: int) -> None:
         """Edges under a level-``level`` node in ``nodes`` take its aggregate."""

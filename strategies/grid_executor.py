@@ -52,12 +52,17 @@ class GridExecutor:
         min_available_nodes: wait for this many nodes before profiling them.
         keeps_client_state: clients keep state between rounds (momentum): checkpoints then
             collect it with ``query.state`` messages.
+        clients: the partition ids this grid's nodes must report, when they are some of a
+            larger federation's clients (an edge server's clients); default: 0..k-1.
+        num_clients: the federation's number of clients (arrays by client have this length;
+            default: the number of nodes).
     """
 
     def __init__(self, grid: Grid, train_config: ConfigRecord | None = None,
                  evaluate_config: ConfigRecord | None = None, timeout: float = 3600,
                  *, min_available_nodes: int = 1, arrayrecord_key: str = "arrays",
-                 configrecord_key: str = "config", keeps_client_state: bool = False) -> None:
+                 configrecord_key: str = "config", keeps_client_state: bool = False,
+                 clients: Iterable[int] | None = None, num_clients: int | None = None) -> None:
         self.grid = grid
         self.train_config = ConfigRecord() if train_config is None else train_config
         self.evaluate_config = (self.train_config if evaluate_config is None
@@ -67,7 +72,9 @@ class GridExecutor:
         self.arrayrecord_key = arrayrecord_key
         self.configrecord_key = configrecord_key
         self.keeps_client_state = keeps_client_state
-        self.node_ids: list[int] = []  # by client
+        self.expected_clients = None if clients is None else sorted(int(c) for c in clients)
+        self.num_clients = num_clients
+        self.node_ids: dict[int, int] = {}  # client -> node
         self.client_of_node: dict[int, int] = {}
 
     # ---------------------------------------------------------------- profiles
@@ -111,9 +118,12 @@ class GridExecutor:
                              int(metrics.get("edge-tag", -1))))  # type: ignore[arg-type]
         profiles.sort()
         ids = [p[0] for p in profiles]
-        if ids != list(range(len(ids))):
+        if self.expected_clients is not None and ids != self.expected_clients:
+            raise RunFailureError(f"the nodes report partition ids {ids[:10]}, expected "
+                                  f"{self.expected_clients[:10]}")
+        if self.expected_clients is None and ids != list(range(len(ids))):
             raise RunFailureError(f"partition ids must be 0..n-1 without gaps, got {ids[:10]}")
-        self._number([p[1] for p in profiles])
+        self._number([p[1] for p in profiles], ids)
         classes = max((len(p[3]) for p in profiles), default=0)
         histograms = np.zeros((len(profiles), classes), dtype=np.int64)
         for row, profile in enumerate(profiles):
@@ -122,11 +132,17 @@ class GridExecutor:
                           num_examples=np.array([p[2] for p in profiles], dtype=np.int64),
                           edge_tags=np.array([p[4] for p in profiles], dtype=np.int64))
 
-    def _number(self, node_ids: list[int]) -> None:
-        self.node_ids = node_ids
-        self.client_of_node = {node: client for client, node in enumerate(node_ids)}
+    def _number(self, node_ids: list[int], clients: list[int] | None = None) -> None:
+        clients = list(range(len(node_ids))) if clients is None else clients
+        self.node_ids = dict(zip(clients, node_ids, strict=True))
+        self.client_of_node = {node: client for client, node in self.node_ids.items()}
+        if self.num_clients is None:
+            self.num_clients = len(node_ids)
 
     def _anonymous(self, node_ids: list[int]) -> ClientInfo:
+        if self.expected_clients is not None:
+            raise RunFailureError("the clients have no profile query handler; an edge "
+                                  "server needs their partition ids (docs/contract.md)")
         self._number(node_ids)
         n = len(node_ids)
         return ClientInfo(label_histograms=np.zeros((n, 1), dtype=np.int64),
@@ -198,10 +214,10 @@ class GridExecutor:
         content = RecordDict({self.arrayrecord_key: to_record(params),
                               self.configrecord_key: cfg})
         return [Message(content, message_type=MessageType.EVALUATE, dst_node_id=node)
-                for node in self.node_ids]
+                for node in self.node_ids.values()]
 
     def read_evaluate_replies(self, replies: Iterable[Message]) -> ClientEvaluation | None:
-        n = len(self.node_ids)
+        n = self.num_clients or 0
         loss, accuracy, holdout = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
         sizes = np.zeros(n, dtype=np.int64)
         for reply in replies:
@@ -233,7 +249,7 @@ class GridExecutor:
         content = RecordDict({self.arrayrecord_key: to_record(params),
                               self.configrecord_key: self.train_config})
         messages = [Message(content, message_type=f"{MessageType.QUERY}.gradient",
-                            dst_node_id=node) for node in self.node_ids]
+                            dst_node_id=node) for node in self.node_ids.values()]
         grads: dict[int, torch.Tensor] = {}
         for reply in self.grid.send_and_receive(messages, timeout=self.timeout):
             if reply.has_error() or "gradient" not in reply.content.array_records:
@@ -245,7 +261,7 @@ class GridExecutor:
                         "query.gradient handler: docs/contract.md)", len(grads),
                         len(self.node_ids))
             return None
-        return torch.stack([grads[c] for c in range(len(self.node_ids))])
+        return torch.stack([grads[c] for c in sorted(self.node_ids)])
 
     def model_bytes(self, params: Params) -> int:
         """Bytes of one model as an ArrayRecord (what Flower sends)."""
@@ -259,7 +275,7 @@ class GridExecutor:
             return {}
         content = RecordDict({self.configrecord_key: self.train_config})
         messages = [Message(content, message_type=f"{MessageType.QUERY}.state",
-                            dst_node_id=node) for node in self.node_ids]
+                            dst_node_id=node) for node in self.node_ids.values()]
         states: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
         for reply in self.grid.send_and_receive(messages, timeout=self.timeout):
             if reply.has_error():
@@ -268,7 +284,7 @@ class GridExecutor:
                 key: dict(record.to_torch_state_dict())
                 for key, record in reply.content.array_records.items()}
         if len(states) != len(self.node_ids):
-            missing = sorted(set(range(len(self.node_ids))) - set(states))
+            missing = sorted(set(self.node_ids) - set(states))
             log.warning("checkpoint: clients %s did not send their kept state", missing[:10])
         return states
 

@@ -8,6 +8,9 @@ records the run folder (:func:`fedhier.server.run_recorded`).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from flwr.app import ConfigRecord
@@ -15,7 +18,9 @@ from flwr.serverapp import Grid
 
 from fedhier.checkpoint import Checkpoint
 from fedhier.config import RunConfig
+from fedhier.edge_tier import EdgeTierHierarchicalSGD
 from fedhier.errors import ConfigError
+from fedhier.hsgd import HierarchicalSGD, Params
 from fedhier.run_folder import RunFolder
 from fedhier.run_recorder import RunRecorder
 from fedhier.server import (
@@ -27,8 +32,30 @@ from fedhier.server import (
     settings_for,
 )
 from fedhier.strategies.cloud_step import make_cloud_strategy
+from fedhier.strategies.edge_servers_executor import EdgeServersExecutor
+from fedhier.strategies.grid_executor import GridExecutor
 from fedhier.strategies.hierfedavg import HierFedAvg
 from fedhier.train import resolve_device
+
+#: Set on the cloud SuperLink by ``fedhier deploy local``: the folder of the processes' wire
+#: meters (:mod:`fedhier.engines.deployment.wire`), whose totals each record then carries.
+WIRE_RECORD_ENV = "FEDHIER_WIRE_RECORD"
+
+
+def with_wire_bytes(evaluate_fn: Callable[[int, Params], dict[str, Any]], wire_dir: Path,
+                    ) -> Callable[[int, Params], dict[str, Any]]:
+    """``evaluate_fn`` whose metrics also hold ``wire_<link>_bytes``: the bytes sent plus
+    received on each measured link so far, as the processes had reported them (every 0.25 s;
+    the run's final totals are in wire.json)."""
+    from fedhier.engines.deployment.wire import read_wire
+
+    def evaluate(cloud_round: int, params: Params) -> dict[str, Any]:
+        metrics = evaluate_fn(cloud_round, params)
+        for link, totals in sorted(read_wire(wire_dir).items()):
+            metrics[f"wire_{link.replace('-', '_')}_bytes"] = totals["sent"] + totals["received"]
+        return metrics
+
+    return evaluate
 
 
 def strategy_for(cfg: RunConfig) -> HierFedAvg:
@@ -49,9 +76,12 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
     quiet_flower()
     fed = prepare(cfg)
     num_nodes = len(list(grid.get_node_ids()))
-    if num_nodes and num_nodes != cfg.clients:
+    expected = cfg.num_edges if cfg.edge_servers else cfg.clients
+    if num_nodes and num_nodes != expected:
+        what = f"groups={cfg.num_edges} edge servers" if cfg.edge_servers else \
+            f"clients={cfg.clients}"
         raise ConfigError(
-            f"the federation has {num_nodes} nodes but clients={cfg.clients}; they must match")
+            f"the federation has {num_nodes} nodes but {what}; they must match")
     device = resolve_device(cfg.device)
     model = initial_model(cfg, fed).to(device)
     recorder = RunRecorder(folder, cfg, fed, engine, progress,
@@ -59,8 +89,18 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
                            elapsed=resume.wall_seconds if resume else 0.0)
     strategy = strategy_for(cfg)
     run_config = ConfigRecord(cfg.to_run_config())
-    executor = strategy.executor_for(grid, run_config, cfg.round_timeout)
-    strategy.executor = executor
+    algorithm: HierarchicalSGD = strategy.algorithm
+    executor: GridExecutor
+    if cfg.edge_servers:  # the edges run their clients' edge rounds (fedhier.edge_tier)
+        algorithm = EdgeTierHierarchicalSGD(strategy.settings, algorithm.cloud_step)
+        executor = EdgeServersExecutor(grid, run_config, cfg.num_edges, cfg.clients,
+                                       cfg.round_timeout)
+    else:
+        executor = strategy.executor_for(grid, run_config, cfg.round_timeout)
+        strategy.executor = executor
     initial = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return run_recorded(strategy.algorithm, executor, cfg, recorder, initial,
-                        central_evaluation(cfg, fed, model, device), resume=resume)
+    evaluate_fn = central_evaluation(cfg, fed, model, device)
+    if os.environ.get(WIRE_RECORD_ENV):
+        evaluate_fn = with_wire_bytes(evaluate_fn, Path(os.environ[WIRE_RECORD_ENV]))
+    return run_recorded(algorithm, executor, cfg, recorder, initial, evaluate_fn,
+                        resume=resume)

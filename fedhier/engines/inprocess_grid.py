@@ -28,9 +28,13 @@ class InProcessGrid(Grid):
 
     def __init__(self, client_app: ClientApp, num_nodes: int, seed: int = 0,
                  run_config: dict | None = None,
-                 edge_tags: Sequence[int] | None = None) -> None:
+                 edge_tags: Sequence[int] | None = None,
+                 partition_ids: Sequence[int] | None = None,
+                 num_partitions: int | None = None) -> None:
         """``edge_tags[i]``: node i's ``edge`` node-config tag, as a SuperNode started with
-        ``--node-config "... edge=k"`` carries (the ``edge-tag`` grouping reads it)."""
+        ``--node-config "... edge=k"`` carries (the ``edge-tag`` grouping reads it).
+        ``partition_ids``: node i holds ``partition_ids[i]`` of ``num_partitions`` (some
+        clients of a larger federation, e.g. one edge server's) instead of i of num_nodes."""
         run_id = int(generator(seed, "run-id").integers(1, 2**62))
         self._run = Run.create_empty(run_id)
         TaskIdentity.run_id = run_id
@@ -38,8 +42,10 @@ class InProcessGrid(Grid):
         TaskIdentity.task_id = 1
         self.client_app = client_app
         node_ids = generator(seed, "node-ids").choice(2**62, size=num_nodes, replace=False) + 2
-        configs: list[dict[str, Any]] = [{"partition-id": i, "num-partitions": num_nodes}
-                                         for i in range(num_nodes)]
+        ids = list(range(num_nodes)) if partition_ids is None else list(partition_ids)
+        total = num_partitions or num_nodes
+        configs: list[dict[str, Any]] = [{"partition-id": i, "num-partitions": total}
+                                         for i in ids]
         for config, tag in zip(configs, edge_tags or [], strict=False):
             config["edge"] = int(tag)
         self.contexts: dict[int, Context] = {

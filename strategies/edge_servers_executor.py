@@ -1,0 +1,177 @@
+"""The cloud's executor when the edges are servers of their own: one message per edge.
+
+Implements :class:`fedhier.edge_tier.EdgeTierExecutor` on the cloud's Grid, whose nodes are
+edge servers (:class:`~fedhier.strategies.edge_server.EdgeServer`), with the messages of
+:mod:`fedhier.strategies.edge_messages`. Clients are never addressed directly: profiles,
+evaluation and gradients come back per edge and are put in client order here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+
+from fedhier.edge_tier import EdgeJob, EdgeReport
+from fedhier.engines.flower_records import to_record
+from fedhier.faults import RunFailureError
+from fedhier.grouping import ClientInfo
+from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, Params, TrainResult
+from fedhier.strategies.edge_messages import (
+    EDGE_ID,
+    PARTITION_IDS,
+    job_content,
+    report_from_reply,
+)
+from fedhier.strategies.grid_executor import GridExecutor
+
+log = logging.getLogger("fedhier")
+
+
+class EdgeServersExecutor(GridExecutor):
+    """``num_edges`` edge servers reached through ``grid``, serving ``num_clients`` clients.
+
+    ``edge_of_client`` (int64 [n], after :meth:`profiles`) is where each client is
+    connected; the run's grouping must put it there (checked by the algorithm's set-up).
+    """
+
+    def __init__(self, grid: Any, run_config: ConfigRecord, num_edges: int, num_clients: int,
+                 timeout: float = 3600) -> None:
+        super().__init__(grid, run_config, timeout=timeout, min_available_nodes=num_edges,
+                         num_clients=num_clients)
+        self.num_edges = num_edges
+        self.node_of_edge: dict[int, int] = {}
+        self.edge_of_client = np.full(num_clients, -1, dtype=np.int64)
+
+    # ---------------------------------------------------------------- profiles
+    def profiles(self) -> ClientInfo:
+        """Each edge's clients, their rows and label histograms."""
+        deadline = time.time() + self.timeout
+        while len(list(self.grid.get_node_ids())) < self.num_edges:
+            if time.time() > deadline:
+                raise RunFailureError(f"fewer than {self.num_edges} edge servers connected "
+                                      f"after {self.timeout:.0f} s")
+            time.sleep(0.1)
+        nodes = list(self.grid.get_node_ids())
+        messages = [Message(RecordDict({"config": self.train_config}),
+                            message_type=MessageType.QUERY, dst_node_id=node) for node in nodes]
+        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
+        for reply in replies:
+            if reply.has_error():
+                reason = (reply.error.reason or "").strip().splitlines()
+                raise RunFailureError(f"edge server on node {reply.metadata.src_node_id} "
+                                      f"failed: {reason[0] if reason else 'no reason given'}")
+        if len(replies) != len(nodes):
+            raise RunFailureError(f"{len(nodes) - len(replies)} of {len(nodes)} edge servers "
+                                  f"did not answer within {self.timeout:.0f} s")
+        n = self.num_clients or 0
+        sizes = np.zeros(n, dtype=np.int64)
+        histograms: np.ndarray | None = None
+        self.edge_of_client[:] = -1
+        for reply in replies:
+            m = reply.content["metrics"]
+            if EDGE_ID not in m:
+                raise RunFailureError(f"node {reply.metadata.src_node_id} answered like a "
+                                      "client, not an edge server: edge_servers runs on "
+                                      "fedhier deploy local --edges")
+            edge = int(m[EDGE_ID])  # type: ignore[arg-type]
+            if not 0 <= edge < self.num_edges or edge in self.node_of_edge:
+                raise RunFailureError(f"edge server on node {reply.metadata.src_node_id} "
+                                      f"says it is edge {edge}: expected each of "
+                                      f"0..{self.num_edges - 1} once")
+            self.node_of_edge[edge] = reply.metadata.src_node_id
+            clients = np.asarray(m[PARTITION_IDS], dtype=np.int64)
+            classes = int(m["num-classes"])  # type: ignore[arg-type]
+            if histograms is None:
+                histograms = np.zeros((n, classes), dtype=np.int64)
+            if ((clients < 0) | (clients >= n)).any() or (self.edge_of_client[clients] >= 0).any():
+                raise RunFailureError(f"edge {edge} serves clients {clients.tolist()[:10]}: "
+                                      f"outside 0..{n - 1} or served by another edge too")
+            self.edge_of_client[clients] = edge
+            sizes[clients] = np.asarray(m["num-examples"], dtype=np.int64)
+            histograms[clients] = np.asarray(m["label-histogram"],
+                                             dtype=np.int64).reshape(len(clients), classes)
+        missing = np.flatnonzero(self.edge_of_client < 0)
+        if len(missing):
+            raise RunFailureError(f"no edge server serves clients {missing.tolist()[:10]}")
+        assert histograms is not None
+        return ClientInfo(label_histograms=histograms, num_examples=sizes,
+                          edge_tags=self.edge_of_client.copy())
+
+    # ---------------------------------------------------------------- training
+    def train(self, work: EdgeRoundWork, edge_models: Params) -> TrainResult:
+        raise RuntimeError("with edge servers the edges train their clients "
+                           "(EdgeServersExecutor.run_edge_jobs)")
+
+    def run_edge_jobs(self, jobs: list[EdgeJob]) -> list[EdgeReport]:
+        """Send each edge its job; an edge that fails or does not answer within the timeout
+        is reported ``reached=False``."""
+        messages = [Message(job_content(job, self.train_config), message_type=MessageType.TRAIN,
+                            dst_node_id=self.node_of_edge[job.edge]) for job in jobs]
+        edge_of_node = {node: edge for edge, node in self.node_of_edge.items()}
+        reports: dict[int, EdgeReport] = {}
+        for reply in self.grid.send_and_receive(messages, timeout=self.timeout):
+            edge = edge_of_node[reply.metadata.src_node_id]
+            if reply.has_error():
+                reason = (reply.error.reason or "").strip().splitlines()
+                log.warning("edge %d failed its job: %s", edge, reason[0] if reason else "")
+                continue
+            reports[edge] = report_from_reply(reply, edge)
+        for job in jobs:
+            if job.edge not in reports:
+                log.warning("edge %d did not answer in cloud round %d: its clients miss "
+                            "the round", job.edge, job.cloud_round)
+                reports[job.edge] = EdgeReport(job.edge, None, np.zeros((0, 2)), reached=False)
+        return [reports[job.edge] for job in jobs]
+
+    # ---------------------------------------------------------------- evaluation, queries
+    def _per_edge(self, message_type: str, params: Params,
+                  cloud_round: int | None = None) -> Iterable[Message]:
+        config = self.evaluate_config.copy()
+        if cloud_round is not None:
+            config["server-round"] = cloud_round
+        content = RecordDict({"arrays": to_record(params), "config": config})
+        messages = [Message(content, message_type=message_type, dst_node_id=node)
+                    for node in self.node_of_edge.values()]
+        return [r for r in self.grid.send_and_receive(messages, timeout=self.timeout)
+                if not r.has_error()]
+
+    def evaluate(self, params: Params, cloud_round: int) -> ClientEvaluation | None:
+        n = self.num_clients or 0
+        loss, accuracy, holdout = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
+        sizes = np.zeros(n, dtype=np.int64)
+        for reply in self._per_edge(MessageType.EVALUATE, params, cloud_round):
+            m = reply.content["metrics"]
+            if "loss" not in m:
+                continue
+            clients = np.asarray(m[PARTITION_IDS], dtype=np.int64)
+            loss[clients] = np.asarray(m["loss"], dtype=np.float64)
+            accuracy[clients] = np.asarray(m["accuracy"], dtype=np.float64)
+            holdout[clients] = np.asarray(m["holdout-accuracy"], dtype=np.float64)
+            sizes[clients] = np.asarray(m["num-examples"], dtype=np.int64)
+        if np.isnan(loss).all():
+            return None
+        return ClientEvaluation(loss=loss, accuracy=accuracy,
+                                holdout_accuracy=None if np.isnan(holdout).all() else holdout,
+                                num_examples=sizes)
+
+    def client_gradients(self, params: Params) -> torch.Tensor | None:
+        n = self.num_clients or 0
+        grads: dict[int, torch.Tensor] = {}
+        for reply in self._per_edge(f"{MessageType.QUERY}.gradient", params):
+            clients = reply.content["metrics"][PARTITION_IDS]
+            g = reply.content["gradient"].to_torch_state_dict()["g"]
+            grads.update({int(c): g[i] for i, c in enumerate(clients)})  # type: ignore[union-attr, arg-type]
+        if len(grads) != n:
+            log.warning("gradient query: %d of %d clients answered through their edges",
+                        len(grads), n)
+            return None
+        return torch.stack([grads[c] for c in range(n)])
+
+    def client_state(self) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
+        return {}  # clients' kept state is not forwarded by edge servers (checked at start)
