@@ -56,14 +56,26 @@ def _interrupt_on_sigterm() -> Iterator[None]:
 
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
-    """The run configuration of ``fedhier deploy``: clients = --nodes."""
+    """The run configuration of ``fedhier deploy``: clients = --nodes; with ``--edges E``,
+    E edge servers (groups = E, edge_servers on)."""
     cfg = config_from_args(args)
     if args.nodes is None or args.nodes < 1:
         raise ConfigError(f"--nodes must be at least 1, got {args.nodes}")
     if args.clients is not None and args.clients != args.nodes:
         raise ConfigError(f"--clients {args.clients} contradicts --nodes {args.nodes}: each "
                           "SuperNode is one client; give --nodes only")
-    return cfg.replace(clients=args.nodes)
+    cfg = cfg.replace(clients=args.nodes)
+    edges = getattr(args, "edges", None)
+    if edges is None:
+        return cfg
+    if not 1 <= edges <= args.nodes:
+        raise ConfigError(f"--edges must be between 1 and --nodes {args.nodes}, got {edges}")
+    if args.groups is not None and cfg.groups != (edges,):
+        raise ConfigError(f"--groups {args.groups} contradicts --edges {edges}: with edge "
+                          "servers the groups are the edges; give --edges only")
+    cfg = cfg.replace(groups=(edges,), edge_servers=True)
+    cfg.validate()
+    return cfg
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
@@ -87,7 +99,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from fedhier.train import resolve_device
 
     RunFolder.check_target(out)  # not under a file
-    check_ports(args.base_port, args.nodes)
+    check_ports(args.base_port, args.nodes + (2 * cfg.num_edges if cfg.edge_servers else 0))
     resolve_device(cfg.device)
     prepare_data(cfg)  # data and partition are valid before anything starts
     try:
@@ -98,12 +110,22 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     echo: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731
     edges = (contiguous_edges(args.nodes, cfg.num_edges)
              if cfg.grouping in ("contiguous", "edge-tag") else None)
+    common: dict[str, Any] = dict(
+        nodes=args.nodes, work=work, base_port=args.base_port, secure=not args.insecure,
+        supernode_auth=not args.no_supernode_auth,
+        certs_dir=Path(args.certs) if args.certs else None, app=app, echo=echo,
+        wait_online=False, wire_dir=work / "wire")
     try:
-        deployment = LocalDeployment(
-            nodes=args.nodes, work=work, base_port=args.base_port, secure=not args.insecure,
-            supernode_auth=not args.no_supernode_auth,
-            certs_dir=Path(args.certs) if args.certs else None, app=app, echo=echo,
-            edges=edges, wait_online=False)
+        deployment: LocalDeployment
+        if cfg.edge_servers:
+            from fedhier.engines.deployment.edge_servers import EdgeTierDeployment
+            from fedhier.engines.deployment.placement import client_placement
+
+            deployment = EdgeTierDeployment(
+                **common, edges=client_placement(cfg).tolist(), num_edges=cfg.num_edges,
+                edge_timeout=cfg.round_timeout)
+        else:
+            deployment = LocalDeployment(**common, edges=edges)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -124,10 +146,26 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         print(f"fedhier: error: {exc}", file=sys.stderr)
         code = 1
     finally:
+        _write_wire(work / "wire", out, echo)
         _keep(work, out)
         echo(f"stopped all {len(deployment.procs.started)} processes started; run folder: "
              f"{out} (logs in {out / 'deploy' / 'logs'})")
     return code
+
+
+def _write_wire(wire_dir: Path, out: Path, echo: Callable[[str], None]) -> None:
+    """The run's measured traffic per link (after every process stopped) to wire.json."""
+    import json
+
+    from fedhier.engines.deployment.wire import read_wire
+
+    totals = read_wire(wire_dir)
+    if not totals or not out.is_dir():
+        return
+    (out / "wire.json").write_text(json.dumps(totals, indent=1) + "\n")
+    for link, t in sorted(totals.items()):
+        echo(f"wire bytes on the {link} link: {t['sent']:,} sent, {t['received']:,} received "
+             f"({t['connections']} connections, {t['processes']} processes)")
 
 
 def _keep(work: Path, out: Path) -> None:
@@ -152,6 +190,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="local: every process on this machine, loopback only")
     parser.add_argument("--nodes", type=int, required=True, metavar="N",
                         help="number of SuperNodes = clients (SuperNode i has partition-id i)")
+    parser.add_argument("--edges", type=int, metavar="E",
+                        help="run E edge servers as processes (each its own SuperLink for its "
+                        "clients and a SuperNode of the cloud's); clients connect to their "
+                        "edge, which meets the cloud every global period (docs/deployment.md)")
     parser.add_argument("--config", type=Path, metavar="FILE.toml",
                         help="TOML file with run configuration keys")
     security = parser.add_argument_group("security")

@@ -26,6 +26,7 @@ from fedhier.engines.deployment.connection import (
 from fedhier.engines.deployment.errors import DeployError, DeployTimeoutError
 from fedhier.engines.deployment.ports import HOST, check_ports, free_port_block, port_open
 from fedhier.engines.deployment.processes import FLOWER_ENV, Managed, ProcessGroup, executable
+from fedhier.engines.deployment.wire import wire_env
 from fedhier.errors import ConfigError
 
 DEFAULT_BASE_PORT = 9300
@@ -77,6 +78,9 @@ class LocalDeployment:
     #: False: ``start`` does not wait for the SuperNodes; ``run_app`` submits the app first
     #: and waits for them while the ServerApp starts (the ServerApp waits for all N anyway).
     wait_online: bool = True
+    #: Measure each SuperNode's traffic to its SuperLink into this folder
+    #: (:mod:`.wire`); the cloud's ServerApp records the totals in each round's record.
+    wire_dir: Path | None = None
     _next_extra_port: int = 0
     _online: bool = False
     procs: ProcessGroup = field(default_factory=ProcessGroup)
@@ -112,6 +116,12 @@ class LocalDeployment:
         env = {**os.environ, **FLOWER_ENV, "FLWR_HOME": str(self.home(name))}
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         return env
+
+    def _wired(self, name: str, link: str, port: int) -> dict[str, str]:
+        """The environment of process ``name``, measuring its traffic to ``port`` as
+        ``link`` when this deployment has a wire folder."""
+        env = self.env(name)
+        return env if self.wire_dir is None else wire_env(env, self.wire_dir, link, port)
 
     def log(self, name: str) -> Path:
         return self.work / "logs" / f"{name}.log"
@@ -171,9 +181,12 @@ class LocalDeployment:
                     for i in range(self.nodes)]
         return [k.resolve() for k in keys]
 
-    def start_superlink(self) -> Managed:
-        cmd = [executable("flower-superlink"), "--host", HOST, "--port",
-               str(self.superlink_port), "--disable-runtime-dependency-installation"]
+    def start_superlink(self, port: int | None = None, name: str = "superlink",
+                        extra_args: Sequence[str] = ()) -> Managed:
+        """A SuperLink on ``port`` (default: the cloud's); returns once it listens."""
+        port = self.superlink_port if port is None else port
+        cmd = [executable("flower-superlink"), "--host", HOST, "--port", str(port),
+               "--disable-runtime-dependency-installation", *extra_args]
         if self.secure:
             certs = self.certs
             cmd += ["--ssl-certfile", str(certs.server_cert.resolve()),
@@ -183,41 +196,50 @@ class LocalDeployment:
                 cmd.append("--enable-supernode-auth")
         else:
             cmd.append("--insecure")
-        self.superlink = self.procs.start("superlink", cmd, self.env("superlink"),
-                                          self.log("superlink"), self.work)
+        env = self.env(name)
+        if self.wire_dir is not None and port == self.superlink_port:  # read by the ServerApp
+            from fedhier.engines.grid_run import WIRE_RECORD_ENV
+
+            env[WIRE_RECORD_ENV] = str(self.wire_dir)
+        managed = self.procs.start(name, cmd, env, self.log(name), self.work)
+        if port == self.superlink_port:
+            self.superlink = managed
         deadline = time.time() + self.connect_timeout
-        while not port_open(self.superlink_port):
-            if self.superlink.popen.poll() is not None:
-                raise DeployError("the SuperLink exited at start:\n"
-                                  + self.superlink.log_tail())
+        while not port_open(port):
+            if managed.popen.poll() is not None:
+                raise DeployError(f"the {name} exited at start:\n" + managed.log_tail())
             if time.time() > deadline:
-                raise DeployError(f"the SuperLink did not listen on {HOST}:"
-                                  f"{self.superlink_port} within {self.connect_timeout:.0f} s")
+                raise DeployError(f"the {name} did not listen on {HOST}:{port} within "
+                                  f"{self.connect_timeout:.0f} s")
             time.sleep(0.2)
         mode = ("TLS + SuperNode authentication" if self.supernode_auth else
                 "TLS" if self.secure else "INSECURE (no TLS)")
-        self.echo(f"SuperLink on {HOST}:{self.superlink_port} [{mode}] "
-                  f"(pid {self.superlink.pid})")
-        return self.superlink
+        label = "SuperLink" if name == "superlink" else name
+        self.echo(f"{label} on {HOST}:{port} [{mode}] (pid {managed.pid})")
+        return managed
 
-    def write_cli_config(self) -> Path:
-        path = self.home("cli") / "config.toml"
-        path.write_text(connection_toml(CONNECTION, self.superlink_port, self.ca_cert))
+    def write_cli_config(self, port: int | None = None, home: str = "cli") -> Path:
+        """flwr-home/``home``/config.toml: the connection to the SuperLink on ``port``."""
+        path = self.home(home) / "config.toml"
+        path.write_text(connection_toml(CONNECTION, port or self.superlink_port, self.ca_cert))
         return path
 
-    def flwr_cli(self, args: Sequence[str], timeout: float = 120) -> subprocess.CompletedProcess:
-        """Run one ``flwr`` CLI command against this SuperLink (FLWR_HOME = flwr-home/cli)."""
-        return subprocess.run([executable("flwr"), *args], env=self.env("cli"), cwd=self.work,
+    def flwr_cli(self, args: Sequence[str], timeout: float = 120,
+                 home: str = "cli") -> subprocess.CompletedProcess:
+        """Run one ``flwr`` CLI command against this SuperLink (FLWR_HOME = flwr-home/cli;
+        ``home``: another SuperLink's connection)."""
+        return subprocess.run([executable("flwr"), *args], env=self.env(home), cwd=self.work,
                               capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
 
-    def register_supernodes(self, public_keys: Sequence[Path]) -> list[int]:
-        """``flwr supernode register KEY.pub`` for each SuperNode (two at a time)."""
+    def register_supernodes(self, public_keys: Sequence[Path], home: str = "cli") -> list[int]:
+        """``flwr supernode register KEY.pub`` for each SuperNode (two at a time), with the
+        SuperLink of the connection in flwr-home/``home``."""
         results: dict[int, subprocess.CompletedProcess] = {}
 
         def register(i: int) -> None:
             results[i] = self.flwr_cli(["supernode", "register", str(public_keys[i]),
-                                        CONNECTION, "--format", "json"])
+                                        CONNECTION, "--format", "json"], home=home)
 
         for start in range(0, len(public_keys), 2):
             threads = [threading.Thread(target=register, args=(i,))
@@ -234,34 +256,44 @@ class LocalDeployment:
                 raise DeployError(f"registering SuperNode {i}'s key failed: "
                                   f"{out.strip().splitlines()[-1:] or results[i].returncode}")
             ids.append(int(match.group(1)))
-        self.node_ids = ids
+        self.node_ids += ids
         self.echo(f"registered {len(ids)} SuperNode public keys")
         return ids
 
     def start_supernode(self, i: int, key: Path | None = None,
                         root_certificates: Path | None = None, name: str = "",
                         insecure: bool = False, track: bool = True,
-                        extra_args: Sequence[str] = ()) -> Managed:
+                        extra_args: Sequence[str] = (), superlink_port: int | None = None,
+                        port: int | None = None, node_config: str | None = None,
+                        env: dict[str, str] | None = None) -> Managed:
         """SuperNode ``i`` (partition-id i). ``root_certificates`` overrides the CA and
         ``insecure`` drops TLS (to test refusals); ``track=False``: not one of the
-        federation's nodes (not waited for), but still stopped with everything else."""
+        federation's nodes (not waited for), but still stopped with everything else.
+        ``superlink_port`` (default: the cloud's), ``port`` (its runtime API),
+        ``node_config`` and ``env`` override the defaults of client SuperNode ``i``."""
         name = name or f"supernode-{i}"
-        node_config = f"partition-id={i} num-partitions={self.nodes}"
-        if self.edges is not None:
-            node_config += f" edge={self.edges[i]}"
-        if track:
+        if node_config is None:
+            node_config = f"partition-id={i} num-partitions={self.nodes}"
+            if self.edges is not None:
+                node_config += f" edge={self.edges[i]}"
+        if port is not None:
+            pass
+        elif track:
             port = self.superlink_port + 1 + i
         else:  # above the federation's ports, never the same twice
             port = free_port_block(1, start=max(self._next_extra_port,
                                                 self.superlink_port + self.nodes + 1))
             self._next_extra_port = port + 1
-        cmd = [executable("flower-supernode"), "--superlink", f"{HOST}:{self.superlink_port}",
+        cmd = [executable("flower-supernode"), "--superlink",
+               f"{HOST}:{superlink_port or self.superlink_port}",
                "--host", HOST, "--port", str(port), "--node-config", node_config, *extra_args]
         ca = root_certificates or self.ca_cert
         cmd += ["--insecure"] if insecure or ca is None else ["--root-certificates", str(ca)]
         if key is not None:
             cmd += ["--auth-supernode-private-key", str(key)]
-        managed = self.procs.start(name, cmd, self.env(name), self.log(name), self.work)
+        if env is None:
+            env = self._wired(name, "client-cloud", superlink_port or self.superlink_port)
+        managed = self.procs.start(name, cmd, env, self.log(name), self.work)
         if track:
             self.supernodes.append(managed)
         return managed

@@ -1,0 +1,204 @@
+"""One edge server as one long-lived process, built from Flower's own runtime clients.
+
+``python -m fedhier.engines.deployment.edge_process --edge E --clients 0,1,2 ...`` (started by
+``fedhier deploy local --edges``; docs/deployment.md#edge-servers has the diagram). The edge
+has two faces, both Flower's:
+
+* **toward its clients** it is the ServerApp of its own SuperLink. That SuperLink runs with
+  ``--isolation process``: this process submits one run to it (``flwr run``, so that the
+  client SuperNodes get the app), claims that run's ServerApp task itself (``AcquireTask``,
+  authenticated with the SuperExec secret) and keeps one :class:`flwr.superlink.grid.HttpGrid`
+  with heartbeats for the whole federation;
+* **toward the cloud** it is the ClientApp runtime of a SuperNode attached to the cloud
+  SuperLink (also ``--isolation process``): it claims each task the cloud sends that SuperNode,
+  answers it with :class:`~fedhier.strategies.edge_server.EdgeServer` over the grid, and
+  pushes the reply, as Flower's ``flwr-clientapp`` does for one message.
+
+Flower's ``Message()`` reads the run, node and task ids from the process-global
+``TaskIdentity``, so the process switches identity between the two faces and handles one
+message at a time. It runs until stopped (SIGTERM/SIGINT: exit 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+from flwr.app import Error, Message
+from flwr.common.constant import SubStatus
+from flwr.common.serde import run_from_proto
+from flwr.proto.runtime_pb2 import AcquireTaskRequest, PullTaskInputRequest
+from flwr.supercore.constant import TaskType
+from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
+from flwr.supercore.interceptors import (
+    RuntimeTokenHttpInterceptor,
+    RuntimeVersionHttpInterceptor,
+    SuperExecAuthHttpInterceptor,
+)
+from flwr.supercore.retry import make_simple_http_retry_invoker
+from flwr.supercore.runtime import RuntimeHttpClient
+from flwr.supercore.task_identity import TaskIdentity
+from flwr.superlink.grid import HttpGrid
+from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
+
+from fedhier.strategies.edge_server import EdgeServer
+
+log = logging.getLogger("fedhier.edge")
+CLIENT_APP_EXCEPTION = 0  # flwr ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+
+
+class Identity:
+    """A snapshot of Flower's process-global task identity, to switch back to."""
+
+    def __init__(self) -> None:
+        self.task_id = TaskIdentity.task_id
+        self.run_id = TaskIdentity.run_id
+        self.node_id = TaskIdentity.node_id
+
+    def activate(self) -> None:
+        TaskIdentity.task_id = self.task_id
+        TaskIdentity.run_id = self.run_id
+        TaskIdentity.node_id = self.node_id
+
+
+def runtime_client(address: str, root_certificates: bytes | None, component: str,
+                   secret: bytes | None = None, token: str | None = None) -> RuntimeHttpClient:
+    """A client of a SuperLink's or SuperNode's runtime API (what SuperExec uses)."""
+    interceptors: list = [RuntimeVersionHttpInterceptor(component_name=component)]
+    if secret is not None and token is None:
+        interceptors.append(SuperExecAuthHttpInterceptor(
+            master_secret=secret,
+            protected_methods=frozenset({"/flwr.proto.Runtime/AcquireTask"})))
+    if token is not None:
+        interceptors.append(RuntimeTokenHttpInterceptor(token))
+    return RuntimeHttpClient.from_server_address(
+        server_address=address, insecure=root_certificates is None,
+        root_certificates=root_certificates, interceptors=interceptors,
+        retry_invoker=make_simple_http_retry_invoker())
+
+
+def acquire(client: RuntimeHttpClient, task_type: str, poll: float = 0.2) -> tuple[object, str]:
+    """Wait for a task of ``task_type`` and claim it; returns (task, token)."""
+    while True:
+        res = client.AcquireTask(AcquireTaskRequest(supported_task_types=[task_type]))
+        if res.HasField("task") and res.token:
+            return res.task, res.token
+        time.sleep(poll)
+
+
+def connect_to_clients(args: argparse.Namespace, ca: bytes | None,
+                       secret: bytes | None) -> tuple[HttpGrid, HeartbeatSender]:
+    """Submit this edge's run to its SuperLink and claim the run's ServerApp task."""
+    run = subprocess.run(["flwr", "run", str(args.app), args.connection, "--run-config",
+                          str(args.run_config)], capture_output=True, text=True,
+                         timeout=args.timeout, stdin=subprocess.DEVNULL)
+    if run.returncode != 0:
+        raise RuntimeError(f"flwr run on the edge SuperLink failed: "
+                           f"{(run.stdout + run.stderr).strip()[-500:]}")
+    link = runtime_client(args.edge_superlink, ca, "SuperExec", secret)
+    _, token = acquire(link, TaskType.SERVER_APP)
+    grid = HttpGrid(runtime_api_address=args.edge_superlink, insecure=ca is None,
+                    root_certificates=ca, token=token)
+    res = grid._runtime_client.PullTaskInput(PullTaskInputRequest())
+    TaskIdentity.task_id, TaskIdentity.run_id = res.task_id, res.run.run_id
+    TaskIdentity.node_id = res.context.node_id
+    grid.set_run(run_from_proto(res.run))
+    heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(grid._runtime_client))
+    heartbeat.start()
+    return grid, heartbeat
+
+
+def serve(server: EdgeServer, cloud_node: str, secret: bytes | None, edge_identity: Identity,
+          ) -> None:
+    """Claim and answer the cloud's messages to this edge's SuperNode, one at a time."""
+    node = runtime_client(cloud_node, None, "SuperExec", secret)
+    while True:
+        _, token = acquire(node, TaskType.CLIENT_APP)
+        client = runtime_client(cloud_node, None, "flwr-clientapp", token=token)
+        heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
+        heartbeat.start()
+        try:
+            msg, context, _, _ = pull_task_input(client)  # sets the cloud task's identity
+            cloud_identity = Identity()
+            edge_identity.activate()
+            started = time.time()
+            try:
+                content = server.handle(msg)
+                error = None
+            except Exception as exc:  # noqa: BLE001 - the cloud gets it as an error reply
+                content, error = None, f"{type(exc).__name__}: {exc}\n" + \
+                    traceback.format_exc(limit=3)
+                print(f"edge {server.edge}: {msg.metadata.message_type} failed: {exc}",
+                      flush=True)
+            cloud_identity.activate()
+            reply = (Message(content, reply_to=msg) if content is not None else
+                     Message(Error(code=CLIENT_APP_EXCEPTION, reason=error), reply_to=msg))
+            push_message(client, reply, context)
+            push_task_output(client, context, SubStatus.COMPLETED, "")
+            print(f"edge {server.edge}: answered {msg.metadata.message_type} in "
+                  f"{time.time() - started:.1f} s", flush=True)
+        finally:
+            heartbeat.stop()
+            edge_identity.activate()
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fedhier.engines.deployment.edge_process",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--edge", type=int, required=True, help="this edge's index")
+    parser.add_argument("--clients", required=True,
+                        help="the partition ids of its clients, comma-separated")
+    parser.add_argument("--edge-superlink", required=True, metavar="HOST:PORT",
+                        help="this edge's SuperLink (clients connect to it)")
+    parser.add_argument("--cloud-node", required=True, metavar="HOST:PORT",
+                        help="runtime API of this edge's SuperNode on the cloud SuperLink")
+    parser.add_argument("--app", type=Path, required=True, help="the Flower app (FAB source)")
+    parser.add_argument("--run-config", type=Path, required=True, metavar="FILE.toml",
+                        help="--run-config of the edge's flwr run")
+    parser.add_argument("--connection", required=True,
+                        help="the edge SuperLink's connection name in $FLWR_HOME/config.toml")
+    parser.add_argument("--root-certificates", type=Path, help="CA of the edge SuperLink "
+                        "(TLS); without it the connection is insecure")
+    parser.add_argument("--superexec-secret", type=Path,
+                        help="the SuperExec authentication secret of the edge SuperLink and "
+                        "SuperNode")
+    parser.add_argument("--timeout", type=float, default=3600,
+                        help="seconds to wait for the clients' replies")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop)
+    ca = args.root_certificates.read_bytes() if args.root_certificates else None
+    secret = args.superexec_secret.read_bytes() if args.superexec_secret else None
+    clients = [int(c) for c in args.clients.split(",") if c.strip()]
+    try:
+        grid, heartbeat = connect_to_clients(args, ca, secret)
+        print(f"edge {args.edge}: ServerApp task of the edge SuperLink claimed (pid "
+              f"{os.getpid()}); waiting for clients {clients}", flush=True)
+        server = EdgeServer(args.edge, grid, clients, timeout=args.timeout)
+        serve(server, args.cloud_node, secret, Identity())
+    except (KeyboardInterrupt, SystemExit):
+        return 0
+    except Exception as exc:  # noqa: BLE001 - one line for the deploy log
+        print(f"edge {args.edge}: error: {type(exc).__name__}: {exc}", file=sys.stderr,
+              flush=True)
+        return 1
+    finally:
+        if "heartbeat" in locals():
+            heartbeat.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
