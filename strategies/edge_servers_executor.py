@@ -31,6 +31,8 @@ from fedhier.strategies.edge_messages import (
 from fedhier.strategies.grid_executor import GridExecutor
 
 log = logging.getLogger("fedhier")
+#: The least time the edge servers get to start and profile their clients (seconds).
+STARTUP_SECONDS = 600.0
 
 
 class EdgeServersExecutor(GridExecutor):
@@ -50,17 +52,20 @@ class EdgeServersExecutor(GridExecutor):
 
     # ---------------------------------------------------------------- profiles
     def profiles(self) -> ClientInfo:
-        """Each edge's clients, their rows and label histograms."""
-        deadline = time.time() + self.timeout
+        """Each edge's clients, their rows and label histograms. Edge servers first start
+        their own run and profile their clients: this waits up to ``STARTUP_SECONDS`` (or the
+        timeout, if longer) for them."""
+        timeout = max(self.timeout, STARTUP_SECONDS)
+        deadline = time.time() + timeout
         while len(list(self.grid.get_node_ids())) < self.num_edges:
             if time.time() > deadline:
                 raise RunFailureError(f"fewer than {self.num_edges} edge servers connected "
-                                      f"after {self.timeout:.0f} s")
+                                      f"after {timeout:.0f} s")
             time.sleep(0.1)
         nodes = list(self.grid.get_node_ids())
         messages = [Message(RecordDict({"config": self.train_config}),
                             message_type=MessageType.QUERY, dst_node_id=node) for node in nodes]
-        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
+        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
         for reply in replies:
             if reply.has_error():
                 reason = (reply.error.reason or "").strip().splitlines()
@@ -68,7 +73,7 @@ class EdgeServersExecutor(GridExecutor):
                                       f"failed: {reason[0] if reason else 'no reason given'}")
         if len(replies) != len(nodes):
             raise RunFailureError(f"{len(nodes) - len(replies)} of {len(nodes)} edge servers "
-                                  f"did not answer within {self.timeout:.0f} s")
+                                  f"did not answer within {timeout:.0f} s")
         n = self.num_clients or 0
         sizes = np.zeros(n, dtype=np.int64)
         histograms: np.ndarray | None = None
@@ -111,12 +116,18 @@ class EdgeServersExecutor(GridExecutor):
     def run_edge_jobs(self, jobs: list[EdgeJob]) -> list[EdgeReport]:
         """Send each edge its job; an edge that fails or does not answer within the timeout
         is reported ``reached=False``."""
+        # A job outlives its round by nothing: an edge that restarts must not take it late.
         messages = [Message(job_content(job, self.train_config), message_type=MessageType.TRAIN,
-                            dst_node_id=self.node_of_edge[job.edge]) for job in jobs]
-        edge_of_node = {node: edge for edge, node in self.node_of_edge.items()}
+                            dst_node_id=self.node_of_edge[job.edge], ttl=self.timeout)
+                    for job in jobs]
+        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
+        # By the message answered: an error reply may come from the SuperLink itself (an
+        # expired message), not from the edge's node.
+        edge_of_message = {m.metadata.message_id: job.edge
+                           for m, job in zip(messages, jobs, strict=True)}
         reports: dict[int, EdgeReport] = {}
-        for reply in self.grid.send_and_receive(messages, timeout=self.timeout):
-            edge = edge_of_node[reply.metadata.src_node_id]
+        for reply in replies:
+            edge = edge_of_message[reply.metadata.reply_to_message_id]
             if reply.has_error():
                 reason = (reply.error.reason or "").strip().splitlines()
                 log.warning("edge %d failed its job: %s", edge, reason[0] if reason else "")

@@ -179,7 +179,10 @@ def test_tls_deployment_matches_inprocess(tmp_path, capsys):
     assert code == 0, printed.out[-3000:] + printed.err[-3000:]
     assert "TLS + SuperNode authentication" in printed.out
     assert "round 1/1" in printed.out
-    assert_same_run(tmp_path / "inprocess", out, TINY.rounds)
+    # the deployment also measured its wire bytes (tests/test_deploy_edges.py checks them)
+    assert_same_run(tmp_path / "inprocess", out, TINY.rounds,
+                    ignore=frozenset({"wire_client_cloud_bytes"}))
+    assert metrics(out)[-1]["wire_client_cloud_bytes"] > 0
     logs = out / "deploy" / "logs"
     superlink_log = (logs / "superlink.log").read_text()
     assert "Uvicorn running on https://127.0.0.1" in superlink_log

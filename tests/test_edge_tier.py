@@ -115,7 +115,7 @@ def test_an_edge_that_misses_its_job_leaves_its_clients_out_of_that_round(tmp_pa
     assert records[3]["test_accuracy"] > records[0]["test_accuracy"]
     # edge 1's clients exchanged nothing in round 2: a third fewer client-edge messages
     per_round = [b["client_edge_messages"] - a["client_edge_messages"]
-                 for a, b in zip(records, records[1:])]
+                 for a, b in zip(records, records[1:], strict=False)]
     assert per_round == [per_round[0], per_round[0] * 2 // 3, per_round[0]]
 
 
@@ -142,6 +142,7 @@ def test_the_other_engines_refuse_edge_servers(tmp_path):
 def test_clients_connected_where_the_grouping_does_not_put_them_are_refused(tmp_path):
     cfg = BASE.replace(edge_servers=True)
     grid, _ = edge_tier_grid(cfg)  # placed by the contiguous grouping
-    with pytest.raises(ConfigError, match="client 0 is connected to edge 0 but the 'random' grouping puts it under edge 1"):
+    refusal = "client 0 is connected to edge 0 but the 'random' grouping puts it under edge 1"
+    with pytest.raises(ConfigError, match=refusal):
         run_federation(grid, cfg.replace(grouping="random", seed=8),
                        RunFolder.create(tmp_path / "r"), engine="edges", progress=False)

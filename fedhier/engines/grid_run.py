@@ -15,10 +15,12 @@ from typing import Any
 
 from flwr.app import ConfigRecord
 from flwr.serverapp import Grid
+from flwr.superlink.grid import HttpGrid
 
 from fedhier.checkpoint import Checkpoint
 from fedhier.config import RunConfig
 from fedhier.edge_tier import EdgeTierHierarchicalSGD
+from fedhier.engines.prompt_grid import PromptGrid
 from fedhier.errors import ConfigError
 from fedhier.hsgd import HierarchicalSGD, Params
 from fedhier.run_folder import RunFolder
@@ -75,6 +77,8 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
     """Run the configured hierarchical federation on ``grid``; returns summary.json's dict."""
     quiet_flower()
     fed = prepare(cfg)
+    if isinstance(grid, HttpGrid):  # the Deployment Engine: poll for replies every 0.1 s
+        grid = PromptGrid(grid)
     num_nodes = len(list(grid.get_node_ids()))
     expected = cfg.num_edges if cfg.edge_servers else cfg.clients
     if num_nodes and num_nodes != expected:

@@ -114,7 +114,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         nodes=args.nodes, work=work, base_port=args.base_port, secure=not args.insecure,
         supernode_auth=not args.no_supernode_auth,
         certs_dir=Path(args.certs) if args.certs else None, app=app, echo=echo,
-        wait_online=False, wire_dir=work / "wire")
+        wait_online=False, wire_dir=work / "wire",
+        client_runtime=app == REPO_ROOT.resolve())  # fedhier's own ClientApp: one process
     try:
         deployment: LocalDeployment
         if cfg.edge_servers:

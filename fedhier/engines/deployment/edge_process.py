@@ -29,11 +29,11 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
-from flwr.app import Error, Message
+from flwr.app import Context, Error, Message
 from flwr.common.constant import SubStatus
 from flwr.common.serde import run_from_proto
 from flwr.proto.runtime_pb2 import AcquireTaskRequest, PullTaskInputRequest
@@ -50,6 +50,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.grid import HttpGrid
 from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
 
+from fedhier.engines.prompt_grid import PromptGrid
 from fedhier.strategies.edge_server import EdgeServer
 
 log = logging.getLogger("fedhier.edge")
@@ -117,38 +118,52 @@ def connect_to_clients(args: argparse.Namespace, ca: bytes | None,
     return grid, heartbeat
 
 
-def serve(server: EdgeServer, cloud_node: str, secret: bytes | None, edge_identity: Identity,
-          ) -> None:
-    """Claim and answer the cloud's messages to this edge's SuperNode, one at a time."""
-    node = runtime_client(cloud_node, None, "SuperExec", secret)
+def serve_tasks(node_address: str, secret: bytes | None,
+                answer: Callable[[Message, Context], Message], name: str) -> None:
+    """Claim the ClientApp tasks of the SuperNode whose runtime API is ``node_address``
+    (started with ``--isolation process``) and answer each in this process, one at a time:
+    what Flower's ``flwr-clientapp`` does for one message, without a process per message.
+    An exception in ``answer`` becomes an error reply."""
+    node = runtime_client(node_address, None, "SuperExec", secret)
     while True:
         _, token = acquire(node, TaskType.CLIENT_APP)
-        client = runtime_client(cloud_node, None, "flwr-clientapp", token=token)
+        client = runtime_client(node_address, None, "flwr-clientapp", token=token)
         heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
         heartbeat.start()
         try:
-            msg, context, _, _ = pull_task_input(client)  # sets the cloud task's identity
-            cloud_identity = Identity()
-            edge_identity.activate()
+            msg, context, _, _ = pull_task_input(client)  # sets the task's identity
+            config = msg.content.config_records.get("config")
+            cloud_round = config.get("server-round", "-") if config is not None else "-"
+            kind = msg.metadata.message_type
+            print(f"{name}: got {kind} (cloud round {cloud_round!s})", flush=True)
             started = time.time()
             try:
-                content = server.handle(msg)
-                error = None
-            except Exception as exc:  # noqa: BLE001 - the cloud gets it as an error reply
-                content, error = None, f"{type(exc).__name__}: {exc}\n" + \
-                    traceback.format_exc(limit=3)
-                print(f"edge {server.edge}: {msg.metadata.message_type} failed: {exc}",
-                      flush=True)
-            cloud_identity.activate()
-            reply = (Message(content, reply_to=msg) if content is not None else
-                     Message(Error(code=CLIENT_APP_EXCEPTION, reason=error), reply_to=msg))
+                reply = answer(msg, context)
+            except Exception as exc:  # noqa: BLE001 - the sender gets it as an error reply
+                reason = f"{type(exc).__name__}: {exc}\n" + traceback.format_exc(limit=3)
+                reply = Message(Error(code=CLIENT_APP_EXCEPTION, reason=reason), reply_to=msg)
+                print(f"{name}: {kind} failed: {exc}", flush=True)
             push_message(client, reply, context)
             push_task_output(client, context, SubStatus.COMPLETED, "")
-            print(f"edge {server.edge}: answered {msg.metadata.message_type} in "
-                  f"{time.time() - started:.1f} s", flush=True)
+            print(f"{name}: answered {kind} in {time.time() - started:.1f} s", flush=True)
         finally:
             heartbeat.stop()
-            edge_identity.activate()
+
+
+def edge_answer(server: EdgeServer, edge_identity: Identity,
+                ) -> Callable[[Message, Context], Message]:
+    """The cloud's message answered with the edge's clients (under the edge's identity)."""
+
+    def answer(msg: Message, context: Context) -> Message:
+        cloud_identity = Identity()
+        edge_identity.activate()  # Message() reads TaskIdentity: the edge's run
+        try:
+            content = server.handle(msg)
+        finally:
+            cloud_identity.activate()
+        return Message(content, reply_to=msg)
+
+    return answer
 
 
 def _stop(signum: int, frame: FrameType | None) -> None:
@@ -186,8 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         grid, heartbeat = connect_to_clients(args, ca, secret)
         print(f"edge {args.edge}: ServerApp task of the edge SuperLink claimed (pid "
               f"{os.getpid()}); waiting for clients {clients}", flush=True)
-        server = EdgeServer(args.edge, grid, clients, timeout=args.timeout)
-        serve(server, args.cloud_node, secret, Identity())
+        server = EdgeServer(args.edge, PromptGrid(grid), clients, timeout=args.timeout)
+        serve_tasks(args.cloud_node, secret, edge_answer(server, Identity()),
+                    f"edge {args.edge}")
     except (KeyboardInterrupt, SystemExit):
         return 0
     except Exception as exc:  # noqa: BLE001 - one line for the deploy log

@@ -23,15 +23,21 @@ cloud round.
 
 from __future__ import annotations
 
-import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from fedhier.config import RunConfig
+from fedhier.engines.deployment.errors import DeployError
 from fedhier.engines.deployment.local import LocalDeployment
 from fedhier.engines.deployment.ports import HOST
 from fedhier.engines.deployment.processes import Managed
 from fedhier.errors import ConfigError
+
+#: How often one edge process is restarted before the deployment gives up.
+MAX_RESTARTS = 3
 
 
 def ports_needed(nodes: int, edges: int) -> int:
@@ -47,7 +53,8 @@ class EdgeTierDeployment(LocalDeployment):
 
     num_edges: int = 1
     edge_timeout: float = 3600.0
-    edge_processes: list[Managed] = field(default_factory=list)
+    edge_processes: list[Managed] = field(default_factory=list)  # by edge
+    restarts: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -105,12 +112,8 @@ class EdgeTierDeployment(LocalDeployment):
         if self.wait_online:
             self.wait_supernodes_online()
 
-    def secret_args(self) -> list[str]:
-        secret = self.work / "certs" / "superexec.secret"
-        return ["--superexec-auth-secret-file", str(secret)] if self.secure else []
-
     def _prepare_edge_security(self) -> list[Path]:
-        """TLS material, one SuperNode key per client and per edge, the SuperExec secret."""
+        """TLS material and one SuperNode key per client and per edge."""
         from fedhier.engines.deployment.certs import make_supernode_key
 
         keys = self._prepare_security()
@@ -120,17 +123,43 @@ class EdgeTierDeployment(LocalDeployment):
         if self.supernode_auth:
             keys += [make_supernode_key(self.work / "keys" / f"supernode-edge-{e}")[0].resolve()
                      for e in range(self.num_edges)]
-        secret = self.work / "certs" / "superexec.secret"
-        secret.parent.mkdir(parents=True, exist_ok=True)
-        secret.write_bytes(os.urandom(32).hex().encode())
-        secret.chmod(0o600)
         return keys
 
     @staticmethod
     def _pub(key: Path) -> Path:
         return key.with_name(key.name + ".pub")
 
-    def start_edge_process(self, edge: int) -> Managed:
+    def run_app(self, cfg: RunConfig, out: Path, timeout: float = 3600,
+                verbose: bool = False,
+                on_tick: Callable[[LocalDeployment], None] | None = None) -> dict[str, Any]:
+        """As :meth:`LocalDeployment.run_app`, restarting an edge process that stopped (it
+        rejoins at the next job; the cloud counts its clients as failed for a job it lost)."""
+
+        def tick(deployment: LocalDeployment) -> None:
+            self.restart_stopped_edges()
+            if on_tick is not None:
+                on_tick(deployment)
+
+        return super().run_app(cfg, out, timeout, verbose, tick)
+
+    def restart_stopped_edges(self) -> list[int]:
+        """Start again every edge whose process exited (at most ``MAX_RESTARTS`` times
+        each); returns those edges."""
+        restarted = []
+        for edge, managed in enumerate(self.edge_processes):
+            code = managed.popen.poll()
+            if code is None:
+                continue
+            if self.restarts.get(edge, 0) >= MAX_RESTARTS:
+                raise DeployError(f"edge server {edge} stopped {MAX_RESTARTS + 1} times; "
+                                  f"last lines of {managed.log}:\n{managed.log_tail()}")
+            self.restarts[edge] = self.restarts.get(edge, 0) + 1
+            self.echo(f"edge server {edge} stopped (exit code {code}); restarting it")
+            self.edge_processes[edge] = self.start_edge_process(edge, append=False)
+            restarted.append(edge)
+        return restarted
+
+    def start_edge_process(self, edge: int, append: bool = True) -> Managed:
         """Edge ``edge``'s process (also to restart one that was stopped)."""
         name = f"edge-{edge}"
         run_config = self.work / "edge_run_config.toml"
@@ -147,7 +176,8 @@ class EdgeTierDeployment(LocalDeployment):
                     "--superexec-secret", str(self.work / "certs" / "superexec.secret")]
         managed = self.procs.start(name, cmd, self.env(f"edge-{edge}"), self.log(name),
                                    self.work)
-        self.edge_processes.append(managed)
+        if append:
+            self.edge_processes.append(managed)
         self.echo(f"edge server {edge} (pid {managed.pid}): SuperLink "
                   f"{HOST}:{self.edge_superlink_port(edge)}, clients {self.clients_of(edge)}")
         return managed

@@ -81,6 +81,9 @@ class LocalDeployment:
     #: Measure each SuperNode's traffic to its SuperLink into this folder
     #: (:mod:`.wire`); the cloud's ServerApp records the totals in each round's record.
     wire_dir: Path | None = None
+    #: Serve each client SuperNode's messages with one long-lived process running fedhier's
+    #: ClientApp (:mod:`.client_runtime`) instead of a process per message (fedhier's app only).
+    client_runtime: bool = False
     _next_extra_port: int = 0
     _online: bool = False
     procs: ProcessGroup = field(default_factory=ProcessGroup)
@@ -293,10 +296,37 @@ class LocalDeployment:
             cmd += ["--auth-supernode-private-key", str(key)]
         if env is None:
             env = self._wired(name, "client-cloud", superlink_port or self.superlink_port)
+        runtime = self.client_runtime and track and node_config.startswith("partition-id")
+        if runtime:
+            cmd += ["--isolation", "process", *self.secret_args()]
         managed = self.procs.start(name, cmd, env, self.log(name), self.work)
         if track:
             self.supernodes.append(managed)
+        if runtime:
+            self.start_client_runtime(i, port)
         return managed
+
+    def secret_args(self) -> list[str]:
+        """``--superexec-auth-secret-file`` for a SuperLink or SuperNode started with
+        ``--isolation process`` (TLS deployments; the secret is made on first use)."""
+        if not self.secure:
+            return []
+        secret = self.work / "certs" / "superexec.secret"
+        if not secret.is_file():
+            secret.parent.mkdir(parents=True, exist_ok=True)
+            secret.write_bytes(os.urandom(32).hex().encode())
+            secret.chmod(0o600)
+        return ["--superexec-auth-secret-file", str(secret)]
+
+    def start_client_runtime(self, i: int, port: int) -> Managed:
+        """The long-lived ClientApp process of client SuperNode ``i`` (runtime API ``port``)."""
+        name = f"clientapp-{i}"
+        cmd = [sys.executable, "-m", "fedhier.engines.deployment.client_runtime", "--node",
+               f"{HOST}:{port}", "--name", f"client {i}"]
+        secret = self.secret_args()
+        if secret:
+            cmd += ["--superexec-secret", secret[1]]
+        return self.procs.start(name, cmd, self.env(name), self.log(name), self.work)
 
     def wait_supernodes_online(self) -> None:
         """Wait until every SuperNode has activated with the SuperLink (its log says so)."""

@@ -11,7 +11,10 @@ HOST = "127.0.0.1"  # loopback only: this command never listens on another addre
 
 
 def port_is_free(port: int, host: str = HOST) -> bool:
+    """Nothing listens on ``port``. Bound as servers bind (SO_REUSEADDR), so the TIME_WAIT
+    connections a finished run leaves behind do not count as busy."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

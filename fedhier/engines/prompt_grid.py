@@ -1,0 +1,65 @@
+"""A Grid that waits for replies by polling every 0.1 s.
+
+Flower 1.42's :class:`flwr.superlink.grid.HttpGrid` (the Deployment Engine's Grid) sleeps 3 s
+between polls in ``send_and_receive``: with edge servers every edge round and every evaluation
+pays it (an edge round of two clients took 19 s, most of it waiting). :class:`PromptGrid`
+delegates everything to the wrapped Grid and only polls sooner; the messages are the same.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from flwr.app import Message, RecordDict
+from flwr.proto.node_pb2 import NodeInfo  # the type Flower's Grid.get_nodes returns
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+
+#: Seconds between two polls for replies.
+POLL_SECONDS = 0.1
+
+
+class PromptGrid(Grid):
+    """``grid`` with a ``send_and_receive`` that polls every :data:`POLL_SECONDS`."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+
+    def set_run(self, run: Run) -> None:
+        self.grid.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        return self.grid.run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int,
+                       group_id: str, ttl: float | None = None) -> Message:
+        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.grid.get_node_ids()
+
+    def get_nodes(self) -> Iterable[NodeInfo]:
+        return self.grid.get_nodes()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self.grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages: Iterable[Message], *,
+                         timeout: float | None = None) -> Iterable[Message]:
+        """Push ``messages``; return the replies that arrive within ``timeout`` seconds."""
+        pending = set(self.grid.push_messages(messages))
+        end = time.time() + (timeout if timeout is not None else 0.0)
+        replies: list[Message] = []
+        while pending:
+            arrived = list(self.grid.pull_messages(pending))
+            replies.extend(arrived)
+            pending.difference_update(m.metadata.reply_to_message_id for m in arrived)
+            if not pending or (timeout is not None and time.time() >= end):
+                break
+            time.sleep(POLL_SECONDS)
+        return replies

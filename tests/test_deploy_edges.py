@@ -1,0 +1,156 @@
+"""Edge servers as processes (`fedhier deploy local --edges`): three tiers on 127.0.0.1 with
+TLS and SuperNode authentication equal the in-process run, the edge-cloud link carries the
+saving H-SGD exists for (measured on the wire), a killed edge misses its round and rejoins,
+and Ctrl-C stops every process.
+
+The same split round without processes is tested in tests/test_edge_tier.py.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedhier.config import RunConfig
+from fedhier.engines import deployment as deploy
+from fedhier.engines.deployment.edge_servers import ports_needed
+from fedhier.engines.inprocess import run_inprocess
+from fedhier.run_folder import RunFolder
+from tests.helpers import assert_same_run, interruptible, metrics
+from tests.test_deploy import ROOT, leftovers
+
+pytestmark = pytest.mark.slow
+
+#: Synthetic data with 8,000 features: a 4.1 MB MLP, so that models, not Flower's polling and
+#: heartbeats (a few KB/s per node), dominate the bytes on the wire.
+WIDE_CARD = """name = "wide"
+description = "Synthetic(1, 1), 8000 features (tests/test_deploy_edges.py)"
+source = "synthetic"
+num_classes = 10
+input_shape = [8000]
+alpha = 1.0
+beta = 1.0
+num_users = 4
+min_samples = 20
+max_samples = 40
+test_fraction = 0.2
+"""
+NODES, EDGES, ROUNDS = 4, 2, 1
+I, G = 1, 2  # noqa: E741 - the papers' names
+WIDE_FLAGS = ["--partition", "natural", "--grouping", "contiguous", "--local-period", str(I),
+              "--global-period", str(G), "--rounds", str(ROUNDS), "--batch-size", "8",
+              "--lr", "0.001", "--seed", "3"]
+
+
+def deploy_cli(args: list[str], capsys) -> str:
+    code = deploy.main(["local", *args, "--timeout", "900"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.out[-3000:] + printed.err[-3000:]
+    return printed.out
+
+
+def test_three_tiers_equal_inprocess_and_carry_the_edge_cloud_saving(tmp_path, capsys):
+    card = tmp_path / "wide.toml"
+    card.write_text(WIDE_CARD)
+    flags = ["--dataset", str(card), "--nodes", str(NODES), *WIDE_FLAGS]
+    port = deploy.free_port_block(ports_needed(NODES, EDGES))
+    t0 = time.time()
+    out = deploy_cli([*flags, "--edges", str(EDGES), "--base-port", str(port),
+                      "--out", str(tmp_path / "edges")], capsys)
+    elapsed = time.time() - t0
+    assert "superlink-edge-1 on" in out and "TLS + SuperNode authentication" in out
+    assert leftovers(range(port, port + ports_needed(NODES, EDGES))) == ""
+    # equal to the one-process run of the same job (logical edges)
+    cfg = RunConfig(dataset=str(card), clients=NODES, groups=(EDGES,), partition="natural",
+                    grouping="contiguous", local_period=I, global_period=G, rounds=ROUNDS,
+                    batch_size=8, lr=0.001, seed=3)
+    run_inprocess(cfg, RunFolder.create(tmp_path / "inprocess"), progress=False)
+    wire_keys = frozenset({"wire_client_edge_bytes", "wire_edge_cloud_bytes"})
+    assert_same_run(tmp_path / "inprocess", tmp_path / "edges", ROUNDS, ignore=wire_keys)
+    logs = tmp_path / "edges" / "deploy" / "logs"
+    for edge in range(EDGES):  # each edge authenticated its clients; the cloud, its edges
+        assert "[Fleet.ActivateNode] Activated" in (logs / f"superlink-edge-{edge}.log"
+                                                   ).read_text()
+    assert (logs / "superlink.log").read_text().count("[Fleet.ActivateNode] Activated") == EDGES
+    # the flat deployment of the same job: every client talks to the cloud every edge round
+    port = deploy.free_port_block(NODES + 1)
+    deploy_cli([*flags, "--groups", str(EDGES), "--base-port", str(port),
+                "--out", str(tmp_path / "flat")], capsys)
+    hier = json.loads((tmp_path / "edges" / "wire.json").read_text())
+    flat = json.loads((tmp_path / "flat" / "wire.json").read_text())
+    measured = ((hier["edge-cloud"]["sent"] + hier["edge-cloud"]["received"])
+                / (flat["client-cloud"]["sent"] + flat["client-cloud"]["received"]))
+    # Models on the cloud's link (each way counts): the hierarchical cloud sends each edge
+    # the model and gets one back per cloud round, plus one model per edge for each
+    # evaluation (round 0 and after each round); the flat cloud does the same per client
+    # and edge round: (E/N)(I/G) for training alone, evaluation added on both sides.
+    hier_models = EDGES * (2 * ROUNDS + ROUNDS + 1)
+    flat_models = NODES * (2 * ROUNDS * G // I + ROUNDS + 1)
+    expected = hier_models / flat_models
+    assert abs(measured / expected - 1) < 0.10, (measured, expected, hier, flat)
+    rows = metrics(tmp_path / "edges")
+    assert rows[-1]["wire_edge_cloud_bytes"] > rows[0]["wire_edge_cloud_bytes"] > 0
+    assert rows[-1]["wire_client_edge_bytes"] > rows[-1]["wire_edge_cloud_bytes"]
+    print(f"edge tier: {elapsed:.0f} s; cloud-link bytes hierarchical/flat {measured:.4f}, "
+          f"expected {expected:.4f} (training alone: {EDGES * I / (NODES * G):.4f})")
+
+
+def _edge_cmd(port: int, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "fedhier.engines.deployment", "local", "--nodes", "4",
+            "--edges", "2", "--grouping", "contiguous", "--local-period", "2",
+            "--global-period", "2", "--batch-size", "8", "--seed", "11", "--base-port",
+            str(port), "--out", str(out), *extra]
+
+
+def test_a_killed_edge_misses_its_round_rejoins_and_the_run_completes(tmp_path):
+    port = deploy.free_port_block(ports_needed(4, 2))
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_edge_cmd(port, out, "--rounds", "3", "--round-timeout", "60",
+                                      "--insecure"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT)
+    pattern = rf"edge_process --edge 1 .*--edge-superlink 127\.0\.0\.1:{port + 7}( |$)"
+    killed = False
+    deadline = time.time() + 600
+    while not killed and time.time() < deadline and proc.poll() is None:
+        logs = list(tmp_path.glob(".run.deploy-*/logs/edge-1.log"))
+        if logs and "got train (cloud round 2)" in logs[0].read_text():
+            subprocess.run(["pkill", "-KILL", "-f", pattern], check=True)
+            killed = True
+        time.sleep(0.5)
+    printed, _ = proc.communicate(timeout=600)
+    assert killed, printed[-3000:]
+    assert proc.returncode == 0, printed[-3000:]
+    assert "edge server 1 stopped (exit code -9); restarting it" in printed
+    rows = metrics(out)
+    assert [r.get("unreached_edges") for r in rows] == [None, None, [1], None]
+    assert rows[2]["failed_clients"] == 2 and rows[3]["failed_clients"] == 0
+    assert rows[3]["test_accuracy"] > rows[0]["test_accuracy"]
+    assert leftovers(range(port, port + ports_needed(4, 2))) == ""
+
+
+def test_ctrl_c_stops_every_process_of_the_three_tiers(tmp_path):
+    port = deploy.free_port_block(ports_needed(4, 2))
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_edge_cmd(port, out, "--rounds", "2", "--insecure"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, preexec_fn=interruptible)
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:  # every tier is up once the cloud's app is submitted
+        lines.append(line)
+        if line.startswith("flwr run"):
+            break
+    assert "edge server 1" in "".join(lines)
+    assert leftovers(range(port, port + ports_needed(4, 2))) != ""
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, "".join(lines) + rest + err
+    assert "stopped all" in rest
+    assert leftovers(range(port, port + ports_needed(4, 2))) == ""
