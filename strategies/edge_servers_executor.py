@@ -9,7 +9,6 @@ evaluation and gradients come back per edge and are put in client order here.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -56,13 +55,7 @@ class EdgeServersExecutor(GridExecutor):
         their own run and profile their clients: this waits up to ``STARTUP_SECONDS`` (or the
         timeout, if longer) for them."""
         timeout = max(self.timeout, STARTUP_SECONDS)
-        deadline = time.time() + timeout
-        while len(list(self.grid.get_node_ids())) < self.num_edges:
-            if time.time() > deadline:
-                raise RunFailureError(f"fewer than {self.num_edges} edge servers connected "
-                                      f"after {timeout:.0f} s")
-            time.sleep(0.1)
-        nodes = list(self.grid.get_node_ids())
+        nodes = self.wait_for_nodes(self.num_edges, timeout, "edge servers")
         messages = [Message(RecordDict({"config": self.train_config}),
                             message_type=MessageType.QUERY, dst_node_id=node) for node in nodes]
         replies = list(self.grid.send_and_receive(messages, timeout=timeout))

@@ -82,13 +82,7 @@ class GridExecutor:
         """Wait for the nodes, then ask each for its partition id, rows, label histogram and
         edge tag (the optional profile query). Without a query handler anywhere, clients are
         numbered by node id and report their rows with their first replies."""
-        deadline = time.time() + self.timeout
-        while len(list(self.grid.get_node_ids())) < self.min_available_nodes:
-            if time.time() > deadline:
-                raise RunFailureError(f"fewer than {self.min_available_nodes} nodes connected "
-                                      f"after {self.timeout:.0f} s")
-            time.sleep(0.1)
-        nodes = list(self.grid.get_node_ids())
+        nodes = self.wait_for_nodes(self.min_available_nodes, self.timeout)
         messages = [Message(RecordDict({self.configrecord_key: self.train_config}),
                             message_type=MessageType.QUERY, dst_node_id=node) for node in nodes]
         replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
@@ -131,6 +125,17 @@ class GridExecutor:
         return ClientInfo(label_histograms=histograms,
                           num_examples=np.array([p[2] for p in profiles], dtype=np.int64),
                           edge_tags=np.array([p[4] for p in profiles], dtype=np.int64))
+
+    def wait_for_nodes(self, count: int, timeout: float, what: str = "nodes") -> list[int]:
+        """The grid's node ids once at least ``count`` are connected (RunFailureError after
+        ``timeout`` seconds)."""
+        deadline = time.time() + timeout
+        while len(nodes := list(self.grid.get_node_ids())) < count:
+            if time.time() > deadline:
+                raise RunFailureError(f"fewer than {count} {what} connected after "
+                                      f"{timeout:.0f} s")
+            time.sleep(0.1)
+        return nodes
 
     def _number(self, node_ids: list[int], clients: list[int] | None = None) -> None:
         clients = list(range(len(node_ids))) if clients is None else clients

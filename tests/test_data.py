@@ -63,7 +63,7 @@ def one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
 
 def test_available_datasets() -> None:
     assert available_datasets() == ["cifar10", "digits", "fashion-mnist", "femnist", "npz",
-                                    "shakespeare", "synthetic"]
+                                    "shakespeare", "synthetic", "synthetic-wide"]
 
 
 def test_digits_sizes_range_and_schema(digits: DataBundle) -> None:

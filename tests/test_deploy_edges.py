@@ -27,20 +27,8 @@ from tests.test_deploy import ROOT, leftovers
 
 pytestmark = pytest.mark.slow
 
-#: Synthetic data with 8,000 features: a 4.1 MB MLP, so that models, not Flower's polling and
-#: heartbeats (a few KB/s per node), dominate the bytes on the wire.
-WIDE_CARD = """name = "wide"
-description = "Synthetic(1, 1), 8000 features (tests/test_deploy_edges.py)"
-source = "synthetic"
-num_classes = 10
-input_shape = [8000]
-alpha = 1.0
-beta = 1.0
-num_users = 4
-min_samples = 20
-max_samples = 40
-test_fraction = 0.2
-"""
+#: The synthetic-wide card: 8,000 features, a 4.1 MB MLP, so that models, not Flower's polling
+#: and heartbeats (a few KB/s per node), dominate the bytes on the wire.
 NODES, EDGES, ROUNDS = 4, 2, 1
 I, G = 1, 2  # noqa: E741 - the papers' names
 WIDE_FLAGS = ["--partition", "natural", "--grouping", "contiguous", "--local-period", str(I),
@@ -56,9 +44,8 @@ def deploy_cli(args: list[str], capsys) -> str:
 
 
 def test_three_tiers_equal_inprocess_and_carry_the_edge_cloud_saving(tmp_path, capsys):
-    card = tmp_path / "wide.toml"
-    card.write_text(WIDE_CARD)
-    flags = ["--dataset", str(card), "--nodes", str(NODES), *WIDE_FLAGS]
+    card = "synthetic-wide"
+    flags = ["--dataset", card, "--nodes", str(NODES), *WIDE_FLAGS]
     port = deploy.free_port_block(ports_needed(NODES, EDGES))
     t0 = time.time()
     out = deploy_cli([*flags, "--edges", str(EDGES), "--base-port", str(port),
@@ -67,7 +54,7 @@ def test_three_tiers_equal_inprocess_and_carry_the_edge_cloud_saving(tmp_path, c
     assert "superlink-edge-1 on" in out and "TLS + SuperNode authentication" in out
     assert leftovers(range(port, port + ports_needed(NODES, EDGES))) == ""
     # equal to the one-process run of the same job (logical edges)
-    cfg = RunConfig(dataset=str(card), clients=NODES, groups=(EDGES,), partition="natural",
+    cfg = RunConfig(dataset=card, clients=NODES, groups=(EDGES,), partition="natural",
                     grouping="contiguous", local_period=I, global_period=G, rounds=ROUNDS,
                     batch_size=8, lr=0.001, seed=3)
     run_inprocess(cfg, RunFolder.create(tmp_path / "inprocess"), progress=False)
