@@ -26,12 +26,13 @@ from fedhier.cli_flags import (
     error_text,
     exit_code_for,
     prepare_data,
+    resumable_checkpoint,
     resumed_config,
     run_command,
 )
 from fedhier.engines.registry import run_engine
 from fedhier.errors import FedhierError
-from fedhier.run_folder import read_metrics, write_json
+from fedhier.run_folder import write_json
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,9 +84,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """``fedhier run``: validate everything (flags, config file, data, partition, device, the
     run folder's place) before the run folder is claimed; hold its lock for the run's life;
     on failure remove what a failed start wrote, or mark the folder failed (failed.json)."""
-    from fedhier.checkpoint import check_model, load_checkpoint
     from fedhier.run_folder import RunFolder, default_run_dir
-    from fedhier.server import initial_model
     from fedhier.train import resolve_device
 
     resume = None
@@ -95,18 +94,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         folder = RunFolder.claim_existing(args.resume)  # refused while another run writes it
         try:
             cfg = resumed_config(args)
-            resume = load_checkpoint(args.resume)
-            if not 0 <= resume.round <= cfg.rounds:
-                raise FedhierError(f"{args.resume}/checkpoint.pt is after cloud round "
-                                   f"{resume.round} of a {cfg.rounds}-round run; it does not "
-                                   "belong to this run folder")
-            recorded = {r["round"] for r in read_metrics(args.resume)}
-            if not set(range(resume.round + 1)) <= recorded:
-                raise FedhierError(f"{args.resume}/metrics.jsonl lacks rounds of the "
-                                   f"checkpoint's 0..{resume.round}; the folder is damaged")
-            resolve_device(cfg.device)
-            fed = prepare_data(cfg)
-            check_model(resume, initial_model(cfg, fed).state_dict(), args.resume)
+            resume = resumable_checkpoint(args.resume, cfg)
         except BaseException:
             folder.lock.release()
             raise

@@ -18,12 +18,15 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from fedhier.config import RunConfig, read_toml
 from fedhier.engines.registry import engine_help
 from fedhier.errors import ConfigError, DataError, FedhierError
 from fedhier.faults import RunFailureError
+
+if TYPE_CHECKING:
+    from fedhier.checkpoint import Checkpoint
 
 #: Exit codes of every fedhier command (docs/faults.md has the table).
 EXIT_OK = 0
@@ -183,8 +186,31 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     return RunConfig.from_mapping({**base, **given}, where="command line")
 
 
-def resumed_config(args: argparse.Namespace) -> RunConfig:
-    """The configuration of the run folder being resumed (no other config flags allowed)."""
+def resumable_checkpoint(path: Path, cfg: RunConfig) -> Checkpoint:
+    """The checkpoint of run folder ``path`` (configuration ``cfg``), checked against the
+    folder's metrics and the model ``cfg`` builds; a one-line FedhierError if it does not fit."""
+    from fedhier.checkpoint import check_model, load_checkpoint
+    from fedhier.run_folder import read_metrics
+    from fedhier.server import initial_model
+    from fedhier.train import resolve_device
+
+    resume = load_checkpoint(path)
+    if not 0 <= resume.round <= cfg.rounds:
+        raise FedhierError(f"{path}/checkpoint.pt is after cloud round {resume.round} of a "
+                           f"{cfg.rounds}-round run; it does not belong to this run folder")
+    recorded = {r["round"] for r in read_metrics(path)}
+    if not set(range(resume.round + 1)) <= recorded:
+        raise FedhierError(f"{path}/metrics.jsonl lacks rounds of the checkpoint's "
+                           f"0..{resume.round}; the folder is damaged")
+    resolve_device(cfg.device)
+    fed = prepare_data(cfg)
+    check_model(resume, initial_model(cfg, fed).state_dict(), path)
+    return resume
+
+
+def resumed_config(args: argparse.Namespace, engine: str | None = None) -> RunConfig:
+    """The configuration of the run folder being resumed (no other config flags allowed);
+    ``engine`` replaces the recorded one (a deployed run records Flower's runtime)."""
     given = [f.name for f in fields(RunConfig) if getattr(args, f.name) is not None]
     if given or args.config:
         raise FedhierError("--resume continues a run with its own configuration; drop "
@@ -205,6 +231,8 @@ def resumed_config(args: argparse.Namespace) -> RunConfig:
         raise ConfigError(f"--resume {args.resume}: {path} lacks {', '.join(missing[:5])}"
                           f"{' ...' if len(missing) > 5 else ''}; it is damaged or from another "
                           "fedhier version, so the run cannot be continued exactly")
+    if engine is not None:
+        saved["engine"] = engine
     return RunConfig.from_mapping({k: v for k, v in saved.items() if k in names},
                                   where=str(path))
 

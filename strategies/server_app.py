@@ -2,16 +2,21 @@
 
 It reads the run configuration from ``context.run_config`` (``[tool.flwr.app.config]`` in
 pyproject.toml, overridden with ``flwr run . --run-config "key=value"``) and writes the
-usual run folder (``out``, default runs/<timestamp>-flwr-run).
+usual run folder (``out``, default runs/<timestamp>-flwr-run). ``fedhier deploy local
+--resume`` sets ``FEDHIER_RESUME`` on the SuperLink: the ServerApp then continues that run
+folder from its checkpoint.
 """
 
 from __future__ import annotations
 
+import os
+
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from fedhier.checkpoint import load_checkpoint
 from fedhier.config import RunConfig
-from fedhier.engines.grid_run import run_federation
+from fedhier.engines.grid_run import RESUME_ENV, run_federation
 from fedhier.run_folder import RunFolder, default_run_dir
 from fedhier.server import quiet_flower
 
@@ -23,7 +28,14 @@ def main(grid: Grid, context: Context) -> None:
     """Run the hierarchical federation described by the run config."""
     quiet_flower()
     cfg = RunConfig.from_app_config(context.run_config).replace(engine="flower")
-    folder = RunFolder.create(cfg.out or default_run_dir("flwr-run"))
-    summary = run_federation(grid, cfg, folder, engine="flower (flwr run)", progress=False)
+    resume_dir = os.environ.get(RESUME_ENV)
+    if resume_dir:  # checked by fedhier deploy local --resume before anything started
+        folder = RunFolder.claim_existing(resume_dir)
+        checkpoint = load_checkpoint(resume_dir)
+    else:
+        folder = RunFolder.create(cfg.out or default_run_dir("flwr-run"))
+        checkpoint = None
+    summary = run_federation(grid, cfg, folder, engine="flower (flwr run)", progress=False,
+                             resume=checkpoint)
     print(f"fedhier: run folder {folder.path}; final test accuracy "
           f"{summary['final_test_accuracy']:.4f}")

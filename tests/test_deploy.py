@@ -109,6 +109,13 @@ def test_contiguous_edges_match_the_contiguous_grouping():
 @pytest.mark.parametrize("argv, message", [
     (["--nodes", "0"], "--nodes"),
     (["--nodes", "3", "--clients", "4"], "contradicts --nodes"),
+    ([], "--nodes N is required"),
+    (["--nodes", "4", "--edges", "5"], "--edges must be between 1 and --nodes 4"),
+    (["--nodes", "4", "--edges", "2", "--groups", "3"], "contradicts --edges 2"),
+    (["--nodes", "4", "--edges", "2", "--groups", "2", "--momentum", "0.9",
+      "--optimizer-state", "keep"], "kept optimizer state"),
+    (["--resume", "/nonexistent/run"], "its own configuration; drop --out"),
+    (["--resume", "/nonexistent/run", "--rounds", "3"], "drop --rounds"),
     (["--nodes", "2", "--insecure", "--certs", "."], "contradict"),
     (["--nodes", "2", "--certs", "/nonexistent/certs"], "no such folder"),
     (["--nodes", "2", "--base-port", "65535"], "65535"),
@@ -116,7 +123,7 @@ def test_contiguous_edges_match_the_contiguous_grouping():
     (["--nodes", "2", "--timeout", "0"], "--timeout"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
-    groups = [] if "--groups" in argv else ["--groups", "1"]
+    groups = [] if "--groups" in argv or "--resume" in argv else ["--groups", "1"]
     code = deploy.main(["local", *argv, *groups, "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip()
     assert code == 2

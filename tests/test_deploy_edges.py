@@ -98,7 +98,7 @@ def _edge_cmd(port: int, out: Path, *extra: str) -> list[str]:
 def test_a_killed_edge_misses_its_round_rejoins_and_the_run_completes(tmp_path):
     port = deploy.free_port_block(ports_needed(4, 2))
     out = tmp_path / "run"
-    proc = subprocess.Popen(_edge_cmd(port, out, "--rounds", "3", "--round-timeout", "60",
+    proc = subprocess.Popen(_edge_cmd(port, out, "--rounds", "3", "--round-timeout", "30",
                                       "--insecure"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT)
@@ -140,4 +140,37 @@ def test_ctrl_c_stops_every_process_of_the_three_tiers(tmp_path):
     rest, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, "".join(lines) + rest + err
     assert "stopped all" in rest
+    assert leftovers(range(port, port + ports_needed(4, 2))) == ""
+
+
+def test_resume_after_stopping_the_cloud_side_equals_one_uninterrupted_run(tmp_path):
+    port = deploy.free_port_block(ports_needed(4, 2))
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_edge_cmd(port, out, "--rounds", "3", "--checkpoint-every", "1",
+                                      "--insecure"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, preexec_fn=interruptible)
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:  # stop everything once round 1 is recorded (and checkpointed)
+        lines.append(line)
+        if line.startswith("round 1/3"):
+            break
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, "".join(lines) + rest + err
+    assert (out / "checkpoint.pt").is_file()
+    assert leftovers(range(port, port + ports_needed(4, 2))) == ""
+    port = deploy.free_port_block(ports_needed(4, 2), start=port + 100)
+    resumed = subprocess.run([sys.executable, "-m", "fedhier.engines.deployment", "local",
+                              "--resume", str(out), "--base-port", str(port), "--insecure"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "round 3/3" in resumed.stdout
+    cfg = RunConfig(dataset="digits", clients=4, groups=(2,), grouping="contiguous",
+                    local_period=2, global_period=2, rounds=3, batch_size=8, seed=11,
+                    checkpoint_every=1)
+    run_inprocess(cfg, RunFolder.create(tmp_path / "inprocess"), progress=False)
+    assert_same_run(tmp_path / "inprocess", out, 3,
+                    ignore=frozenset({"wire_client_edge_bytes", "wire_edge_cloud_bytes"}))
     assert leftovers(range(port, port + ports_needed(4, 2))) == ""

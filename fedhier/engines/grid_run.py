@@ -42,6 +42,9 @@ from fedhier.train import resolve_device
 #: Set on the cloud SuperLink by ``fedhier deploy local``: the folder of the processes' wire
 #: meters (:mod:`fedhier.engines.deployment.wire`), whose totals each record then carries.
 WIRE_RECORD_ENV = "FEDHIER_WIRE_RECORD"
+#: Set on the cloud SuperLink by ``fedhier deploy local --resume RUN_DIR``: the ServerApp
+#: continues that run folder from its checkpoint.
+RESUME_ENV = "FEDHIER_RESUME"
 
 
 def with_wire_bytes(evaluate_fn: Callable[[int, Params], dict[str, Any]], wire_dir: Path,

@@ -22,6 +22,8 @@ from fedhier.cli_flags import (
     add_config_flags,
     config_from_args,
     prepare_data,
+    resumable_checkpoint,
+    resumed_config,
     run_command,
 )
 from fedhier.config import RunConfig
@@ -57,9 +59,13 @@ def _interrupt_on_sigterm() -> Iterator[None]:
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
     """The run configuration of ``fedhier deploy``: clients = --nodes; with ``--edges E``,
-    E edge servers (groups = E, edge_servers on)."""
+    E edge servers (groups = E, edge_servers on); with ``--resume DIR``, DIR's own."""
+    if args.resume is not None:
+        return _resumed(args)
     cfg = config_from_args(args)
-    if args.nodes is None or args.nodes < 1:
+    if args.nodes is None:
+        raise ConfigError("--nodes N is required (or --resume RUN_DIR)")
+    if args.nodes < 1:
         raise ConfigError(f"--nodes must be at least 1, got {args.nodes}")
     if args.clients is not None and args.clients != args.nodes:
         raise ConfigError(f"--clients {args.clients} contradicts --nodes {args.nodes}: each "
@@ -78,6 +84,22 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     return cfg
 
 
+def _resumed(args: argparse.Namespace) -> RunConfig:
+    """The configuration of the run folder ``--resume`` continues (``--nodes`` and
+    ``--edges`` may repeat it; nothing may change it)."""
+    cfg = resumed_config(args, engine="inprocess")  # the engine is not passed to the app
+    if args.nodes is not None and args.nodes != cfg.clients:
+        raise ConfigError(f"--nodes {args.nodes} contradicts the resumed run's "
+                          f"{cfg.clients} clients; drop --nodes")
+    edges = cfg.num_edges if cfg.edge_servers else None
+    if args.edges is not None and args.edges != edges:
+        raise ConfigError(f"--edges {args.edges} contradicts the resumed run ("
+                          f"{f'{edges} edge servers' if edges else 'no edge servers'}); "
+                          "drop --edges")
+    args.nodes = cfg.clients
+    return cfg.replace(out=str(Path(args.resume).resolve()))
+
+
 def cmd_deploy(args: argparse.Namespace) -> int:
     """``fedhier deploy local``: 0 on success, 1 if the run failed, 124 on --timeout."""
     from fedhier.run_folder import default_run_dir
@@ -92,13 +114,17 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     app = Path(args.app).resolve()
     run_config_overrides(cfg, app)  # every flag must reach the ServerApp
     out = Path(cfg.out or default_run_dir(f"{cfg.dataset}-deploy")).resolve()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"run folder {out} already exists and is not empty; choose another "
-                          "--out")
     from fedhier.run_folder import RunFolder
     from fedhier.train import resolve_device
 
-    RunFolder.check_target(out)  # not under a file
+    if args.resume is not None:  # the checkpoint fits, and no other run writes the folder
+        resumable_checkpoint(out, cfg)
+        RunFolder.claim_existing(out).lock.release()
+    elif out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"run folder {out} already exists and is not empty; choose another "
+                          "--out (or continue it with --resume)")
+    else:
+        RunFolder.check_target(out)  # not under a file
     check_ports(args.base_port, args.nodes + (2 * cfg.num_edges if cfg.edge_servers else 0))
     resolve_device(cfg.device)
     prepare_data(cfg)  # data and partition are valid before anything starts
@@ -115,6 +141,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         supernode_auth=not args.no_supernode_auth,
         certs_dir=Path(args.certs) if args.certs else None, app=app, echo=echo,
         wait_online=False, wire_dir=work / "wire",
+        resume_dir=out if args.resume is not None else None,
         client_runtime=app == REPO_ROOT.resolve())  # fedhier's own ClientApp: one process
     try:
         deployment: LocalDeployment
@@ -189,8 +216,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "TLS and SuperNode authentication are on unless --insecure.")
     parser.add_argument("action", choices=["local"],
                         help="local: every process on this machine, loopback only")
-    parser.add_argument("--nodes", type=int, required=True, metavar="N",
-                        help="number of SuperNodes = clients (SuperNode i has partition-id i)")
+    parser.add_argument("--nodes", type=int, metavar="N",
+                        help="number of SuperNodes = clients (SuperNode i has partition-id i); "
+                        "required unless --resume")
+    parser.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                        help="continue a deployed run from its checkpoint.pt (written every "
+                        "--checkpoint-every rounds) with its own configuration, on fresh "
+                        "processes")
     parser.add_argument("--edges", type=int, metavar="E",
                         help="run E edge servers as processes (each its own SuperLink for its "
                         "clients and a SuperNode of the cloud's); clients connect to their "

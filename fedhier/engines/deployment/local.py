@@ -84,6 +84,8 @@ class LocalDeployment:
     #: Serve each client SuperNode's messages with one long-lived process running fedhier's
     #: ClientApp (:mod:`.client_runtime`) instead of a process per message (fedhier's app only).
     client_runtime: bool = False
+    #: Continue this run folder from its checkpoint (``fedhier deploy local --resume``).
+    resume_dir: Path | None = None
     _next_extra_port: int = 0
     _online: bool = False
     procs: ProcessGroup = field(default_factory=ProcessGroup)
@@ -200,10 +202,13 @@ class LocalDeployment:
         else:
             cmd.append("--insecure")
         env = self.env(name)
-        if self.wire_dir is not None and port == self.superlink_port:  # read by the ServerApp
-            from fedhier.engines.grid_run import WIRE_RECORD_ENV
+        if port == self.superlink_port:  # read by the cloud's ServerApp
+            from fedhier.engines.grid_run import RESUME_ENV, WIRE_RECORD_ENV
 
-            env[WIRE_RECORD_ENV] = str(self.wire_dir)
+            if self.wire_dir is not None:
+                env[WIRE_RECORD_ENV] = str(self.wire_dir)
+            if self.resume_dir is not None:
+                env[RESUME_ENV] = str(self.resume_dir)
         managed = self.procs.start(name, cmd, env, self.log(name), self.work)
         if port == self.superlink_port:
             self.superlink = managed
@@ -370,7 +375,7 @@ class LocalDeployment:
         if not self._online:
             self.wait_supernodes_online()
         metrics = out / "metrics.jsonl"
-        shown, echoed = 0, 0
+        shown, echoed = len(metrics.read_text().splitlines()) if metrics.is_file() else 0, 0
         deadline = time.time() + timeout
         while True:
             finished = run.popen.poll() is not None
