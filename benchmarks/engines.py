@@ -43,7 +43,7 @@ round = 10,000 client SGD steps): plain, inprocess and vectorized (whole, and in
 ``--client-chunk`` clients, default 100), one pass each after a 20-client warm-up run, with
 steps/s, the ratio to the plain loop and the fraction of the matmul peak; the useful FLOPs
 per example are counted from the model's Conv2d and Linear layers (:func:`model_macs`). It
-takes ~10-20 minutes on 2 cores, so it is not part of the default run (results:
+takes 10-20 minutes on 2 cores, so it is not part of the default run (results:
 benchmarks/results/engines_w2.json). ``benchmarks/profile_cnn.py`` profiles one W2 step.
 
 ``--scale 1000,10000,100000``: only the vectorized engine on W1 replicated to each client
