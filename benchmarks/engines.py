@@ -1,4 +1,4 @@
-"""Engines side by side on workload W1, and the vectorized engine's scaling (``make bench``).
+"""Engines side by side on W1 (or W2), and the vectorized engine's scaling (``make bench``).
 
 W1: digits, 100 clients, Dirichlet(alpha=0.5) partition, 10 edges (random grouping), mlp
 64-128-10, I=5, G=20, batch 16, lr 0.1, 10 cloud rounds = 100 x 200 = 20,000 client SGD steps.
@@ -37,6 +37,15 @@ the table); results go to benchmarks/results/engines.json (``--out`` to change).
 runs the fedhier engines on that device (the plain loop stays on the cpu); the device used is
 printed.
 
+``--workload w2``: workload W2, where the model dominates (Fashion-MNIST from the Debian
+package, 1,000 clients, Dirichlet(0.5), 100 edges, ``cnn``, I=5, G=10, batch 16, one cloud
+round = 10,000 client SGD steps): plain, inprocess and vectorized (whole, and in chunks of
+``--client-chunk`` clients, default 100), one pass each after a 20-client warm-up run, with
+steps/s, the ratio to the plain loop and the fraction of the matmul peak; the useful FLOPs
+per example are counted from the model's Conv2d and Linear layers (:func:`model_macs`). It
+takes 10-20 minutes on 2 cores, so it is not part of the default run (results:
+benchmarks/results/engines_w2.json). ``benchmarks/profile_cnn.py`` profiles one W2 step.
+
 ``--scale 1000,10000,100000``: only the vectorized engine on W1 replicated to each client
 count (``--client-chunk``, default 1,000), each in a fresh process: steps/s, peak RSS
 (``ru_maxrss``) and bytes per client (results: benchmarks/results/engines_scale.json).
@@ -68,18 +77,79 @@ W1: dict[str, Any] = dict(
     dataset="digits", clients=100, groups=(10,), partition="dirichlet", alpha=0.5,
     min_partition_size=3, model="mlp", local_period=5, global_period=20, batch_size=16, lr=0.1,
     rounds=10, seed=0)
-#: MACs per example of mlp 64-128-10 (weights; biases and ReLU not counted).
+#: MACs per example of mlp 64-128-10 (weights; biases and ReLU not counted); equal to
+#: ``model_macs`` of W1's model (tests/test_benchmarks_flops.py).
 MLP_MACS = 64 * 128 + 128 * 10
 FLOPS_PER_EXAMPLE = 3 * 2 * MLP_MACS  # forward 2*MACs + backward 4*MACs
 FLOPS_FORMULA = ("3 x 2 x MACs per example per step, MACs = 64*128 + 128*10 = 9,472 "
                  "(forward 2*MACs, backward 4*MACs), summed over each client's real rows b_j")
+#: Workload W2 (``--workload w2``), where the model dominates: Fashion-MNIST (the Debian
+#: package's 60,000 real 28x28 training images), 1,000 clients, Dirichlet(0.5), 100 edges,
+#: ``cnn`` (conv 16, pool, conv 32, pool, linear: 1.03 M MACs per example), I=5, G=10,
+#: batch 16, one cloud round = 10,000 client SGD steps.
+W2: dict[str, Any] = dict(
+    dataset="fashion-mnist", clients=1000, groups=(100,), partition="dirichlet", alpha=0.5,
+    model="cnn", local_period=5, global_period=10, batch_size=16, lr=0.05, rounds=1, seed=0)
+#: W2's untimed warm-up run (the same model and data at 20 clients: a full-size warm-up
+#: would double every engine's time).
+W2_WARMUP: dict[str, Any] = dict(clients=20, groups=(2,), rounds=1)
+#: W2's vectorized engine is measured whole and with this ``--client-chunk`` too.
+W2_CHUNK = 100
+WORKLOADS = {"w1": W1, "w2": W2}
+
+
+def model_macs(model: Any, input_shape: tuple[int, ...]) -> dict[str, int]:
+    """Multiply-accumulates per example of every Conv2d and Linear layer of ``model``
+    (layer name -> MACs), counted from the layers' shapes in one forward pass of one example:
+    a convolution costs (output elements) x (in_channels / groups) x kernel area, a linear
+    layer in x out. Biases, activations and pooling are not counted."""
+    import torch
+    from torch import nn
+
+    macs: dict[str, int] = {}
+    hooks = []
+    for name, layer in model.named_modules():
+        if isinstance(layer, nn.Conv2d):
+            def conv_hook(mod: Any, _inp: Any, out: Any, name: str = name) -> None:
+                kh, kw = mod.kernel_size
+                macs[name] = int(out[0].numel()) * mod.in_channels // mod.groups * kh * kw
+            hooks.append(layer.register_forward_hook(conv_hook))
+        elif isinstance(layer, nn.Linear):
+            def linear_hook(mod: Any, _inp: Any, out: Any, name: str = name) -> None:
+                macs[name] = mod.in_features * mod.out_features
+            hooks.append(layer.register_forward_hook(linear_hook))
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, *input_shape))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return macs
+
+
+def workload_flops(cfg: Any) -> tuple[int, str]:
+    """(useful FLOPs per example and step, the formula) of ``cfg``'s model: 3 x 2 x MACs
+    (forward 2 x MACs, backward 4 x MACs: input and weight gradients), MACs from
+    :func:`model_macs`."""
+    from fedhier.data import load_data
+    from fedhier.models import build_model
+
+    bundle = load_data(cfg.dataset, seed=cfg.seed)
+    shape = tuple(bundle.input_shape)
+    macs = model_macs(build_model(cfg.model, shape, bundle.num_classes), shape)
+    total = sum(macs.values())
+    terms = " + ".join(f"{name} {m:,}" for name, m in macs.items())
+    return 3 * 2 * total, (f"3 x 2 x MACs per example per step, MACs of {cfg.model} on "
+                           f"{list(shape)} = {terms} = {total:,} (counted from the layers; "
+                           f"forward 2*MACs, backward 4*MACs), summed over each client's "
+                           f"real rows b_j")
 
 
 # ------------------------------------------------------------------------------ workers
-def w1_config(rounds: int, **changes: Any) -> Any:
+def w1_config(rounds: int, workload: str = "w1", **changes: Any) -> Any:
     from fedhier.config import RunConfig
 
-    return RunConfig(**{**W1, "rounds": rounds, **changes})
+    return RunConfig(**{**WORKLOADS[workload], "rounds": rounds, **changes})
 
 
 def peak_rss_mb() -> float:
@@ -236,13 +306,17 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         instrument_recorder(marks)
     if args.worker == "scaling":
         return {**out, **scaling_run(args, marks, load_before)}
-    cfg = w1_config(args.rounds, **({} if args.worker == "plain" else {"device": args.device}))
+    cfg = w1_config(args.rounds, args.workload,
+                    **({} if args.worker == "plain" else {"device": args.device}))
+    if args.worker == "vectorized" and args.workload == "w2":
+        cfg = cfg.replace(client_chunk=args.client_chunk)
     repeats = 1 if args.worker == "flower" else args.repeats
     if args.worker != "flower":  # warm-up: lazy initialisation, caches, allocator
+        warm = cfg.replace(**(W2_WARMUP if args.workload == "w2" else {"rounds": 1}))
         if args.worker == "plain":
-            plain_loop(cfg.replace(rounds=1), marks)
+            plain_loop(warm, marks)
         else:
-            run_engine(args.worker, cfg.replace(rounds=1), marks)
+            run_engine(args.worker, warm, marks)
     out["rss_before_mb"] = rss_mb()
     windows, accuracy = [], float("nan")
     for _ in range(repeats):
@@ -337,6 +411,8 @@ def spawn(name: str, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
            "--rounds", str(extra.pop("rounds", args.rounds)),
            "--repeats", str(extra.pop("repeats", args.repeats)),
            "--threads", str(extra.pop("threads", args.threads))]
+    if args.workload != "w1":
+        cmd += ["--workload", args.workload]
     for key, value in extra.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     if args.profile and name in PROFILED:
@@ -389,14 +465,14 @@ def machine() -> dict[str, Any]:
             "load_average_at_start": os.getloadavg()}
 
 
-def w1_stats() -> dict[str, Any]:
-    """Rows per client and the useful FLOPs of W1's 20,000 client steps."""
+def w1_stats(workload: str = "w1") -> dict[str, Any]:
+    """Rows per client, and the rows of one step of every client (summed b_j)."""
     import numpy as np
 
     from fedhier.server import prepare
     from fedhier.train import effective_batch_size
 
-    cfg = w1_config(W1["rounds"])
+    cfg = w1_config(WORKLOADS[workload]["rounds"], workload)
     sizes = prepare(cfg).client_sizes()
     batch = np.array([effective_batch_size(cfg.batch_size, int(m)) for m in sizes])
     return {"client_rows_min_median_max": [int(sizes.min()), int(np.median(sizes)),
@@ -500,6 +576,73 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
         "inprocess_no_slower_than_1.5x_plain": inproc["cpu_speedup_vs_plain"] >= 1 / 1.5,
     }
     return report
+
+
+def parent_w2(args: argparse.Namespace) -> dict[str, Any]:
+    """``--workload w2``: plain, inprocess and vectorized (whole, and in chunks of
+    ``--client-chunk`` clients, default 100) on W2, each in a fresh process, interleaved over
+    ``--repeats`` passes; steps/s, ratio to the plain loop, fraction of the matmul peak."""
+    cfg = w1_config(args.rounds, "w2")
+    steps_per_run = cfg.clients * args.rounds * cfg.global_period
+    flops_per_example, formula = workload_flops(cfg)
+    report: dict[str, Any] = {
+        "command": "python benchmarks/engines.py " + " ".join(sys.argv[1:]),
+        "machine": machine(), "threads": args.threads, "repeats": args.repeats,
+        "workload": {**{k: list(v) if isinstance(v, tuple) else v for k, v in W2.items()},
+                     "name": "W2", "rounds": args.rounds, "client_sgd_steps": steps_per_run,
+                     "warm_up": {k: list(v) if isinstance(v, tuple) else v
+                                 for k, v in W2_WARMUP.items()},
+                     **w1_stats("w2")},
+        "timed_window": "cloud-round-0 record -> last cloud-round record, as W1 (local steps, "
+                        "aggregations, evaluation on all clients' rows + test set); each engine "
+                        "a fresh process after an untimed 20-client warm-up run",
+        "device": device_name(args.device),
+    }
+    print(f"W2 on {report['machine']['cpu']} ({report['machine']['cores']} cores), "
+          f"{args.threads} torch thread(s), device {report['device']} (plain loop: cpu), "
+          f"{args.rounds} cloud round(s) = {steps_per_run:,} client steps, load average "
+          f"{os.getloadavg()[0]:.2f}")
+    chunk = args.client_chunk or W2_CHUNK
+    runs: dict[str, tuple[str, dict[str, Any]]] = {
+        "plain": ("plain", {}), "inprocess": ("inprocess", {}),
+        "vectorized": ("vectorized", {"client_chunk": 0}),
+        f"vectorized, chunk {chunk}": ("vectorized", {"client_chunk": chunk})}
+    raw: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
+    for _ in range(args.repeats):
+        for name, (engine, extra) in runs.items():
+            raw[name].append(spawn(engine, args, repeats=1, **extra))
+    results = {name: summarise(merge(r), steps_per_run) for name, r in raw.items()}
+    peak = spawn("matmul", args)
+    flops = report["workload"]["rows_per_step_total"] * flops_per_example * (
+        args.rounds * cfg.global_period)
+    plain = results["plain"]
+    for res in results.values():
+        res["speedup_vs_plain"] = plain["median_seconds"] / res["median_seconds"]
+        res["cpu_speedup_vs_plain"] = plain["cpu_seconds_median"] / res["cpu_seconds_median"]
+        res["fraction_of_peak"] = flops / res["median_seconds"] / 1e9 / peak["matmul_gflops"]
+        res["achieved_gflops"] = flops / res["median_seconds"] / 1e9
+    report["engines"] = results
+    report["flops"] = {"formula": formula, "flops_per_example": flops_per_example,
+                       "useful_gflop_per_run": flops / 1e9,
+                       "matmul_peak_gflops": peak["matmul_gflops"]}
+    report["load_average_at_end"] = os.getloadavg()
+    return report
+
+
+def print_w2(report: dict[str, Any]) -> None:
+    print(f"\ndevice: {report['device']} (plain loop: cpu); fraction of peak = useful GFLOP/s "
+          f"over the window / measured float32 matmul GFLOP/s at the same threads")
+    print(f"{'engine':<24}{'seconds':>9}{'steps/s':>9}{'vs plain':>10}{'GFLOP/s':>9}"
+          f"{'of peak':>9}{'CPU s':>8}{'CPU vs plain':>14}{'peak RSS MB':>13}{'test acc':>10}")
+    for name, res in report["engines"].items():
+        print(f"{name:<24}{res['median_seconds']:>9.2f}{res['client_sgd_steps_per_s']:>9,.1f}"
+              f"{res['speedup_vs_plain']:>9.2f}x{res['achieved_gflops']:>9.1f}"
+              f"{res['fraction_of_peak']:>9.1%}{res['cpu_seconds_median']:>8.2f}"
+              f"{res['cpu_speedup_vs_plain']:>13.2f}x{res['peak_rss_mb']:>13,.0f}"
+              f"{res['final_test_accuracy']:>10.4f}")
+    f = report["flops"]
+    print(f"\nuseful FLOPs: {f['useful_gflop_per_run']:.1f} GFLOP per run; {f['formula']}; "
+          f"float32 matmul peak {f['matmul_peak_gflops']:.1f} GFLOP/s")
 
 
 def parent_scale(args: argparse.Namespace) -> dict[str, Any]:
@@ -609,7 +752,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated client counts (e.g. 1000,10000,100000): only "
                              "the vectorized engine's memory and speed at those sizes")
     parser.add_argument("--client-chunk", type=int, default=0,
-                        help="--scale: clients per chunk (default 1000)")
+                        help="--scale: clients per chunk (default 1000); --workload w2: the "
+                             "chunked vectorized row (default 100)")
+    parser.add_argument("--workload", choices=tuple(WORKLOADS), default="w1",
+                        help="w1 (default): digits mlp, every engine; w2: the Fashion-MNIST "
+                             "cnn at 1,000 clients, plain/inprocess/vectorized only, one cloud "
+                             "round and one pass by default (~10 min on 2 cores; "
+                             "benchmarks/results/engines_w2.json)")
     parser.add_argument("--device", default="cpu",
                         help="torch device of the fedhier engines (cpu, cuda, auto)")
     parser.add_argument("--worker", choices=(*ENGINES, "matmul", "scaling"),
@@ -621,8 +770,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--engines: unknown {sorted(chosen - set(ENGINES))}; choose from {ENGINES}")
     args.engines = [e for e in ENGINES if e in chosen]
     rounds_given = args.rounds
-    args.rounds = args.rounds or (3 if args.quick else W1["rounds"])
-    args.repeats = args.repeats or (1 if args.quick else 3)
+    w2 = args.workload == "w2"
+    args.rounds = args.rounds or (3 if args.quick and not w2 else WORKLOADS[args.workload][
+        "rounds"])
+    args.repeats = args.repeats or (1 if args.quick or w2 else 3)
     args.scale = [int(n.replace("_", "")) for n in args.scale.split(",") if n]
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
@@ -632,6 +783,14 @@ def main(argv: list[str] | None = None) -> int:
         report = parent_scale(args)
         print_scale(report)
         out = args.out or RESULTS.with_name("engines_scale.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"\nwrote {out}")
+        return 0
+    if w2:
+        report = parent_w2(args)
+        print_w2(report)
+        out = args.out or RESULTS.with_name("engines_w2.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1) + "\n")
         print(f"\nwrote {out}")

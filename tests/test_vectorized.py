@@ -210,3 +210,40 @@ def test_minibatch_rows_come_from_batch_indices():
         np.testing.assert_array_equal(block[:, j, :b], np.asarray(part)[local])
         assert float(rows.weight[j, :b].sum()) == pytest.approx(1.0)
         assert float(rows.weight[j, b:].sum()) == 0.0
+
+
+def test_cnn_on_cpu_uses_the_client_loop_and_equals_vmap():
+    """Conv models on the CPU train one client after another (local_sgd); the vmap path,
+    which they use on other devices, gives the same models, losses and momentum."""
+    from fedhier.engines.batched import EdgeRoundBatches, local_training_for
+    from fedhier.engines.vectorized import client_loop_training, training_for
+    from fedhier.optim import LocalOptimizer
+
+    net = build_model("cnn", (1, 8, 8), 10, seed=2)
+    assert training_for(net, torch.device("cpu")).__qualname__.startswith("client_loop")
+    assert training_for(build_model("mlp", (1, 8, 8), 10), torch.device("cpu")).__qualname__ \
+        .startswith("linear_chain")
+    torch.manual_seed(0)
+    sizes = np.array([4, 2, 4])  # b_j; width 4, padding rows hold garbage
+    c, steps = len(sizes), 3
+    params = {k: v.detach() + 0.1 * torch.randn(c, *v.shape) for k, v in net.state_dict().items()}
+    weight = torch.zeros(c, 4)
+    for j, b in enumerate(sizes):
+        weight[j, :b] = 1.0 / b
+    batches = EdgeRoundBatches(x=torch.randn(steps, c, 4, 1, 8, 8),
+                               y=torch.randint(0, 10, (steps, c, 4)), weight=weight, batch=sizes)
+    optimizer = LocalOptimizer(momentum=0.5, clip_norm=1.0)
+    lrs = [0.1, 0.05, 0.1]
+    start = {k: 0.01 * torch.randn_like(v) for k, v in params.items()}  # kept momentum
+    loop_params = {k: v.clone() for k, v in params.items()}
+    loop_loss, loop_buf = client_loop_training(net)(
+        loop_params, batches, lrs, optimizer, {k: v.clone() for k, v in start.items()})
+    vmap_params = {k: v.clone() for k, v in params.items()}
+    vmap_loss, vmap_buf = local_training_for(net)(
+        vmap_params, batches, lrs, optimizer, {k: v.clone() for k, v in start.items()})
+    torch.testing.assert_close(loop_loss, vmap_loss, rtol=1e-5, atol=1e-6)
+    assert loop_buf is not None and vmap_buf is not None
+    for k in params:
+        torch.testing.assert_close(loop_params[k], vmap_params[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(loop_buf[k], vmap_buf[k], rtol=1e-5, atol=1e-6)
+    assert max(float((loop_params[k] - params[k]).abs().max()) for k in params) > 1e-3

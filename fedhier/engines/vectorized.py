@@ -3,7 +3,8 @@
 The algorithm is :class:`fedhier.hsgd.HierarchicalSGD`, the one every engine runs (plan,
 screen, aggregate, broadcast, cloud step, records, checkpoints); this engine only supplies
 its executor, :class:`BatchedExecutor`, which trains all clients at once with the kernels of
-:mod:`fedhier.engines.batched` (chunks of ``client_chunk`` clients change no bit), decides
+:mod:`fedhier.engines.batched` (chunks of ``client_chunk`` clients change no bit; convolutional
+models on the CPU instead loop over clients, :func:`client_loop_training`), decides
 injected failures with the same :class:`fedhier.faults.FaultModel` the ClientApp consults, keeps
 the clients' momentum buffers as ``[n, *shape]`` tensors, and evaluates the global model on
 every client's rows directly. The host waits for the device once per edge round (the NaN
@@ -51,6 +52,7 @@ from fedhier.server import (
 from fedhier.strategies.cloud_step import as_cloud_step, make_cloud_strategy
 from fedhier.train import (
     evaluate,
+    local_sgd,
     params_of,
     resolve_device,
 )
@@ -62,6 +64,61 @@ Params = dict[str, torch.Tensor]
 INDEX_BLOCK_ENTRIES = 2**22
 #: Rows per forward pass when evaluating the global model on the clients' training rows.
 EVAL_CHUNK = 4096
+
+
+# ------------------------------------------------------------------------------ local steps
+def has_convolutions(model: nn.Module) -> bool:
+    """Whether ``model`` has a convolution layer (``cnn``)."""
+    return any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+
+
+def client_loop_training(model: nn.Module) -> LocalTraining:
+    """Local training one client after another with :func:`fedhier.train.local_sgd` (the
+    ClientApp's own local step: a private copy of the model, ``backward``, the optimizer rule),
+    reading each client's mini-batches from the gathered batches and writing its result into
+    the ``[c, *shape]`` tensors.
+
+    Used for convolutional models on the CPU: there ``vmap`` turns the clients' convolutions
+    into one grouped convolution, which runs about 3x slower per client than the ungrouped
+    kernel this loop uses (docs/engines.md, W2); batching buys nothing for models whose every
+    client step is already a few MFLOP of convolution.
+    """
+
+    def train(params: Params, batches: EdgeRoundBatches, lrs: Sequence[float],
+              optimizer: LocalOptimizer,
+              buffers: Params | None) -> tuple[torch.Tensor, Params | None]:
+        steps = len(lrs)
+        total = torch.zeros(len(batches.batch), dtype=torch.float64, device=batches.x.device)
+        new_buffers: Params | None = None
+        rates = np.asarray(lrs, dtype=np.float64)
+        for j, b in enumerate(int(b) for b in batches.batch):
+            x = batches.x[:, j, :b].reshape(steps * b, *batches.x.shape[3:])
+            y = batches.y[:, j, :b].reshape(steps * b)
+            new, mean_loss, client_buffers = local_sgd(
+                model, {k: v[j] for k, v in params.items()}, x, y, lr=rates,
+                indices=np.arange(steps * b).reshape(steps, b), optimizer=optimizer,
+                buffers=None if buffers is None else {k: v[j] for k, v in buffers.items()})
+            with torch.no_grad():
+                for key, value in new.items():
+                    params[key][j].copy_(value)
+                if client_buffers is not None:
+                    if new_buffers is None:
+                        new_buffers = {k: torch.empty_like(v) for k, v in params.items()}
+                    for key, value in client_buffers.items():
+                        new_buffers[key][j].copy_(value)
+            total[j] = mean_loss * steps
+        return total, new_buffers
+
+    return train
+
+
+def training_for(model: nn.Module, device: torch.device) -> LocalTraining:
+    """The local training of ``model`` on ``device``: a client loop for convolutional models
+    on the CPU (:func:`client_loop_training`), else :func:`local_training_for` (hand-batched
+    Linear/ReLU chains, ``vmap`` for the rest)."""
+    if device.type == "cpu" and has_convolutions(model):
+        return client_loop_training(model)
+    return local_training_for(model)
 
 
 # ------------------------------------------------------------------------------ the executor
@@ -88,7 +145,7 @@ class BatchedExecutor:
               device: torch.device) -> BatchedExecutor:
         return cls(cfg=cfg, model=model, fed=fed,
                    data=ClientRows.build(fed, cfg.batch_size, device),
-                   train_fn=local_training_for(model), device=device,
+                   train_fn=training_for(model, device), device=device,
                    optimizer=cfg.local_optimizer(), faults=cfg.faults())
 
     @property
