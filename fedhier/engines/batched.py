@@ -12,7 +12,9 @@ axis:
   autograd of ``loss_fn`` in tests/test_vectorized.py): a few large kernels per step instead
   of autograd's many small ones;
 - any other model (``cnn``, ``lstm``) uses ``vmap(grad(loss_fn))`` over clients
-  (:func:`vmap_training`).
+  (:func:`vmap_training`); the vectorized engine trains convolutional models on the CPU one
+  client after another instead (``fedhier.engines.vectorized.client_loop_training``: vmap's
+  grouped convolutions are slower there, docs/engines.md, W2).
 
 Clients with fewer rows than ``batch_size`` use all their rows, so the per-step batch size b_j
 differs between clients. Mini-batches are padded to the largest b_j of the run; padding rows
