@@ -239,7 +239,7 @@ def test_unknown_dataset_and_data_path_misuse() -> None:
         load_data("mnist", seed=0)
     assert one_line(exc) == (
         "unknown dataset 'mnist'; choose one of cifar10, digits, fashion-mnist, femnist, npz, "
-        "shakespeare, synthetic, or give a path to a dataset TOML"
+        "shakespeare, synthetic, synthetic-wide, or give a path to a dataset TOML"
     )
     with pytest.raises(ConfigError) as exc:
         load_data("missing/file.toml", seed=0)

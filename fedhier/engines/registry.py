@@ -84,7 +84,7 @@ def engine_help() -> str:
 def run_engine(cfg: Any, folder: Any, progress: bool = True,
                resume: Any = None) -> dict[str, Any]:
     """Run ``cfg`` on the engine ``cfg.engine`` names; returns the run's summary."""
-    if cfg.edge_servers:
+    if getattr(cfg, "edge_servers", False):
         raise ConfigError(f"edge_servers is for fedhier deploy local --edges, which starts the "
                           f"edge server processes; engine '{cfg.engine}' keeps the edges "
                           "inside the cloud (same numbers): leave edge_servers off")
