@@ -233,6 +233,10 @@ def resumed_config(args: argparse.Namespace, engine: str | None = None) -> RunCo
                           "fedhier version, so the run cannot be continued exactly")
     if engine is not None:
         saved["engine"] = engine
+    elif "flwr run" in str(saved.get("engine")) or saved.get("edge_servers"):
+        raise ConfigError(f"--resume {args.resume}: this run was made through flwr run "
+                          f"(engine '{saved.get('engine')}'); a deployed run continues with: "
+                          f"fedhier deploy local --resume {args.resume}")
     return RunConfig.from_mapping({k: v for k, v in saved.items() if k in names},
                                   where=str(path))
 

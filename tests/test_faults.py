@@ -229,6 +229,11 @@ def test_resume_refuses_config_flags_and_missing_checkpoint(tmp_path, capsys):
     assert main(["run", "--resume", str(out)]) == 2  # finished without checkpoints
     assert "checkpoint" in capsys.readouterr().err
     assert main(["run", "--resume", str(out), "--lr", "0.5"]) == 2
+    capsys.readouterr()
+    config = json.loads((out / "config.json").read_text())  # as a deployed run records it
+    (out / "config.json").write_text(json.dumps({**config, "engine": "flower (flwr run)"}))
+    assert main(["run", "--resume", str(out)]) == 2
+    assert f"fedhier deploy local --resume {out}" in capsys.readouterr().err
 
 
 # --- validation never gives a traceback ----------------------------------------------------
