@@ -110,6 +110,7 @@ def test_contiguous_edges_match_the_contiguous_grouping():
     (["--nodes", "0"], "--nodes"),
     (["--nodes", "3", "--clients", "4"], "contradicts --nodes"),
     ([], "--nodes N is required"),
+    (["--nodes", "4", "--edges", "2", "--groups", "2", "--app", "/"], "drop --app"),
     (["--nodes", "4", "--edges", "5"], "--edges must be between 1 and --nodes 4"),
     (["--nodes", "4", "--edges", "2", "--groups", "3"], "contradicts --edges 2"),
     (["--nodes", "4", "--edges", "2", "--groups", "2", "--momentum", "0.9",

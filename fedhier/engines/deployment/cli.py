@@ -112,6 +112,9 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     if not args.timeout > 0:  # NaN too
         raise ConfigError(f"--timeout must be positive, got {args.timeout}")
     app = Path(args.app).resolve()
+    if cfg.edge_servers and app != REPO_ROOT.resolve():
+        raise ConfigError("--edges runs fedhier's own app (its ServerApp drives the edge "
+                          "servers; clients follow docs/contract.md); drop --app")
     run_config_overrides(cfg, app)  # every flag must reach the ServerApp
     out = Path(cfg.out or default_run_dir(f"{cfg.dataset}-deploy")).resolve()
     from fedhier.run_folder import RunFolder
