@@ -785,18 +785,12 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds = rounds_given or 1
         report = parent_scale(args)
         print_scale(report)
-        out = args.out or RESULTS.with_name("engines_scale.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1) + "\n")
-        print(f"\nwrote {out}")
+        write_report(report, args.out or RESULTS.with_name("engines_scale.json"))
         return 0
     if w2:
         report = parent_w2(args)
         print_w2(report)
-        out = args.out or RESULTS.with_name("engines_w2.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1) + "\n")
-        print(f"\nwrote {out}")
+        write_report(report, args.out or RESULTS.with_name("engines_w2.json"))
         return 0
     args.out = args.out or RESULTS
     report = parent(args)
@@ -804,10 +798,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in PROFILED if args.profile else ():
         if "profile" in report.get("engines", {}).get(name, {}):
             print(f"\n{name}:\n{report['engines'][name]['profile']}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"\nwrote {args.out}")
+    write_report(report, args.out)
     return 0
+
+
+def write_report(report: dict[str, Any], out: Path) -> None:
+    """The report as JSON at ``out`` (folders made), and where it went."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":

@@ -134,6 +134,24 @@ class ClientEvaluation:
     holdout_accuracy: np.ndarray | None = None
     num_examples: np.ndarray | None = None
 
+    @classmethod
+    def unanswered(cls, num_clients: int) -> ClientEvaluation:
+        """No client has answered yet: NaN numbers, NaN held-out accuracies, 0 rows (fill
+        them in place as replies come)."""
+        return cls(loss=np.full(num_clients, np.nan), accuracy=np.full(num_clients, np.nan),
+                   holdout_accuracy=np.full(num_clients, np.nan),
+                   num_examples=np.zeros(num_clients, dtype=np.int64))
+
+    def if_answered(self) -> ClientEvaluation | None:
+        """None when no client answered; otherwise this, without held-out accuracies when
+        no client holds rows out."""
+        if np.isnan(self.loss).all():
+            return None
+        holdout = self.holdout_accuracy
+        if holdout is not None and np.isnan(holdout).all():
+            return dataclasses.replace(self, holdout_accuracy=None)
+        return self
+
 
 class Executor(Protocol):
     """How clients run: everything H-SGD needs from them, and nothing about the algorithm."""

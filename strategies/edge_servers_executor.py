@@ -146,23 +146,18 @@ class EdgeServersExecutor(GridExecutor):
                 if not r.has_error()]
 
     def evaluate(self, params: Params, cloud_round: int) -> ClientEvaluation | None:
-        n = self.num_clients or 0
-        loss, accuracy, holdout = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
-        sizes = np.zeros(n, dtype=np.int64)
+        out = ClientEvaluation.unanswered(self.num_clients or 0)
+        assert out.holdout_accuracy is not None and out.num_examples is not None
         for reply in self._per_edge(MessageType.EVALUATE, params, cloud_round):
             m = reply.content["metrics"]
             if "loss" not in m:
                 continue
             clients = np.asarray(m[PARTITION_IDS], dtype=np.int64)
-            loss[clients] = np.asarray(m["loss"], dtype=np.float64)
-            accuracy[clients] = np.asarray(m["accuracy"], dtype=np.float64)
-            holdout[clients] = np.asarray(m["holdout-accuracy"], dtype=np.float64)
-            sizes[clients] = np.asarray(m["num-examples"], dtype=np.int64)
-        if np.isnan(loss).all():
-            return None
-        return ClientEvaluation(loss=loss, accuracy=accuracy,
-                                holdout_accuracy=None if np.isnan(holdout).all() else holdout,
-                                num_examples=sizes)
+            out.loss[clients] = np.asarray(m["loss"], dtype=np.float64)
+            out.accuracy[clients] = np.asarray(m["accuracy"], dtype=np.float64)
+            out.holdout_accuracy[clients] = np.asarray(m["holdout-accuracy"], dtype=np.float64)
+            out.num_examples[clients] = np.asarray(m["num-examples"], dtype=np.int64)
+        return out.if_answered()
 
     def client_gradients(self, params: Params) -> torch.Tensor | None:
         n = self.num_clients or 0

@@ -222,9 +222,8 @@ class GridExecutor:
                 for node in self.node_ids.values()]
 
     def read_evaluate_replies(self, replies: Iterable[Message]) -> ClientEvaluation | None:
-        n = self.num_clients or 0
-        loss, accuracy, holdout = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
-        sizes = np.zeros(n, dtype=np.int64)
+        out = ClientEvaluation.unanswered(self.num_clients or 0)
+        assert out.holdout_accuracy is not None and out.num_examples is not None
         for reply in replies:
             if reply.has_error():
                 continue
@@ -232,15 +231,11 @@ class GridExecutor:
             numbers = read_evaluate_reply(reply, client)
             if numbers is None:
                 continue
-            loss[client], accuracy[client] = numbers[0], numbers[1]
+            out.loss[client], out.accuracy[client] = numbers[0], numbers[1]
             if numbers[2] is not None:
-                holdout[client] = numbers[2]
-            sizes[client] = num_examples_of(reply, client)
-        if np.isnan(loss).all():
-            return None
-        return ClientEvaluation(loss=loss, accuracy=accuracy,
-                                holdout_accuracy=None if np.isnan(holdout).all() else holdout,
-                                num_examples=sizes)
+                out.holdout_accuracy[client] = numbers[2]
+            out.num_examples[client] = num_examples_of(reply, client)
+        return out.if_answered()
 
     def evaluate(self, params: Params, cloud_round: int) -> ClientEvaluation | None:
         replies = self.grid.send_and_receive(self.evaluate_messages(params, cloud_round),

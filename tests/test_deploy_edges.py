@@ -19,7 +19,7 @@ import pytest
 
 from fedhier.config import RunConfig
 from fedhier.engines import deployment as deploy
-from fedhier.engines.deployment.edge_servers import ports_needed
+from fedhier.engines.deployment.ports import ports_needed
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.run_folder import RunFolder
 from tests.helpers import assert_same_run, interruptible, metrics
@@ -95,6 +95,20 @@ def _edge_cmd(port: int, out: Path, *extra: str) -> list[str]:
             str(port), "--out", str(out), *extra]
 
 
+def _start_until(cmd: list[str], prefix: str) -> tuple[subprocess.Popen, list[str]]:
+    """Start ``cmd`` (Ctrl-C-able) and read its output up to the first line starting with
+    ``prefix``; returns the process and the lines read."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, preexec_fn=interruptible)
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            break
+    return proc, lines
+
+
 def test_a_killed_edge_misses_its_round_rejoins_and_the_run_completes(tmp_path):
     port = deploy.free_port_block(ports_needed(4, 2))
     out = tmp_path / "run"
@@ -102,7 +116,8 @@ def test_a_killed_edge_misses_its_round_rejoins_and_the_run_completes(tmp_path):
                                       "--insecure"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT)
-    pattern = rf"edge_process --edge 1 .*--edge-superlink 127\.0\.0\.1:{port + 7}( |$)"
+    edge_1 = port + ports_needed(4, 1)  # after the cloud, 4 clients and edge 0's two ports
+    pattern = rf"edge_process --edge 1 .*--edge-superlink 127\.0\.0\.1:{edge_1}( |$)"
     killed = False
     deadline = time.time() + 600
     while not killed and time.time() < deadline and proc.poll() is None:
@@ -125,15 +140,8 @@ def test_a_killed_edge_misses_its_round_rejoins_and_the_run_completes(tmp_path):
 def test_ctrl_c_stops_every_process_of_the_three_tiers(tmp_path):
     port = deploy.free_port_block(ports_needed(4, 2))
     out = tmp_path / "run"
-    proc = subprocess.Popen(_edge_cmd(port, out, "--rounds", "2", "--insecure"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, preexec_fn=interruptible)
-    lines = []
-    assert proc.stdout is not None
-    for line in proc.stdout:  # every tier is up once the cloud's app is submitted
-        lines.append(line)
-        if line.startswith("flwr run"):
-            break
+    # every tier is up once the cloud's app is submitted
+    proc, lines = _start_until(_edge_cmd(port, out, "--rounds", "2", "--insecure"), "flwr run")
     assert "edge server 1" in "".join(lines)
     assert leftovers(range(port, port + ports_needed(4, 2))) != ""
     proc.send_signal(signal.SIGINT)
@@ -148,16 +156,9 @@ def test_resume_after_killing_the_cloud_side_equals_one_uninterrupted_run(tmp_pa
     checkpoint of round 1 stays; `--resume` on fresh processes finishes the run."""
     port = deploy.free_port_block(ports_needed(4, 2))
     out = tmp_path / "run"
-    proc = subprocess.Popen(_edge_cmd(port, out, "--rounds", "3", "--checkpoint-every", "1",
-                                      "--insecure"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT)
-    lines = []
-    assert proc.stdout is not None
-    for line in proc.stdout:  # kill the cloud once round 1 is recorded (and checkpointed)
-        lines.append(line)
-        if line.startswith("round 1/3"):
-            break
+    # kill the cloud once round 1 is recorded (and checkpointed)
+    proc, lines = _start_until(_edge_cmd(port, out, "--rounds", "3", "--checkpoint-every", "1",
+                                         "--insecure"), "round 1/3")
     subprocess.run(["pkill", "-KILL", "-f", f"flower-superlink --host 127.0.0.1 --port {port} "],
                    check=True)
     rest, err = proc.communicate(timeout=300)

@@ -14,13 +14,12 @@ from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedhier.rng import generator
-
-CLIENT_APP_EXCEPTION = 0  # flwr ErrorCode.CLIENT_APP_RAISED_EXCEPTION
 
 
 class InProcessGrid(Grid):
@@ -80,7 +79,8 @@ class InProcessGrid(Grid):
                 reply = self.client_app(msg, context)
             except Exception as exc:  # noqa: BLE001 - reported to the strategy as in Flower
                 reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
-                reply = Message(Error(code=CLIENT_APP_EXCEPTION, reason=reason), reply_to=msg)
+                error = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason)
+                reply = Message(error, reply_to=msg)
             self._replies[msg.metadata.message_id] = reply
             ids.append(msg.metadata.message_id)
         return ids

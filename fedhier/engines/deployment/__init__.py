@@ -26,7 +26,8 @@ Modules, one concern each:
 ``certs``           test CA, SuperLink certificate, SuperNode keys (imports ``cryptography``)
 ``local``           :class:`LocalDeployment`: SuperLink + SuperNodes, ``flwr run``, rounds
 ``edge_servers``    :class:`EdgeTierDeployment`: ``--edges E``, E edge servers as processes
-``edge_process``    one edge server as one process (and ``serve_tasks``, a SuperNode's task loop)
+``edge_process``    one edge server as one process
+``task_runtime``    claiming and answering a SuperNode's tasks from a process of our own
 ``client_runtime``  fedhier's ClientApp served by one long-lived process per SuperNode
 ``placement``       each client's edge before the run (the run's grouping, from the data)
 ``wire``            the wire-byte meter (``wiretap/sitecustomize.py``) and its totals per link

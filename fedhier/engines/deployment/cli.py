@@ -35,7 +35,7 @@ from fedhier.engines.deployment.local import (
     LocalDeployment,
     contiguous_edges,
 )
-from fedhier.engines.deployment.ports import check_ports
+from fedhier.engines.deployment.ports import check_ports, ports_needed
 from fedhier.errors import ConfigError
 
 
@@ -128,7 +128,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
                           "--out (or continue it with --resume)")
     else:
         RunFolder.check_target(out)  # not under a file
-    check_ports(args.base_port, args.nodes + (2 * cfg.num_edges if cfg.edge_servers else 0))
+    check_ports(args.base_port, ports_needed(args.nodes, cfg.num_edges if cfg.edge_servers
+                                             else 0) - 1)
     resolve_device(cfg.device)
     prepare_data(cfg)  # data and partition are valid before anything starts
     try:

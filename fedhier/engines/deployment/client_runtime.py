@@ -11,15 +11,9 @@ state) goes back to the SuperNode with every reply, as in Flower's runtime.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
-
-
-def _stop(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -31,10 +25,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--superexec-secret", type=Path,
                         help="the SuperNode's SuperExec authentication secret")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, _stop)
     from fedhier.clients.app import app
-    from fedhier.engines.deployment.edge_process import serve_tasks
+    from fedhier.engines.deployment.task_runtime import exit_on_sigterm, serve_tasks
 
+    exit_on_sigterm()
     secret = args.superexec_secret.read_bytes() if args.superexec_secret else None
     try:
         serve_tasks(args.node, secret, app, args.name)

@@ -22,39 +22,28 @@ message at a time. It runs until stopped (SIGTERM/SIGINT: exit 0).
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import signal
 import subprocess
 import sys
-import time
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import FrameType
 
-from flwr.app import Context, Error, Message
-from flwr.common.constant import SubStatus
+from flwr.app import Context, Message
 from flwr.common.serde import run_from_proto
-from flwr.proto.runtime_pb2 import AcquireTaskRequest, PullTaskInputRequest
+from flwr.proto.runtime_pb2 import PullTaskInputRequest
 from flwr.supercore.constant import TaskType
 from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
-from flwr.supercore.interceptors import (
-    RuntimeTokenHttpInterceptor,
-    RuntimeVersionHttpInterceptor,
-    SuperExecAuthHttpInterceptor,
-)
-from flwr.supercore.retry import make_simple_http_retry_invoker
-from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.grid import HttpGrid
-from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
 
+from fedhier.engines.deployment.task_runtime import (
+    acquire,
+    exit_on_sigterm,
+    runtime_client,
+    serve_tasks,
+)
 from fedhier.engines.prompt_grid import PromptGrid
 from fedhier.strategies.edge_server import EdgeServer
-
-log = logging.getLogger("fedhier.edge")
-CLIENT_APP_EXCEPTION = 0  # flwr ErrorCode.CLIENT_APP_RAISED_EXCEPTION
 
 
 class Identity:
@@ -71,37 +60,13 @@ class Identity:
         TaskIdentity.node_id = self.node_id
 
 
-def runtime_client(address: str, root_certificates: bytes | None, component: str,
-                   secret: bytes | None = None, token: str | None = None) -> RuntimeHttpClient:
-    """A client of a SuperLink's or SuperNode's runtime API (what SuperExec uses)."""
-    interceptors: list = [RuntimeVersionHttpInterceptor(component_name=component)]
-    if secret is not None and token is None:
-        interceptors.append(SuperExecAuthHttpInterceptor(
-            master_secret=secret,
-            protected_methods=frozenset({"/flwr.proto.Runtime/AcquireTask"})))
-    if token is not None:
-        interceptors.append(RuntimeTokenHttpInterceptor(token))
-    return RuntimeHttpClient.from_server_address(
-        server_address=address, insecure=root_certificates is None,
-        root_certificates=root_certificates, interceptors=interceptors,
-        retry_invoker=make_simple_http_retry_invoker())
-
-
-def acquire(client: RuntimeHttpClient, task_type: str, poll: float = 0.2) -> tuple[object, str]:
-    """Wait for a task of ``task_type`` and claim it; returns (task, token)."""
-    while True:
-        res = client.AcquireTask(AcquireTaskRequest(supported_task_types=[task_type]))
-        if res.HasField("task") and res.token:
-            return res.task, res.token
-        time.sleep(poll)
-
-
 def connect_to_clients(args: argparse.Namespace, ca: bytes | None,
                        secret: bytes | None) -> tuple[HttpGrid, HeartbeatSender]:
     """Submit this edge's run to its SuperLink and claim the run's ServerApp task."""
-    run = subprocess.run(["flwr", "run", str(args.app), args.connection, "--run-config",
-                          str(args.run_config)], capture_output=True, text=True,
-                         timeout=args.timeout, stdin=subprocess.DEVNULL)
+    extra = ["--run-config", str(args.run_config)] if args.run_config else []
+    run = subprocess.run(["flwr", "run", str(args.app), args.connection, *extra],
+                         capture_output=True, text=True, timeout=args.timeout,
+                         stdin=subprocess.DEVNULL)
     if run.returncode != 0:
         raise RuntimeError(f"flwr run on the edge SuperLink failed: "
                            f"{(run.stdout + run.stderr).strip()[-500:]}")
@@ -116,38 +81,6 @@ def connect_to_clients(args: argparse.Namespace, ca: bytes | None,
     heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(grid._runtime_client))
     heartbeat.start()
     return grid, heartbeat
-
-
-def serve_tasks(node_address: str, secret: bytes | None,
-                answer: Callable[[Message, Context], Message], name: str) -> None:
-    """Claim the ClientApp tasks of the SuperNode whose runtime API is ``node_address``
-    (started with ``--isolation process``) and answer each in this process, one at a time:
-    what Flower's ``flwr-clientapp`` does for one message, without a process per message.
-    An exception in ``answer`` becomes an error reply."""
-    node = runtime_client(node_address, None, "SuperExec", secret)
-    while True:
-        _, token = acquire(node, TaskType.CLIENT_APP)
-        client = runtime_client(node_address, None, "flwr-clientapp", token=token)
-        heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
-        heartbeat.start()
-        try:
-            msg, context, _, _ = pull_task_input(client)  # sets the task's identity
-            config = msg.content.config_records.get("config")
-            cloud_round = config.get("server-round", "-") if config is not None else "-"
-            kind = msg.metadata.message_type
-            print(f"{name}: got {kind} (cloud round {cloud_round!s})", flush=True)
-            started = time.time()
-            try:
-                reply = answer(msg, context)
-            except Exception as exc:  # noqa: BLE001 - the sender gets it as an error reply
-                reason = f"{type(exc).__name__}: {exc}\n" + traceback.format_exc(limit=3)
-                reply = Message(Error(code=CLIENT_APP_EXCEPTION, reason=reason), reply_to=msg)
-                print(f"{name}: {kind} failed: {exc}", flush=True)
-            push_message(client, reply, context)
-            push_task_output(client, context, SubStatus.COMPLETED, "")
-            print(f"{name}: answered {kind} in {time.time() - started:.1f} s", flush=True)
-        finally:
-            heartbeat.stop()
 
 
 def edge_answer(server: EdgeServer, edge_identity: Identity,
@@ -166,10 +99,6 @@ def edge_answer(server: EdgeServer, edge_identity: Identity,
     return answer
 
 
-def _stop(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(0)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fedhier.engines.deployment.edge_process",
                                      description=__doc__.splitlines()[0])
@@ -181,8 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cloud-node", required=True, metavar="HOST:PORT",
                         help="runtime API of this edge's SuperNode on the cloud SuperLink")
     parser.add_argument("--app", type=Path, required=True, help="the Flower app (FAB source)")
-    parser.add_argument("--run-config", type=Path, required=True, metavar="FILE.toml",
-                        help="--run-config of the edge's flwr run")
+    parser.add_argument("--run-config", type=Path, metavar="FILE.toml",
+                        help="--run-config of the edge's flwr run (the clients read the run's "
+                        "configuration from each message; default: the app's)")
     parser.add_argument("--connection", required=True,
                         help="the edge SuperLink's connection name in $FLWR_HOME/config.toml")
     parser.add_argument("--root-certificates", type=Path, help="CA of the edge SuperLink "
@@ -193,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600,
                         help="seconds to wait for the clients' replies")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, _stop)
+    exit_on_sigterm()
     ca = args.root_certificates.read_bytes() if args.root_certificates else None
     secret = args.superexec_secret.read_bytes() if args.superexec_secret else None
     clients = [int(c) for c in args.clients.split(",") if c.strip()]

@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from fedhier.config import RunConfig
+from fedhier.engines.deployment.connection import CONNECTION
 from fedhier.engines.deployment.errors import DeployError
 from fedhier.engines.deployment.local import LocalDeployment
-from fedhier.engines.deployment.ports import HOST
+from fedhier.engines.deployment.ports import HOST, check_ports, ports_needed
 from fedhier.engines.deployment.processes import Managed
 from fedhier.errors import ConfigError
 
@@ -40,16 +41,11 @@ from fedhier.errors import ConfigError
 MAX_RESTARTS = 3
 
 
-def ports_needed(nodes: int, edges: int) -> int:
-    """Ports from the base port: cloud SuperLink, N client SuperNodes, 2 per edge."""
-    return 1 + nodes + 2 * edges
-
-
 @dataclass
 class EdgeTierDeployment(LocalDeployment):
     """``edges`` must hold each client's edge (from the run's grouping:
     :func:`fedhier.engines.deployment.placement.client_placement`); ``num_edges`` edge servers
-    are started. ``run_config_file``: what each edge's ``flwr run`` submits."""
+    are started; ``edge_timeout``: seconds an edge waits for its clients' replies."""
 
     num_edges: int = 1
     edge_timeout: float = 3600.0
@@ -58,6 +54,7 @@ class EdgeTierDeployment(LocalDeployment):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_ports(self.base_port, ports_needed(self.nodes, self.num_edges) - 1)
         if self.edges is None or len(self.edges) != self.nodes:
             raise ConfigError("an edge-tier deployment needs every client's edge")
         if self.num_edges < 1 or sorted(set(self.edges)) != list(range(self.num_edges)):
@@ -162,14 +159,11 @@ class EdgeTierDeployment(LocalDeployment):
     def start_edge_process(self, edge: int, append: bool = True) -> Managed:
         """Edge ``edge``'s process (also to restart one that was stopped)."""
         name = f"edge-{edge}"
-        run_config = self.work / "edge_run_config.toml"
-        if not run_config.is_file():
-            run_config.write_text("")
         cmd = [sys.executable, "-m", "fedhier.engines.deployment.edge_process",
                "--edge", str(edge), "--clients", ",".join(map(str, self.clients_of(edge))),
                "--edge-superlink", f"{HOST}:{self.edge_superlink_port(edge)}",
                "--cloud-node", f"{HOST}:{self.edge_node_port(edge)}", "--app", str(self.app),
-               "--run-config", str(run_config), "--connection", "fedhier-local",
+               "--connection", CONNECTION,
                "--timeout", str(self.edge_timeout)]
         if self.secure:
             cmd += ["--root-certificates", str(self.ca_cert),

@@ -32,6 +32,11 @@ def free_port_block(count: int, start: int = 20000, stop: int = 60000) -> int:
     raise DeployError(f"no block of {count} free ports on {HOST}")
 
 
+def ports_needed(nodes: int, edges: int) -> int:
+    """Ports from the base port: cloud SuperLink, N client SuperNodes, 2 per edge."""
+    return 1 + nodes + 2 * edges
+
+
 def check_ports(base_port: int, nodes: int) -> None:
     """ConfigError unless ``base_port .. base_port + nodes`` are valid and free."""
     last = base_port + nodes
