@@ -112,7 +112,7 @@ def _start_until(cmd: list[str], prefix: str) -> tuple[subprocess.Popen, list[st
 def test_a_killed_edge_misses_its_round_rejoins_and_the_run_completes(tmp_path):
     port = deploy.free_port_block(ports_needed(4, 2))
     out = tmp_path / "run"
-    proc = subprocess.Popen(_edge_cmd(port, out, "--rounds", "3", "--round-timeout", "30",
+    proc = subprocess.Popen(_edge_cmd(port, out, "--rounds", "3", "--round-timeout", "60",
                                       "--insecure"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT)
