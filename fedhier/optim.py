@@ -39,6 +39,16 @@ class LocalOptimizer:
 
         ``lr`` is a float, or with ``client_axis`` a tensor [n] of per-client rates.
         """
+        g, new_buffers = self.direction(params, grads, buffers, client_axis)
+        if isinstance(lr, torch.Tensor) and client_axis:
+            return {k: params[k] - _expand(lr, params[k]) * g[k] for k in params}, new_buffers
+        return {k: params[k] - lr * g[k] for k in params}, new_buffers
+
+    def direction(self, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
+                  buffers: Params | None,
+                  client_axis: bool = False) -> tuple[Params, Params | None]:
+        """The step's direction d (the update is w <- w - lr * d) and the new momentum buffers
+        (None without momentum)."""
         g = dict(grads)
         if self.clip_norm > 0:
             g = _clip(g, self.clip_norm, client_axis)
@@ -51,9 +61,7 @@ class LocalOptimizer:
             else:
                 new_buffers = {k: self.momentum * buffers[k] + g[k] for k in g}
             g = new_buffers
-        if isinstance(lr, torch.Tensor) and client_axis:
-            return {k: params[k] - _expand(lr, params[k]) * g[k] for k in params}, new_buffers
-        return {k: params[k] - lr * g[k] for k in params}, new_buffers
+        return g, new_buffers
 
 
 def _expand(per_client: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

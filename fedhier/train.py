@@ -76,19 +76,27 @@ def local_sgd(model: nn.Module, params: Params, x: torch.Tensor, y: torch.Tensor
     rows = torch.as_tensor(indices, device=x.device)
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     resident = _resident(model) if len(indices) else None
+    # The resident copy's own parameters, updated in place (None: re-bind every step).
+    leaves = resident.load(params) if resident is not None else None
     for step_rows, rate in zip(rows, rates, strict=True):
-        leaves = resident.load(params) if resident is not None else None
-        if resident is not None and leaves is not None:  # as below, without re-binding
+        if resident is not None and leaves is not None:
+            values = leaves
             loss = nn.functional.cross_entropy(resident.module(x[step_rows]), y[step_rows])
         else:
-            leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-            loss = loss_fn(model, leaves, x[step_rows], y[step_rows])
-        grads = torch.autograd.grad(loss, tuple(leaves.values()))
+            values = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+            loss = loss_fn(model, values, x[step_rows], y[step_rows])
+        grads = torch.autograd.grad(loss, tuple(values.values()))
         with torch.no_grad():
-            params, buffers = optimizer.step({k: v.detach() for k, v in leaves.items()},
-                                             dict(zip(leaves, grads, strict=True)),
-                                             float(rate), buffers)
+            direction, buffers = optimizer.direction(values, dict(zip(values, grads, strict=True)),
+                                                     buffers)
+            if leaves is not None:  # w - lr * d, as LocalOptimizer.step, bit for bit
+                for key, leaf in leaves.items():
+                    leaf.sub_(float(rate) * direction[key])
+            else:
+                params = {k: params[k] - float(rate) * direction[k] for k in params}
         total += loss.detach().to(torch.float64)
+    if leaves is not None:
+        params = {key: leaf.detach().clone() for key, leaf in leaves.items()}
     return params, float(total) / max(len(indices), 1), buffers
 
 
