@@ -27,7 +27,14 @@ def segment_weighted_mean(
         num_segments: number of output rows.
 
     Returns:
-        [num_segments, *shape] in ``values.dtype``: sum_k w_k v_k / sum_k w_k per segment.
+        [num_segments, *shape] in ``values.dtype``: sum_k w_k v_k / sum_k w_k per segment,
+        accumulated in float64 in member order.
+
+    Computed in tiles (:func:`_tiles`) so that the float64 temporaries stay small (not
+    n x P x 8 bytes: GBs at 10,000 clients) and the memory traffic stays linear in n. Each
+    column's sum depends on that column only, and the tiles of rows are added in row order,
+    so on the CPU the result is bit for bit that of one ``index_add_`` over all rows
+    (tests/test_aggregate.py).
     """
     w = weights.to(device=values.device, dtype=torch.float64)
     seg = segments.to(device=values.device, dtype=torch.int64)
@@ -35,11 +42,36 @@ def segment_weighted_mean(
     totals.index_add_(0, seg, w)
     if bool((totals <= 0).any()):
         raise ValueError("segment_weighted_mean: a segment has zero total weight")
-    flat = values.reshape(values.shape[0], -1).to(torch.float64)
-    acc = torch.zeros(num_segments, flat.shape[1], dtype=torch.float64, device=values.device)
-    acc.index_add_(0, seg, flat * w[:, None])
-    mean = acc / totals[:, None]
-    return mean.reshape(num_segments, *values.shape[1:]).to(values.dtype)
+    flat = values.reshape(values.shape[0], -1)
+    out = torch.empty(num_segments, flat.shape[1], dtype=values.dtype, device=values.device)
+    columns, rows = _tiles(flat.shape[0], flat.shape[1], num_segments)
+    for lo in range(0, flat.shape[1], columns):
+        block = flat[:, lo:lo + columns]
+        acc = torch.zeros(num_segments, block.shape[1], dtype=torch.float64,
+                          device=values.device)
+        for first in range(0, flat.shape[0], rows):
+            part = slice(first, first + rows)
+            acc.index_add_(0, seg[part], block[part].to(torch.float64) * w[part, None])
+        out[:, lo:lo + columns] = (acc / totals[:, None]).to(values.dtype)
+    return out.reshape(num_segments, *values.shape[1:])
+
+
+#: Entries of one tile of members x columns (its float64 copy: 2 MiB).
+AGGREGATE_BLOCK = 2**18
+#: Narrowest column block: each member then contributes a contiguous run of >= 1 KiB (float32).
+MIN_TILE_COLUMNS = 256
+
+
+def _tiles(num_members: int, num_columns: int, num_segments: int) -> tuple[int, int]:
+    """(columns, rows) of the tiles :func:`segment_weighted_mean` sums: at most
+    :data:`AGGREGATE_BLOCK` entries, at least :data:`MIN_TILE_COLUMNS` columns wide (a
+    strided read of a few columns from every member costs a cache line per member and
+    column block, i.e. quadratic traffic), and a float64 sum [segments, columns] of at most
+    16 tiles."""
+    columns = max(MIN_TILE_COLUMNS, AGGREGATE_BLOCK // max(num_members, 1))
+    columns = min(columns, max(1, 16 * AGGREGATE_BLOCK // max(num_segments, 1)), num_columns)
+    columns = max(columns, 1)
+    return columns, max(1, AGGREGATE_BLOCK // columns)
 
 
 def occupied_segments(segments: np.ndarray, num_segments: int) -> tuple[np.ndarray, np.ndarray]:
@@ -93,25 +125,11 @@ def presence_weights(weights: np.ndarray, present: np.ndarray,
 
 
 # ------------------------------------------------------------------------------ aggregators
-#: Largest block (entries) one segment_weighted_mean call averages (float64 temporaries).
-AGGREGATE_BLOCK = 2**18
-
-
 def mean_aggregate(values: torch.Tensor, weights: torch.Tensor, segments: torch.Tensor,
                    num_segments: int) -> torch.Tensor:
-    """:func:`segment_weighted_mean` of values [k, *shape] -> [num_segments, *shape].
-
-    Computed on blocks of columns of at most :data:`AGGREGATE_BLOCK` entries: each column's
-    mean depends on that column only, so this is bit-for-bit one call, while its float64
-    temporaries stay small instead of growing to k x P x 8 bytes (GBs at 10,000 clients).
-    """
-    flat = values.reshape(values.shape[0], -1)
-    out = torch.empty(num_segments, flat.shape[1], dtype=values.dtype, device=values.device)
-    step = max(1, AGGREGATE_BLOCK // max(flat.shape[0], 1))
-    for lo in range(0, flat.shape[1], step):
-        out[:, lo:lo + step] = segment_weighted_mean(flat[:, lo:lo + step], weights, segments,
-                                                     num_segments)
-    return out.reshape(num_segments, *values.shape[1:])
+    """The weighted mean of each segment's members (:func:`segment_weighted_mean`):
+    values [k, *shape] -> [num_segments, *shape]."""
+    return segment_weighted_mean(values, weights, segments, num_segments)
 
 
 def median_aggregate(values: torch.Tensor, weights: torch.Tensor, segments: torch.Tensor,
