@@ -179,7 +179,8 @@ class RunConfig:
         "the cloud's nodes are edge servers that run their own clients' edge rounds (set by "
         "fedhier deploy local --edges; every other engine keeps the edges inside the cloud)"))
     client_chunk: int = field(default=0, metadata=_help(
-        "vectorized engine: clients per batched chunk (0 = all at once)"))
+        "vectorized engine: clients per batched chunk (0 = auto: about 2 MiB of models per "
+        "chunk on a CPU, all clients on other devices; K >= clients = all at once)"))
     device: str = field(default="cpu", metadata=_help(
         "cpu, cuda, cuda:N, mps or auto (best available)"))
     seed: int = field(default=0, metadata=_help("seed for every random draw"))
@@ -446,7 +447,7 @@ class RunConfig:
             raise ConfigError("regroup_every, diagnostics_every and diagnostics_max_samples "
                               "must be >= 0")
         if self.client_chunk < 0:
-            raise ConfigError(f"client_chunk must be >= 0 (0 = all), got {self.client_chunk}")
+            raise ConfigError(f"client_chunk must be >= 0 (0 = auto), got {self.client_chunk}")
         if self.rounds < 1:
             raise ConfigError(f"rounds must be at least 1, got {self.rounds}")
         if self.batch_size < 0:

@@ -128,14 +128,41 @@ def test_vectorized_equals_inprocess(case, tmp_path):
 
 
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
-def test_client_chunks_change_nothing(model, tmp_path):
+def test_client_chunks_change_nothing(model, tmp_path, monkeypatch):
+    """All clients at once, chunks of 3, and the automatic size (made 2 clients here): the
+    same bits."""
+    import fedhier.engines.vectorized as vectorized
+
     cfg = UNEQUAL.replace(model=model, rounds=1)
-    run_vectorized(cfg, RunFolder.create(tmp_path / "all"), progress=False)
-    run_vectorized(cfg.replace(client_chunk=3), RunFolder.create(tmp_path / "chunks"),
-                   progress=False)
-    assert_same_runs(tmp_path / "all", tmp_path / "chunks", tol=0.0)
-    fa, fb = final_state(tmp_path / "all"), final_state(tmp_path / "chunks")
-    assert all(torch.equal(fa[k], fb[k]) for k in fa)
+    monkeypatch.setattr(vectorized, "CHUNK_BYTES", 1)  # auto: the minimum, 2 clients
+    runs = {"all": cfg.clients, "chunks": 3, "auto": 0}
+    for name, chunk in runs.items():
+        run_vectorized(cfg.replace(client_chunk=chunk), RunFolder.create(tmp_path / name),
+                       progress=False)
+    for name in ("chunks", "auto"):
+        assert_same_runs(tmp_path / "all", tmp_path / name, tol=0.0)
+        fa, fb = final_state(tmp_path / "all"), final_state(tmp_path / name)
+        assert all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
+def test_automatic_chunk_holds_about_two_mib_of_models():
+    from types import SimpleNamespace
+
+    from fedhier.engines.vectorized import CHUNK_BYTES, BatchedExecutor
+
+    net = build_model("mlp", (1, 8, 8), 10, seed=1)  # 64-128-10: 9,610 float32 = 38,440 B
+    assert CHUNK_BYTES // 38_440 == 54
+
+    def size(clients, chunk=0, device="cpu", model=net):
+        executor = SimpleNamespace(cfg=SimpleNamespace(client_chunk=chunk), model=model,
+                                   data=SimpleNamespace(num_clients=clients),
+                                   device=torch.device(device))
+        return BatchedExecutor.chunk_size(executor)  # type: ignore[arg-type]
+
+    assert size(1000) == 54 and size(30) == 30 and size(1000, chunk=7) == 7
+    assert size(1000, device="meta") == 1000  # an accelerator takes every client at once
+    big = torch.nn.Linear(1024, 1024)  # 4 MiB: never fewer than 2 clients per chunk
+    assert size(1000, model=big) == 2
 
 
 @pytest.mark.parametrize("model", ["mlp", "logreg"])
