@@ -47,8 +47,9 @@ takes 10-20 minutes on 2 cores, so it is not part of the default run (results:
 benchmarks/results/engines_w2.json). ``benchmarks/profile_cnn.py`` profiles one W2 step.
 
 ``--scale 1000,10000,100000``: only the vectorized engine on W1 replicated to each client
-count (``--client-chunk``, default 1,000), each in a fresh process: steps/s, peak RSS
-(``ru_maxrss``) and bytes per client (results: benchmarks/results/engines_scale.json).
+count (``--client-chunk``, default 0 = the engine's automatic chunk), each in a fresh
+process: steps/s, peak RSS (``ru_maxrss``) and bytes per client (results:
+benchmarks/results/engines_scale.json).
 """
 
 from __future__ import annotations
@@ -555,8 +556,9 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
     rounds = {100: max(2, min(args.rounds, 5)), 1000: 2, 10000: 1}
     scaling = [spawn("scaling", args, clients=n, rounds=rounds[n], device=args.device)
                for n in counts]
-    if not args.quick and not args.skip_scaling:
-        scaling.append(spawn("scaling", args, clients=10000, rounds=1, client_chunk=1000,
+    for n in () if args.skip_scaling else [1000] if args.quick else [1000, 10000]:
+        # all clients in one chunk: what the automatic chunk saves
+        scaling.append(spawn("scaling", args, clients=n, rounds=rounds[n], client_chunk=n,
                              device=args.device))
     report["scaling"] = {
         "workload": "W1 replicated: client j holds the rows of W1 client j mod 100 (its own "
@@ -651,10 +653,11 @@ def print_w2(report: dict[str, Any]) -> None:
 def parent_scale(args: argparse.Namespace) -> dict[str, Any]:
     """``--scale N1,N2,...``: the vectorized engine on W1 replicated to each client count,
     each in a fresh process (so ``ru_maxrss`` is that size's peak), chunked by
-    ``--client-chunk`` (default 1,000 clients per chunk)."""
-    chunk = args.client_chunk or 1000
+    ``--client-chunk`` (default 0: the engine's automatic chunk)."""
+    chunk = args.client_chunk
     print(f"scale: W1 replicated, vectorized, {args.threads} torch thread(s), device "
-          f"{device_name(args.device)}, client_chunk {chunk}, {args.rounds} cloud round(s), "
+          f"{device_name(args.device)}, client_chunk {chunk or 'auto'}, {args.rounds} cloud "
+          f"round(s), "
           f"load average {os.getloadavg()[0]:.2f}")
     runs = [spawn("scaling", args, clients=n, repeats=1, client_chunk=min(chunk, n),
                   device=args.device) for n in args.scale]
@@ -682,7 +685,8 @@ def print_scale(report: dict[str, Any]) -> None:
           f"{'RSS before MB':>15}{'peak RSS MB':>13}{'bytes/client':>14}{'marginal B/client':>19}")
     for run in report["scale"]["runs"]:
         marginal = run["marginal_bytes_per_client"]
-        print(f"{run['clients']:>9,}{run['client_chunk']:>7,}{run['client_steps_per_s']:>10,.0f}"
+        print(f"{run['clients']:>9,}{run['client_chunk'] or 'auto':>7}"
+              f"{run['client_steps_per_s']:>10,.0f}"
               f"{run['seconds_per_edge_round']:>14.3f}{run['setup_seconds']:>10.1f}"
               f"{run['rss_before_mb']:>15,.0f}{run['peak_rss_mb']:>13,.0f}"
               f"{run['bytes_per_client']:>14,.0f}"
@@ -722,7 +726,7 @@ def print_report(report: dict[str, Any]) -> None:
           f"{'steps/s':>10}{'peak RSS MB':>13}")
     for run in report["scaling"]["runs"]:
         edge_rounds = run["window"]["wall"] / run["seconds_per_edge_round"]
-        print(f"{run['clients']:>8,}{run['client_chunk'] or 'all':>7}"
+        print(f"{run['clients']:>8,}{run['client_chunk'] or 'auto':>7}"
               f"{run['seconds_per_edge_round']:>14.3f}"
               f"{run['window']['cpu'] / edge_rounds:>18.3f}{run['client_steps_per_s']:>10,.0f}"
               f"{run['peak_rss_mb']:>13,.0f}")
@@ -755,8 +759,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated client counts (e.g. 1000,10000,100000): only "
                              "the vectorized engine's memory and speed at those sizes")
     parser.add_argument("--client-chunk", type=int, default=0,
-                        help="--scale: clients per chunk (default 1000); --workload w2: the "
-                             "chunked vectorized row (default 100)")
+                        help="--scale: clients per chunk (default 0: the engine's automatic "
+                             "chunk); --workload w2: the chunked vectorized row (default 100)")
     parser.add_argument("--workload", choices=tuple(WORKLOADS), default="w1",
                         help="w1 (default): digits mlp, every engine; w2: the Fashion-MNIST "
                              "cnn at 1,000 clients, plain/inprocess/vectorized only, one cloud "
