@@ -1,0 +1,75 @@
+"""What the mini-batch indices cost the vectorized engine: W1 (or W1 replicated to more
+clients) timed with ``fedhier.train.batch_indices`` computed as usual, and served from a cache
+filled by an earlier run, i.e. free. The difference bounds what any faster index stream (a
+counter-based one drawn for all clients at once, say) could save.
+
+    .venv/bin/python benchmarks/index_cost.py --clients 1000
+
+Prints the median CPU seconds of the timed window (cloud round 0's record to the last one) over
+``--repeats`` interleaved passes, one torch thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any
+
+import engines as bench
+import numpy as np
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=100, help="W1 replicated to this many")
+    parser.add_argument("--rounds", type=int, default=10, help="cloud rounds")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved passes")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    import fedhier.engines.batched as batched
+
+    cfg = bench.w1_config(args.rounds)
+    fed = None
+    if args.clients != 100:
+        fed = bench.replicated_federation(cfg, args.clients)
+        cfg = cfg.replace(clients=args.clients, groups=(max(1, args.clients // 10),))
+    marks = bench.Marks()
+    bench.instrument_recorder(marks)
+
+    def window() -> float:
+        marks.marks.clear()
+        bench.run_engine("vectorized", cfg, marks, fed)
+        return marks.window()["cpu"]
+
+    computed = batched.batch_indices
+    cache: dict[tuple[Any, ...], np.ndarray] = {}
+
+    def cached(*key: Any) -> np.ndarray:
+        if key not in cache:
+            cache[key] = computed(*key)
+        return cache[key].copy()
+
+    bench.run_engine("vectorized", cfg.replace(rounds=1), marks, fed)  # warm-up
+    setattr(batched, "batch_indices", cached)  # noqa: B010 - a benchmark-only patch
+    window()  # fills the cache
+    times: dict[str, list[float]] = {"computed": [], "cached (free)": []}
+    for _ in range(args.repeats):
+        setattr(batched, "batch_indices", computed)  # noqa: B010
+        times["computed"].append(window())
+        setattr(batched, "batch_indices", cached)  # noqa: B010
+        times["cached (free)"].append(window())
+    setattr(batched, "batch_indices", computed)  # noqa: B010
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    print(f"W1 replicated to {args.clients} clients, {args.rounds} cloud rounds, vectorized, "
+          "1 thread: CPU seconds of the timed window (median of "
+          f"{args.repeats})")
+    for name, value in medians.items():
+        print(f"  indices {name:<14} {value:8.3f}")
+    share = 1 - medians["cached (free)"] / medians["computed"]
+    print(f"  free indices save {share:.1%} of the window")
+
+
+if __name__ == "__main__":
+    main()
