@@ -1,6 +1,8 @@
 """What the mini-batch indices cost the vectorized engine: W1 (or W1 replicated to more
-clients) timed with ``fedhier.train.batch_indices`` computed as usual, and served from a cache
-filled by an earlier run, i.e. free. The difference bounds what any faster index stream (a
+clients) timed with ``fedhier.train.clients_batch_indices`` computed as usual, and served
+from a cache filled by an earlier run, i.e. free. ``--per-client`` computes them the way the
+engine did before ``fedhier.permutations``: one ``batch_indices`` (one generator per epoch)
+per client. The difference bounds what any faster index stream (a
 counter-based one drawn for all clients at once, say) could save.
 
     .venv/bin/python benchmarks/index_cost.py --clients 1000
@@ -25,6 +27,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=100, help="W1 replicated to this many")
     parser.add_argument("--rounds", type=int, default=10, help="cloud rounds")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved passes")
+    parser.add_argument("--per-client", action="store_true",
+                        help="compute them client by client, as before fedhier.permutations")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -43,27 +47,34 @@ def main() -> None:
         bench.run_engine("vectorized", cfg, marks, fed)
         return marks.window()["cpu"]
 
-    computed = batched.batch_indices
-    cache: dict[tuple[Any, ...], np.ndarray] = {}
+    from fedhier.train import batch_indices
 
-    def cached(*key: Any) -> np.ndarray:
+    def per_client(seed: int, num_rows: list[int], *rest: int) -> list[np.ndarray]:
+        return [batch_indices(seed, j, n, *rest) for j, n in enumerate(num_rows)]
+
+    computed = per_client if args.per_client else batched.clients_batch_indices
+    cache: dict[tuple[Any, ...], list[np.ndarray]] = {}
+
+    def cached(seed: int, num_rows: list[int], *rest: int) -> list[np.ndarray]:
+        key = (seed, tuple(num_rows), *rest)
         if key not in cache:
-            cache[key] = computed(*key)
-        return cache[key].copy()
+            cache[key] = computed(seed, num_rows, *rest)
+        return [a.copy() for a in cache[key]]
 
     bench.run_engine("vectorized", cfg.replace(rounds=1), marks, fed)  # warm-up
-    setattr(batched, "batch_indices", cached)  # noqa: B010 - a benchmark-only patch
+    setattr(batched, "clients_batch_indices", cached)  # noqa: B010 - a benchmark-only patch
     window()  # fills the cache
     times: dict[str, list[float]] = {"computed": [], "cached (free)": []}
     for _ in range(args.repeats):
-        setattr(batched, "batch_indices", computed)  # noqa: B010
+        setattr(batched, "clients_batch_indices", computed)  # noqa: B010
         times["computed"].append(window())
-        setattr(batched, "batch_indices", cached)  # noqa: B010
+        setattr(batched, "clients_batch_indices", cached)  # noqa: B010
         times["cached (free)"].append(window())
-    setattr(batched, "batch_indices", computed)  # noqa: B010
+    setattr(batched, "clients_batch_indices", computed)  # noqa: B010
     medians = {name: statistics.median(values) for name, values in times.items()}
+    how = "client by client" if args.per_client else "all clients at once"
     print(f"W1 replicated to {args.clients} clients, {args.rounds} cloud rounds, vectorized, "
-          "1 thread: CPU seconds of the timed window (median of "
+          f"1 thread, indices {how}: CPU seconds of the timed window (median of "
           f"{args.repeats})")
     for name, value in medians.items():
         print(f"  indices {name:<14} {value:8.3f}")

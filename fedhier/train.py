@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fedhier.optim import LocalOptimizer
+from fedhier.permutations import permutations
 from fedhier.rng import generator
 
 Params = dict[str, torch.Tensor]
@@ -52,6 +53,33 @@ def batch_indices(
         perm = generator(seed, "batches", client, epoch).permutation(num_rows)
         out[lo - first:hi - first] = perm[lo - epoch * num_rows:hi - epoch * num_rows]
     return out.reshape(num_steps, b)
+
+
+def clients_batch_indices(seed: int, num_rows: Sequence[int], batch_size: int, start_step: int,
+                          num_steps: int) -> list[np.ndarray]:
+    """``[batch_indices(seed, j, num_rows[j], batch_size, start_step, num_steps) for j]``,
+    equal entry for entry, with every (client, epoch) permutation drawn in one
+    :func:`fedhier.permutations.permutations` call instead of one generator each."""
+    rows = np.asarray(num_rows, dtype=np.int64)
+    width = np.array([effective_batch_size(batch_size, int(n)) for n in rows], dtype=np.int64)
+    if num_steps == 0:
+        return [np.empty((0, w), dtype=np.int64) for w in width]
+    out = [np.tile(np.arange(n, dtype=np.int64), (num_steps, 1)) for n in rows]  # full batch
+    shuffled = np.flatnonzero(width < rows)
+    if len(shuffled) == 0:
+        return out
+    first, end = start_step * width, (start_step + num_steps) * width  # stream positions
+    epochs = [np.arange(first[j] // rows[j], (end[j] - 1) // rows[j] + 1) for j in shuffled]
+    owners = np.repeat(shuffled, [len(e) for e in epochs])
+    drawn = permutations(seed, "batches", np.column_stack([owners, np.concatenate(epochs)]),
+                         rows[owners])
+    at = 0
+    for j, client_epochs in zip(shuffled, epochs, strict=True):
+        stream = drawn[at:at + len(client_epochs), :rows[j]].reshape(-1)
+        at += len(client_epochs)
+        lo = first[j] - client_epochs[0] * rows[j]
+        out[j] = stream[lo:lo + num_steps * width[j]].reshape(num_steps, width[j])
+    return out
 
 
 def loss_fn(model: nn.Module, params: Mapping[str, torch.Tensor], x: torch.Tensor,

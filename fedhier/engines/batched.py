@@ -37,7 +37,7 @@ from fedhier.errors import ConfigError
 from fedhier.federation import Federation
 from fedhier.models import linear_chain
 from fedhier.optim import LocalOptimizer
-from fedhier.train import batch_indices, effective_batch_size, loss_fn
+from fedhier.train import clients_batch_indices, effective_batch_size, loss_fn
 
 Params = dict[str, torch.Tensor]
 
@@ -101,8 +101,9 @@ class ClientRows:
             padding repeats its first row (weight 0).
         """
         out = np.empty((steps, self.num_clients, self.width), dtype=self.index_dtype)
-        for j, rows in enumerate(self.rows):
-            local = batch_indices(seed, j, len(rows), batch_size, start, steps)  # [steps, b_j]
+        locals_ = clients_batch_indices(seed, [len(rows) for rows in self.rows], batch_size,
+                                        start, steps)  # [steps, b_j] each
+        for j, (rows, local) in enumerate(zip(self.rows, locals_, strict=True)):
             b = local.shape[1]
             out[:, j, :b] = rows[local]
             out[:, j, b:] = rows[local[:, :1]]
