@@ -69,17 +69,23 @@ def clients_batch_indices(seed: int, num_rows: Sequence[int], batch_size: int, s
     if len(shuffled) == 0:
         return out
     first, end = start_step * width, (start_step + num_steps) * width  # stream positions
-    epochs = [np.arange(first[j] // rows[j], (end[j] - 1) // rows[j] + 1) for j in shuffled]
-    owners = np.repeat(shuffled, [len(e) for e in epochs])
-    drawn = permutations(seed, "batches", np.column_stack([owners, np.concatenate(epochs)]),
-                         rows[owners])
-    at = 0
-    for j, client_epochs in zip(shuffled, epochs, strict=True):
-        stream = drawn[at:at + len(client_epochs), :rows[j]].reshape(-1)
-        at += len(client_epochs)
-        lo = first[j] - client_epochs[0] * rows[j]
-        out[j] = stream[lo:lo + num_steps * width[j]].reshape(num_steps, width[j])
+    for block in range(0, len(shuffled), PERMUTATION_BLOCK):  # bounds the temporaries
+        clients = shuffled[block:block + PERMUTATION_BLOCK]
+        epochs = [np.arange(first[j] // rows[j], (end[j] - 1) // rows[j] + 1) for j in clients]
+        owners = np.repeat(clients, [len(e) for e in epochs])
+        drawn = permutations(seed, "batches", np.column_stack([owners, np.concatenate(epochs)]),
+                             rows[owners])
+        at = 0
+        for j, client_epochs in zip(clients, epochs, strict=True):
+            stream = drawn[at:at + len(client_epochs), :rows[j]].reshape(-1)
+            at += len(client_epochs)
+            lo = first[j] - client_epochs[0] * rows[j]
+            out[j] = stream[lo:lo + num_steps * width[j]].reshape(num_steps, width[j])
     return out
+
+
+#: Clients whose permutations :func:`clients_batch_indices` draws in one call.
+PERMUTATION_BLOCK = 2048
 
 
 def loss_fn(model: nn.Module, params: Mapping[str, torch.Tensor], x: torch.Tensor,

@@ -47,7 +47,11 @@ def test_fallbacks_equal_numpy_too():
                        _numpy(2**40 + 9, "batches", ids, lengths), lengths)
 
 
-def test_clients_batch_indices_equal_batch_indices():
+@pytest.mark.parametrize("block", [2048, 7])
+def test_clients_batch_indices_equal_batch_indices(block, monkeypatch):
+    import fedhier.train
+
+    monkeypatch.setattr(fedhier.train, "PERMUTATION_BLOCK", block)  # 7: many blocks
     rng = np.random.default_rng(11)
     for _ in range(25):
         rows = rng.integers(1, 60, size=int(rng.integers(1, 150))).tolist()
