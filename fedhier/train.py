@@ -56,10 +56,10 @@ def batch_indices(
 
 
 def clients_batch_indices(seed: int, num_rows: Sequence[int], batch_size: int, start_step: int,
-                          num_steps: int) -> list[np.ndarray]:
-    """``[batch_indices(seed, j, num_rows[j], batch_size, start_step, num_steps) for j]``,
-    equal entry for entry, with every (client, epoch) permutation drawn in one
-    :func:`fedhier.permutations.permutations` call instead of one generator each."""
+                          num_steps: int, first_client: int = 0) -> list[np.ndarray]:
+    """``[batch_indices(seed, first_client + k, num_rows[k], batch_size, start_step,
+    num_steps) for k]``, equal entry for entry, with every (client, epoch) permutation drawn
+    in one :func:`fedhier.permutations.permutations` call instead of one generator each."""
     rows = np.asarray(num_rows, dtype=np.int64)
     width = np.array([effective_batch_size(batch_size, int(n)) for n in rows], dtype=np.int64)
     if num_steps == 0:
@@ -69,23 +69,18 @@ def clients_batch_indices(seed: int, num_rows: Sequence[int], batch_size: int, s
     if len(shuffled) == 0:
         return out
     first, end = start_step * width, (start_step + num_steps) * width  # stream positions
-    for block in range(0, len(shuffled), PERMUTATION_BLOCK):  # bounds the temporaries
-        clients = shuffled[block:block + PERMUTATION_BLOCK]
-        epochs = [np.arange(first[j] // rows[j], (end[j] - 1) // rows[j] + 1) for j in clients]
-        owners = np.repeat(clients, [len(e) for e in epochs])
-        drawn = permutations(seed, "batches", np.column_stack([owners, np.concatenate(epochs)]),
-                             rows[owners])
-        at = 0
-        for j, client_epochs in zip(clients, epochs, strict=True):
-            stream = drawn[at:at + len(client_epochs), :rows[j]].reshape(-1)
-            at += len(client_epochs)
-            lo = first[j] - client_epochs[0] * rows[j]
-            out[j] = stream[lo:lo + num_steps * width[j]].reshape(num_steps, width[j])
+    epochs = [np.arange(first[k] // rows[k], (end[k] - 1) // rows[k] + 1) for k in shuffled]
+    owners = np.repeat(shuffled, [len(e) for e in epochs])
+    drawn = permutations(seed, "batches",
+                         np.column_stack([first_client + owners, np.concatenate(epochs)]),
+                         rows[owners])
+    at = 0
+    for k, client_epochs in zip(shuffled, epochs, strict=True):
+        stream = drawn[at:at + len(client_epochs), :rows[k]].reshape(-1)
+        at += len(client_epochs)
+        lo = first[k] - client_epochs[0] * rows[k]
+        out[k] = stream[lo:lo + num_steps * width[k]].reshape(num_steps, width[k])
     return out
-
-
-#: Clients whose permutations :func:`clients_batch_indices` draws in one call.
-PERMUTATION_BLOCK = 2048
 
 
 def loss_fn(model: nn.Module, params: Mapping[str, torch.Tensor], x: torch.Tensor,

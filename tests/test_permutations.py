@@ -3,6 +3,7 @@ clients_batch_indices reproduces batch_indices client by client."""
 
 import numpy as np
 import pytest
+import torch
 
 from fedhier.permutations import MIN_BATCH, permutations
 from fedhier.rng import generator
@@ -47,19 +48,33 @@ def test_fallbacks_equal_numpy_too():
                        _numpy(2**40 + 9, "batches", ids, lengths), lengths)
 
 
-@pytest.mark.parametrize("block", [2048, 7])
-def test_clients_batch_indices_equal_batch_indices(block, monkeypatch):
-    import fedhier.train
-
-    monkeypatch.setattr(fedhier.train, "PERMUTATION_BLOCK", block)  # 7: many blocks
+@pytest.mark.parametrize("first_client", [0, 1000])
+def test_clients_batch_indices_equal_batch_indices(first_client):
     rng = np.random.default_rng(11)
     for _ in range(25):
         rows = rng.integers(1, 60, size=int(rng.integers(1, 150))).tolist()
         batch_size = int(rng.choice([0, 1, 5, 16, 100]))
         start, steps = int(rng.integers(0, 300)), int(rng.integers(0, 25))
         seed = int(rng.integers(0, 2**32))
-        got = clients_batch_indices(seed, rows, batch_size, start, steps)
-        for j, n in enumerate(rows):
-            want = batch_indices(seed, j, n, batch_size, start, steps)
-            assert got[j].dtype == want.dtype and np.array_equal(got[j], want)
-            assert got[j].shape == want.shape
+        got = clients_batch_indices(seed, rows, batch_size, start, steps, first_client)
+        for k, n in enumerate(rows):
+            want = batch_indices(seed, first_client + k, n, batch_size, start, steps)
+            assert got[k].dtype == want.dtype and np.array_equal(got[k], want)
+            assert got[k].shape == want.shape
+
+
+def test_minibatch_rows_in_blocks_equal_one_block(monkeypatch):
+    """The vectorized engine draws the indices of blocks of clients: the same rows whatever
+    the block."""
+    import fedhier.engines.batched as batched
+    from fedhier.config import RunConfig
+    from fedhier.server import prepare
+
+    fed = prepare(RunConfig(clients=30, groups=(3,), alpha=0.5, batch_size=4))
+    data = batched.ClientRows.build(fed, 4, torch.device("cpu"))
+    whole = data.minibatch_rows(3, 4, 7, 10)
+    monkeypatch.setattr(batched, "INDEX_CLIENT_BLOCK", 4)
+    assert np.array_equal(data.minibatch_rows(3, 4, 7, 10), whole)
+    for j, rows in enumerate(data.rows):  # and they are batch_indices'
+        local = batch_indices(3, j, len(rows), 4, 7, 10)
+        assert np.array_equal(whole[:, j, :local.shape[1]], rows[local])

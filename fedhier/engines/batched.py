@@ -101,13 +101,19 @@ class ClientRows:
             padding repeats its first row (weight 0).
         """
         out = np.empty((steps, self.num_clients, self.width), dtype=self.index_dtype)
-        locals_ = clients_batch_indices(seed, [len(rows) for rows in self.rows], batch_size,
-                                        start, steps)  # [steps, b_j] each
-        for j, (rows, local) in enumerate(zip(self.rows, locals_, strict=True)):
-            b = local.shape[1]
-            out[:, j, :b] = rows[local]
-            out[:, j, b:] = rows[local[:, :1]]
+        for lo in range(0, self.num_clients, INDEX_CLIENT_BLOCK):  # bounds the temporaries
+            block = self.rows[lo:lo + INDEX_CLIENT_BLOCK]
+            locals_ = clients_batch_indices(seed, [len(rows) for rows in block], batch_size,
+                                            start, steps, first_client=lo)  # [steps, b_j] each
+            for j, (rows, local) in enumerate(zip(block, locals_, strict=True), start=lo):
+                b = local.shape[1]
+                out[:, j, :b] = rows[local]
+                out[:, j, b:] = rows[local[:, :1]]
         return out
+
+
+#: Clients whose mini-batch indices :meth:`ClientRows.minibatch_rows` draws together.
+INDEX_CLIENT_BLOCK = 2048
 
 
 @dataclass
