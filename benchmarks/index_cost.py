@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import engines as bench
@@ -49,16 +50,19 @@ def main() -> None:
 
     from fedhier.train import batch_indices
 
-    def per_client(seed: int, num_rows: list[int], *rest: int) -> list[np.ndarray]:
-        return [batch_indices(seed, j, n, *rest) for j, n in enumerate(num_rows)]
+    def per_client(seed: int, num_rows: list[int], *rest: int,
+                   first_client: int = 0) -> list[np.ndarray]:
+        return [batch_indices(seed, first_client + k, n, *rest) for k, n in enumerate(num_rows)]
 
-    computed = per_client if args.per_client else batched.clients_batch_indices
+    computed: Callable[..., list[np.ndarray]] = (
+        per_client if args.per_client else batched.clients_batch_indices)
     cache: dict[tuple[Any, ...], list[np.ndarray]] = {}
 
-    def cached(seed: int, num_rows: list[int], *rest: int) -> list[np.ndarray]:
-        key = (seed, tuple(num_rows), *rest)
+    def cached(seed: int, num_rows: list[int], *rest: int,
+               first_client: int = 0) -> list[np.ndarray]:
+        key = (seed, tuple(num_rows), *rest, first_client)
         if key not in cache:
-            cache[key] = computed(seed, num_rows, *rest)
+            cache[key] = computed(seed, num_rows, *rest, first_client=first_client)
         return [a.copy() for a in cache[key]]
 
     bench.run_engine("vectorized", cfg.replace(rounds=1), marks, fed)  # warm-up
