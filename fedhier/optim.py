@@ -44,6 +44,15 @@ class LocalOptimizer:
             return {k: params[k] - _expand(lr, params[k]) * g[k] for k in params}, new_buffers
         return {k: params[k] - lr * g[k] for k in params}, new_buffers
 
+    def step_(self, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
+              lr: float, buffers: Params | None) -> Params | None:
+        """:meth:`step` in place on ``params`` (``w.sub_(lr * d)`` runs the kernel of
+        ``w - lr * d``: the same values bit for bit); returns the new momentum buffers."""
+        g, new_buffers = self.direction(params, grads, buffers)
+        for key, param in params.items():
+            param.sub_(lr * g[key])
+        return new_buffers
+
     def direction(self, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
                   buffers: Params | None,
                   client_axis: bool = False) -> tuple[Params, Params | None]:

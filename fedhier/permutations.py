@@ -67,8 +67,8 @@ def permutations(seed: int, purpose: str, ids: np.ndarray, lengths: np.ndarray) 
         rows = np.flatnonzero(fast)
         words = np.column_stack([np.full(len(rows), seed), np.full(len(rows),
                                  purpose_tag(purpose)), ids[rows]]).astype(_U32)
-        high, low = _pcg64_states(_seed_sequence_state(words))
-        short = _shuffled(_Pcg64(high, low), lengths[rows])
+        state, increment = _pcg64_states(_seed_sequence_state(words))
+        short = _shuffled(_Pcg64(state, increment), lengths[rows])
         out[rows, :short.shape[1]] = short
     return out
 

@@ -44,15 +44,14 @@ def batch_indices(
         int64 array [num_steps, b] of indices into the client's rows.
     """
     b = effective_batch_size(batch_size, num_rows)
+    if num_steps == 0:
+        return np.empty((0, b), dtype=np.int64)
     if b == num_rows:
         return np.tile(np.arange(num_rows, dtype=np.int64), (num_steps, 1))
-    first, end = start_step * b, (start_step + num_steps) * b  # stream positions [first, end)
-    out = np.empty(end - first, dtype=np.int64)
-    for epoch in range(first // num_rows, (end - 1) // num_rows + 1):
-        lo, hi = max(first, epoch * num_rows), min(end, (epoch + 1) * num_rows)
-        perm = generator(seed, "batches", client, epoch).permutation(num_rows)
-        out[lo - first:hi - first] = perm[lo - epoch * num_rows:hi - epoch * num_rows]
-    return out.reshape(num_steps, b)
+    epochs = _stream_epochs(num_rows, b, start_step, num_steps)
+    stream = np.concatenate([generator(seed, "batches", client, int(e)).permutation(num_rows)
+                             for e in epochs])
+    return _steps_of(stream, num_rows, b, int(epochs[0]), start_step, num_steps)
 
 
 def clients_batch_indices(seed: int, num_rows: Sequence[int], batch_size: int, start_step: int,
@@ -60,27 +59,41 @@ def clients_batch_indices(seed: int, num_rows: Sequence[int], batch_size: int, s
     """``[batch_indices(seed, first_client + k, num_rows[k], batch_size, start_step,
     num_steps) for k]``, equal entry for entry, with every (client, epoch) permutation drawn
     in one :func:`fedhier.permutations.permutations` call instead of one generator each."""
-    rows = np.asarray(num_rows, dtype=np.int64)
-    width = np.array([effective_batch_size(batch_size, int(n)) for n in rows], dtype=np.int64)
+    rows = [int(n) for n in num_rows]
+    width = [effective_batch_size(batch_size, n) for n in rows]
     if num_steps == 0:
         return [np.empty((0, w), dtype=np.int64) for w in width]
     out = [np.tile(np.arange(n, dtype=np.int64), (num_steps, 1)) for n in rows]  # full batch
-    shuffled = np.flatnonzero(width < rows)
-    if len(shuffled) == 0:
+    shuffled = [k for k in range(len(rows)) if width[k] < rows[k]]
+    if not shuffled:
         return out
-    first, end = start_step * width, (start_step + num_steps) * width  # stream positions
-    epochs = [np.arange(first[k] // rows[k], (end[k] - 1) // rows[k] + 1) for k in shuffled]
+    epochs = [_stream_epochs(rows[k], width[k], start_step, num_steps) for k in shuffled]
     owners = np.repeat(shuffled, [len(e) for e in epochs])
     drawn = permutations(seed, "batches",
                          np.column_stack([first_client + owners, np.concatenate(epochs)]),
-                         rows[owners])
+                         np.asarray(rows)[owners])
     at = 0
     for k, client_epochs in zip(shuffled, epochs, strict=True):
         stream = drawn[at:at + len(client_epochs), :rows[k]].reshape(-1)
         at += len(client_epochs)
-        lo = first[k] - client_epochs[0] * rows[k]
-        out[k] = stream[lo:lo + num_steps * width[k]].reshape(num_steps, width[k])
+        out[k] = _steps_of(stream, rows[k], width[k], int(client_epochs[0]), start_step,
+                           num_steps)
     return out
+
+
+def _stream_epochs(num_rows: int, b: int, start_step: int, num_steps: int) -> np.ndarray:
+    """The epochs whose permutations hold stream positions [start_step*b, (start_step +
+    num_steps)*b) of a client with ``num_rows`` rows (num_steps >= 1)."""
+    first, end = start_step * b, (start_step + num_steps) * b
+    return np.arange(first // num_rows, (end - 1) // num_rows + 1)
+
+
+def _steps_of(stream: np.ndarray, num_rows: int, b: int, first_epoch: int, start_step: int,
+              num_steps: int) -> np.ndarray:
+    """[num_steps, b]: the steps' positions of ``stream``, the concatenated permutations of
+    epochs ``first_epoch, first_epoch + 1, ...``."""
+    lo = start_step * b - first_epoch * num_rows
+    return stream[lo:lo + num_steps * b].reshape(num_steps, b)
 
 
 def loss_fn(model: nn.Module, params: Mapping[str, torch.Tensor], x: torch.Tensor,
@@ -114,15 +127,13 @@ def local_sgd(model: nn.Module, params: Params, x: torch.Tensor, y: torch.Tensor
         else:
             values = {k: v.detach().requires_grad_(True) for k, v in params.items()}
             loss = loss_fn(model, values, x[step_rows], y[step_rows])
-        grads = torch.autograd.grad(loss, tuple(values.values()))
+        grads = dict(zip(values, torch.autograd.grad(loss, tuple(values.values())),
+                         strict=True))
         with torch.no_grad():
-            direction, buffers = optimizer.direction(values, dict(zip(values, grads, strict=True)),
-                                                     buffers)
-            if leaves is not None:  # w - lr * d, as LocalOptimizer.step, bit for bit
-                for key, leaf in leaves.items():
-                    leaf.sub_(float(rate) * direction[key])
+            if leaves is not None:
+                buffers = optimizer.step_(leaves, grads, float(rate), buffers)
             else:
-                params = {k: params[k] - float(rate) * direction[k] for k in params}
+                params, buffers = optimizer.step(params, grads, float(rate), buffers)
         total += loss.detach().to(torch.float64)
     if leaves is not None:
         params = {key: leaf.detach().clone() for key, leaf in leaves.items()}
