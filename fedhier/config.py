@@ -95,7 +95,8 @@ class RunConfig:
         "fedavg, fedavgm, fedadam, fedyogi, fedadagrad"))
     aggregators: str = field(default="mean", metadata=_help(
         "aggregation rule at every level, or one per level edge,...,cloud: mean (exact "
-        "H-SGD), median (coordinate-wise, robust)"))
+        "H-SGD), median, trimmed-mean[:b], clip[:C x|:tau] (norm-bounded mean), krum[:f], "
+        "multi-krum[:f] (docs/security.md)"))
     server_lr: float = field(default=0.0, metadata=_help(
         "cloud strategy's server learning rate (0 = the strategy's default)"))
     server_momentum: float = field(default=0.0, metadata=_help("fedavgm server momentum"))

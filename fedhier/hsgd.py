@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from fedhier.aggregate import (
-    AGGREGATORS,
+    aggregator,
     check_aggregators,
     client_weights,
     occupied_segments,
@@ -288,6 +288,7 @@ class HierarchicalSGD:
         self._carried: Params = {}
         self._has_carry = np.zeros(0, dtype=bool)
         self._edge_aggregations = np.zeros(0, dtype=np.int64)
+        self._node_models: dict[int, Params] = {}  # level -> [nodes, *shape], 1 < level < L
 
     # ---------------------------------------------------------------- set-up and grouping
     def setup(self, executor: Executor, initial: Params, *, info: ClientInfo | None = None,
@@ -372,6 +373,7 @@ class HierarchicalSGD:
                                        hierarchy.edge_of_client(), num_edges)
         self.edge_models = {k: v.unsqueeze(0).repeat(num_edges, *([1] * v.dim()))
                             for k, v in self.global_params.items()}
+        self._node_models = {}
         n = hierarchy.num_clients
         self._remaining = np.zeros(n, dtype=np.int64)
         self._scale = np.ones(n, dtype=np.float64)
@@ -550,7 +552,7 @@ class HierarchicalSGD:
             averaged, nodes = self._cloud_update(work.cloud_round, models, survivors, weights)
         else:
             averaged, nodes = aggregate_levels(models, survivors, weights, hierarchy, level,
-                                               s.aggregators)
+                                               s.aggregators, self.node_models)
         self.communication.add_aggregation(hierarchy, level, self.model_bytes)
         clock.aggregate(hierarchy, level, self.model_bytes)
         self._broadcast(averaged, nodes, level)
@@ -652,7 +654,7 @@ class HierarchicalSGD:
         hierarchy = self._hierarchy()
         child_level = hierarchy.num_levels - 1
         children, nodes = aggregate_levels(models, survivors, weights, hierarchy, child_level,
-                                           self.settings.aggregators)
+                                           self.settings.aggregators, self.node_models)
         child_weight = np.bincount(hierarchy.ancestors(child_level)[survivors],
                                    weights=weights[survivors],
                                    minlength=hierarchy.num_nodes(child_level))
@@ -691,20 +693,57 @@ class HierarchicalSGD:
         if self.cloud_step is not None:
             averaged, nodes = self._cloud_step_on(cloud_round, models, edges, weights)
         else:
-            rule = AGGREGATORS[self.settings.aggregators[-1]]
+            rule = aggregator(self.settings.aggregators[-1])
             device = _device(models)
             w = torch.as_tensor(weights, device=device)
             owner = torch.zeros(len(edges), dtype=torch.int64, device=device)
-            averaged = {k: rule.function(v, w, owner, 1) for k, v in models.items()}
+            averaged = rule.apply(models, w, owner, 1, self.node_models(level, np.zeros(1)))
             nodes = np.zeros(1, dtype=np.int64)
         self.communication.add_aggregation(hierarchy, level, self.model_bytes)
         self._clock().aggregate(hierarchy, level, self.model_bytes)
         self._broadcast(averaged, nodes, level)
         self.global_params = {k: v[0] for k, v in averaged.items()}
 
+    def node_models(self, level: int, nodes: np.ndarray) -> Params:
+        """The current models of level-``level`` nodes ``nodes`` (int64 [m]): name ->
+        [m, *shape]; an edge's model, the global model at the top, and in between the node's
+        last aggregate this cloud round (the global model before one)."""
+        hierarchy = self._hierarchy()
+        device = _device(self.global_params)
+        index = torch.as_tensor(np.asarray(nodes, dtype=np.int64), device=device)
+        if level == 1:
+            return {k: v.index_select(0, index) for k, v in self.edge_models.items()}
+        if level == hierarchy.num_levels or level not in self._node_models:
+            return {k: v.unsqueeze(0).expand(len(index), *v.shape)
+                    for k, v in self.global_params.items()}
+        return {k: v.index_select(0, index) for k, v in self._node_models[level].items()}
+
+    def _remember_nodes(self, averaged: Params, nodes: np.ndarray, level: int) -> None:
+        """Levels strictly between the edges and the cloud: the nodes under (or at) a
+        level-``level`` node in ``nodes`` take its aggregate (for :meth:`node_models`)."""
+        hierarchy = self._hierarchy()
+        position = np.full(hierarchy.num_nodes(level), -1, dtype=np.int64)
+        position[nodes] = np.arange(len(nodes))
+        device = _device(averaged)
+        for lv in range(2, min(level, hierarchy.num_levels - 1) + 1):
+            above = np.arange(hierarchy.num_nodes(lv))
+            for k in range(lv, level):
+                above = hierarchy.parents[k][above]
+            source = position[above]
+            updated = np.flatnonzero(source >= 0)
+            if lv not in self._node_models:
+                self._node_models[lv] = {k: v.unsqueeze(0).repeat(len(above), *([1] * v.dim()))
+                                         for k, v in self.global_params.items()}
+            src = torch.as_tensor(source[updated], device=device)
+            dst = torch.as_tensor(updated, device=device)
+            for key, value in averaged.items():
+                self._node_models[lv][key].index_copy_(0, dst, value.index_select(0, src))
+
     def _broadcast(self, averaged: Params, nodes: np.ndarray, level: int) -> None:
         """Edges under a level-``level`` node in ``nodes`` take its aggregate."""
         hierarchy = self._hierarchy()
+        if 1 < level < hierarchy.num_levels:
+            self._remember_nodes(averaged, nodes, level)
         position = np.full(hierarchy.num_nodes(level), -1, dtype=np.int64)
         position[nodes] = np.arange(len(nodes))
         source = position[hierarchy.edges_under(level)]
@@ -803,13 +842,17 @@ class HierarchicalSGD:
 
 def aggregate_levels(models: dict[str, torch.Tensor], survivors: np.ndarray,
                      weights: np.ndarray, hierarchy: Hierarchy, level: int,
-                     aggregators: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+                     aggregators: tuple[str, ...],
+                     reference: Callable[[int, np.ndarray], Params] | None = None,
+                     ) -> tuple[dict[str, torch.Tensor], np.ndarray]:
     """Aggregate the surviving clients' models up to ``level``.
 
     Args:
         models: name -> [s, *shape], the survivors' models in ``survivors`` order.
         survivors: int64 [s], their client ids; weights: float64 [n], every client's
             (presence) weight; aggregators: one name for all levels or one per level.
+        reference: (level, node ids int64 [m]) -> name -> [m, *shape], those nodes' models
+            before this aggregation (the start model rules such as ``clip`` measure from).
 
     Returns:
         (name -> [m, *shape], the aggregates of the m level-``level`` nodes that have a
@@ -818,7 +861,7 @@ def aggregate_levels(models: dict[str, torch.Tensor], survivors: np.ndarray,
         survivors' total weight.
     """
     check_aggregators(aggregators, hierarchy.num_levels)
-    rules = [AGGREGATORS[aggregators[0] if len(aggregators) == 1 else aggregators[lv - 1]]
+    rules = [aggregator(aggregators[0] if len(aggregators) == 1 else aggregators[lv - 1])
              for lv in range(1, level + 1)]
     device = next(iter(models.values())).device
     if all(rule.linear for rule in rules):
@@ -826,8 +869,7 @@ def aggregate_levels(models: dict[str, torch.Tensor], survivors: np.ndarray,
                                            hierarchy.num_nodes(level))
         w = torch.as_tensor(weights[survivors], device=device)
         owner = torch.as_tensor(compact, device=device)
-        return {k: rules[-1].function(v, w, owner, len(nodes))
-                for k, v in models.items()}, nodes
+        return rules[-1].apply(models, w, owner, len(nodes)), nodes
     members, member_weights, values = survivors, weights[survivors], models
     for lv, rule in enumerate(rules, start=1):
         parent = (hierarchy.parents[lv - 1][members] if lv < hierarchy.num_levels
@@ -835,7 +877,14 @@ def aggregate_levels(models: dict[str, torch.Tensor], survivors: np.ndarray,
         nodes, compact = occupied_segments(parent, hierarchy.num_nodes(lv))
         w = torch.as_tensor(member_weights, device=device)
         owner = torch.as_tensor(compact, device=device)
-        values = {k: rule.function(v, w, owner, len(nodes)) for k, v in values.items()}
+        start = None
+        if rule.needs_reference:
+            if reference is None:
+                raise ConfigError(f"aggregator '{aggregators[min(lv, len(aggregators)) - 1]}'"
+                                  " needs each node's start model, which this path does "
+                                  "not provide")
+            start = reference(lv, nodes)
+        values = rule.apply(values, w, owner, len(nodes), start)
         member_weights = np.bincount(compact, weights=member_weights, minlength=len(nodes))
         members = nodes
     return values, members

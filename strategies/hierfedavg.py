@@ -101,7 +101,8 @@ class HierFedAvg(Strategy):
         ``gradient`` grouping uses the gradients at the current global model). 0 = never.
     aggregators : sequence of str (default: ("mean",))
         The aggregation rule at every level, or one per level (edge ... cloud), from
-        ``fedhier.aggregate.AGGREGATORS`` ("mean": exact H-SGD; "median": coordinate-wise).
+        ``fedhier.aggregate.AGGREGATORS`` ("mean": exact H-SGD; "median", "trimmed-mean",
+        "clip", "krum", "multi-krum": robust rules, docs/security.md).
     mobility : fedhier.mobility.Mobility, optional
         Clients moving between edges (a seeded rate or a trace) and the handoff policy
         (docs/hsgd.md#mobility). None = static.
