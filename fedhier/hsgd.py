@@ -50,6 +50,7 @@ from fedhier.faults import RunFailureError, failed_edges, non_finite_message
 from fedhier.grouping import ClientInfo, grouping_needs
 from fedhier.mobility import Mobility
 from fedhier.plan import EdgeRoundPlan, Workload, plan_edge_round
+from fedhier.reply_policy import ReplyPolicy, allowed_sizes, outlying_gradients
 from fedhier.round_diagnostics import client_diagnostics, diagnostics_due
 from fedhier.sim_clock import SimClock, TimeModel
 from fedhier.staleness import AsyncEdges
@@ -221,6 +222,7 @@ class HSGDSettings:
     time_model: TimeModel = field(default_factory=TimeModel)
     asynchronous: AsyncEdges = field(default_factory=AsyncEdges)
     edge_periods: tuple[int, ...] = ()
+    policy: ReplyPolicy = field(default_factory=ReplyPolicy)
 
     def __post_init__(self) -> None:
         validate_periods(self.periods)
@@ -300,7 +302,7 @@ class HierarchicalSGD:
         """
         s = self.settings
         self.info = executor.profiles() if info is None else info
-        self.weights = client_weights(s.weighting, self.info.num_examples)
+        self.weights = self._weights_of(self.info.num_examples)
         self.global_params = dict(initial)
         self.model_bytes = executor.model_bytes(initial)
         if hierarchy is not None:
@@ -341,7 +343,16 @@ class HierarchicalSGD:
         learn = (known[clients] <= 0) & (sizes > 0)
         known[clients[learn]] = sizes[learn]
         self.info = dataclasses.replace(info, num_examples=known)
-        self.weights = client_weights(self.settings.weighting, known)
+        self.weights = self._weights_of(known)
+
+    def _weights_of(self, claimed: np.ndarray) -> np.ndarray:
+        """float64 [n] averaging weights from the clients' claimed sizes, as far as they may
+        claim them (:func:`fedhier.reply_policy.allowed_sizes`)."""
+        info = self._info()
+        sums = np.asarray(info.label_histograms).sum(axis=1) if len(claimed) == len(
+            info.label_histograms) else None
+        return client_weights(self.settings.weighting, allowed_sizes(
+            claimed, sums, self.settings.policy.max_weight_ratio))
 
     def regroup_due(self, cloud_round: int) -> bool:
         every = self.settings.regroup_every
@@ -769,6 +780,9 @@ class HierarchicalSGD:
             self.learn_sizes(np.arange(len(self.weights)), evaluation.num_examples)
             record.update(evaluation_metrics(evaluation, self.weights))
         record.update(trained)
+        excluded = getattr(executor, "excluded_clients", None)
+        if excluded:
+            record["excluded_clients"] = sorted(excluded)
         if evaluate_fn is not None:
             record.update(evaluate_fn(cloud_round, self.global_params))
         if diagnostics_due(cloud_round, s.diagnostics_every):
@@ -777,7 +791,15 @@ class HierarchicalSGD:
                 log.warning("divergences need every client's gradient (query.gradient, "
                             "docs/contract.md): not recorded for round %d", cloud_round)
             else:
-                record.update(client_diagnostics(grads, self.weights, self._hierarchy()))
+                flagged = outlying_gradients(grads)
+                weights = self.weights
+                if flagged.any():
+                    record["diagnostics_flagged_clients"] = np.flatnonzero(flagged).tolist()
+                    grads = torch.where(torch.as_tensor(flagged, device=grads.device)[:, None],
+                                        torch.zeros((), dtype=grads.dtype, device=grads.device),
+                                        grads)
+                    weights = np.where(flagged, 0.0, weights)
+                record.update(client_diagnostics(grads, weights, self._hierarchy()))
         record.update(self.communication.as_dict())
         record["sim_seconds"] = self.elapsed_seconds()
         return record
