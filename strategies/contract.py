@@ -112,8 +112,9 @@ def read_evaluate_reply(reply: Message,
     if loss is None or accuracy is None:
         return None
     holdout = _metric(reply, ("holdout-accuracy",), client)
-    if not math.isfinite(loss):
-        raise ContractError(f"{who(reply, client)} replied loss = {loss}: it must be finite")
+    if not (math.isfinite(loss) and loss >= 0):
+        raise ContractError(f"{who(reply, client)} replied loss = {loss}: it must be finite "
+                            "and >= 0")
     for name, value in (("accuracy", accuracy), ("holdout-accuracy", holdout)):
         if value is not None and not 0 <= value <= 1:
             raise ContractError(f"{who(reply, client)} replied {name} = {value}: it must "
