@@ -30,12 +30,18 @@ from fedhier.errors import FedhierError
 
 __all__ = ["ACCURACY_KEYS", "EDGE_ROUND", "LOCAL_STEPS", "LOSS_KEYS", "NUM_EXAMPLES",
            "ROUND_KEYS", "SERVER_ROUND", "START_STEP", "TRAIN_LOSS_KEYS", "ContractError",
+           "NonFiniteLossError",
            "TrainReply", "check_histogram", "num_examples_of", "read_evaluate_reply",
            "read_gradient_reply", "read_train_reply", "who"]
 
 
 class ContractError(FedhierError):
     """A client's reply breaks the message contract."""
+
+
+class NonFiniteLossError(ContractError):
+    """An evaluate reply's loss is NaN or inf: always left out (with a warning), never a
+    stop, since an honest client reports it for a global model that diverged."""
 
 
 @dataclass(frozen=True)
@@ -112,9 +118,11 @@ def read_evaluate_reply(reply: Message,
     if loss is None or accuracy is None:
         return None
     holdout = _metric(reply, ("holdout-accuracy",), client)
-    if not (math.isfinite(loss) and loss >= 0):
-        raise ContractError(f"{who(reply, client)} replied loss = {loss}: it must be finite "
-                            "and >= 0")
+    if not math.isfinite(loss):  # honest on a diverged global model: not a contract break
+        raise NonFiniteLossError(f"{who(reply, client)} replied loss = {loss}: left out of the "
+                            "recorded metrics")
+    if loss < 0:
+        raise ContractError(f"{who(reply, client)} replied loss = {loss}: it must be >= 0")
     for name, value in (("accuracy", accuracy), ("holdout-accuracy", holdout)):
         if value is not None and not 0 <= value <= 1:
             raise ContractError(f"{who(reply, client)} replied {name} = {value}: it must "

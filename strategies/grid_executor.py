@@ -29,6 +29,7 @@ from fedhier.strategies.contract import (
     SERVER_ROUND,
     START_STEP,
     ContractError,
+    NonFiniteLossError,
     check_histogram,
     num_examples_of,
     read_evaluate_reply,
@@ -277,6 +278,9 @@ class GridExecutor:
             try:
                 numbers = read_evaluate_reply(reply, client)
                 size = num_examples_of(reply, client) if numbers is not None else 0
+            except NonFiniteLossError as exc:
+                log.warning("evaluate: %s", exc)
+                continue
             except ContractError as exc:
                 self.guard.bad(exc, client)
                 continue
