@@ -238,3 +238,15 @@ def test_a_client_dropped_k_rounds_in_a_row_is_excluded(tmp_path):
     assert code == 0
     assert records[-1]["excluded_clients"] == [HOSTILE]
     assert records[-1]["failed_clients"] == 2  # not sent, counted failed
+
+
+def test_a_client_with_only_the_train_handler_runs_through_fedhier_run(tmp_path):
+    """No profile, evaluate or query handlers: groups.json records no label proxy (None)
+    instead of ending in exit 4."""
+    from tests.test_hsgd import CFG as BARE_CFG
+    from tests.test_hsgd import bare_app
+
+    code, text, records, _ = run(bare_app(), tmp_path / "run", BARE_CFG.replace(rounds=1))
+    assert code == 0, text
+    groups = json.loads((tmp_path / "run" / "groups.json").read_text())
+    assert groups["label_upward_divergence"] is None and len(records) == 2
