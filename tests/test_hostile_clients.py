@@ -250,3 +250,34 @@ def test_a_client_with_only_the_train_handler_runs_through_fedhier_run(tmp_path)
     assert code == 0, text
     groups = json.loads((tmp_path / "run" / "groups.json").read_text())
     assert groups["label_upward_divergence"] is None and len(records) == 2
+
+
+def test_allowed_sizes_closed_form():
+    import numpy as np
+
+    from fedhier.reply_policy import allowed_sizes
+
+    claimed = np.array([100, 10**12, 80, 0, 120, 5000])
+    sums = np.array([100, 344, 80, 50, 0, 5000])  # client 1 lies in its claim only
+    # min(claim, sum) where both: [100, 344, 80, 0, 120, 5000]; median of the positive
+    # ones (80, 100, 120, 344, 5000) = 120, cap 10 x 120 = 1200 -> client 5 capped
+    assert allowed_sizes(claimed, sums, 10.0).tolist() == [100, 344, 80, 0, 120, 1200]
+    assert allowed_sizes(claimed, sums, 0.0).tolist() == [100, 344, 80, 0, 120, 5000]
+    honest = np.array([149, 231, 232, 300, 180, 220])
+    assert allowed_sizes(honest, honest, 10.0).tolist() == honest.tolist()
+
+
+def test_on_bad_reply_auto_is_drop_on_real_processes_and_stop_in_simulations():
+    from fedhier.cli_flags import OneLineParser
+    from fedhier.engines.deployment.cli import add_parser, resolve_config
+
+    def parse(*argv):
+        parser = OneLineParser(prog="fedhier")
+        add_parser(parser.add_subparsers(dest="command", required=True))
+        return parser.parse_args(["deploy", "local", *argv])
+
+    assert CFG.replace(on_bad_reply="auto").reply_policy().on_bad_reply == "stop"
+    edge_tier = CFG.replace(on_bad_reply="auto", edge_servers=True)
+    assert edge_tier.reply_policy().on_bad_reply == "drop"
+    assert resolve_config(parse("--nodes", "4")).on_bad_reply == "drop"
+    assert resolve_config(parse("--nodes", "4", "--on-bad-reply", "stop")).on_bad_reply == "stop"
