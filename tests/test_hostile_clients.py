@@ -211,7 +211,8 @@ def test_an_outlying_gradient_is_flagged_not_averaged(tmp_path, reference):
                for r in records)
 
 
-def test_a_late_reply_is_dropped_and_a_silent_client_does_not_hang(tmp_path, reference):
+def test_a_late_reply_is_dropped_and_a_silent_client_does_not_hang(tmp_path, reference,
+                                                                  caplog):
     """round_timeout 1 s: a train reply 3 s late is dropped (as a crash would be); a client
     that never answers costs one timeout per message and the run finishes."""
     def slow(reply):
@@ -221,6 +222,10 @@ def test_a_late_reply_is_dropped_and_a_silent_client_does_not_hang(tmp_path, ref
     start = time.perf_counter()
     code, _, records, final = run(hostile_app("train", slow), tmp_path / "slow", timeout=1.0)
     assert code == 0 and records[-1]["failed_clients"] == 2
+    lines = [r.getMessage() for r in caplog.records if "did not reply" in r.getMessage()
+             and r.getMessage().startswith("edge round")]
+    assert lines == [f"edge round {e}: 1 of 6 clients did not reply within 1 s: [{HOSTILE}]"
+                     for e in (1, 2)]
     crashed = reference["crashed"][3]
     assert all(torch.equal(final[k], crashed[k]) for k in crashed)
     never = threading.Event()
@@ -281,3 +286,14 @@ def test_on_bad_reply_auto_is_drop_on_real_processes_and_stop_in_simulations():
     assert edge_tier.reply_policy().on_bad_reply == "drop"
     assert resolve_config(parse("--nodes", "4")).on_bad_reply == "drop"
     assert resolve_config(parse("--nodes", "4", "--on-bad-reply", "stop")).on_bad_reply == "stop"
+
+
+def test_an_evaluate_reply_without_metrics_is_named(tmp_path, caplog):
+    def bare(reply):
+        reply.content.metric_records.pop("metrics")
+        return reply
+
+    code, _, records, _ = run(hostile_app("evaluate", bare), tmp_path / "run")
+    assert code == 0 and len(records) == 2
+    assert any(f"client(s) [{HOSTILE}] replied without loss and accuracy" in r.getMessage()
+               for r in caplog.records)
