@@ -9,7 +9,9 @@ clients with the rule at the cloud (``mean,RULE``). Client 0 is hostile: ``poiso
 rounds (non-finite updates skipped, a non-finite model scores 0), and after ONE cloud round
 from the initial model its fraction of the way toward the hostile client's last reply m,
 <w - w_h, m - w_h> / ||m - w_h||^2 (w_h: the honest round's result; 0 = unmoved,
-1 = captured).
+1 = captured). ``mean+check``: the mean with the default update check
+(``--max-update-ratio 1000``) and ``--on-bad-reply drop``; the other rows measure the rules
+alone (``--max-update-ratio 0``).
 
     python benchmarks/hostile_table.py            # ~2 min on 2 cores
     python benchmarks/hostile_table.py --rounds 2 --rules mean,median   # a quick look
@@ -32,7 +34,7 @@ from fedhier.engines.inprocess_grid import InProcessGrid
 from fedhier.server import initial_model, prepare, quiet_flower, settings_for, test_metrics
 from fedhier.strategies.hierfedavg import HierFedAvg
 
-RULES = ("mean", "median", "trimmed-mean", "clip", "krum", "multi-krum")
+RULES = ("mean", "median", "trimmed-mean", "clip", "krum", "multi-krum", "mean+check")
 HOSTILE = 0
 
 
@@ -97,15 +99,19 @@ def main() -> None:
     torch.set_num_threads(1)
     base = RunConfig(dataset="digits", clients=10, local_period=2, global_period=4,
                      rounds=args.rounds, batch_size=16, seed=1, grouping="contiguous",
-                     on_bad_reply="stop", on_nan="skip-client")
+                     on_bad_reply="stop", on_nan="skip-client",
+                     max_update_ratio=0)  # the rules alone, without the update check
     topologies = {"edge": base.replace(groups=(2,)), "cloud": base.replace(groups=(5,))}
     rows = []
     for level, topology in topologies.items():
         fed = prepare(topology)
         model = initial_model(topology, fed)
         for rule in args.rules.split(","):
-            cfg = topology.replace(aggregators=f"{rule},mean" if level == "edge"
-                                   else f"mean,{rule}")
+            name = rule.removesuffix("+check")
+            cfg = topology.replace(aggregators=f"{name},mean" if level == "edge"
+                                   else f"mean,{name}")
+            if rule.endswith("+check"):  # the default update check, replies dropped
+                cfg = cfg.replace(max_update_ratio=1000.0, on_bad_reply="drop")
             honest, _ = run(cfg, "none")
             honest_one, _ = run(cfg.replace(rounds=1), "none")
             row = {"level": level, "rule": rule, "honest_accuracy": accuracy(model, honest, fed)}

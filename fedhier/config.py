@@ -134,6 +134,9 @@ class RunConfig:
     max_weight_ratio: float = field(default=10.0, metadata=_help(
         "a client's size (its weight) is capped at this multiple of the median claimed "
         "size (0 = no cap; docs/security.md)"))
+    max_update_ratio: float = field(default=1000.0, metadata=_help(
+        "a train reply whose update is longer than this multiple of the round's median "
+        "update is a bad reply (0 = no check; docs/security.md)"))
     checkpoint_every: int = field(default=0, metadata=_help(
         "write a checkpoint every K cloud rounds (0 = only on Ctrl-C)"))
     async_buffer: int = field(default=0, metadata=_help(
@@ -332,7 +335,7 @@ class RunConfig:
         from fedhier.reply_policy import ReplyPolicy, resolve_on_bad_reply
 
         return ReplyPolicy(resolve_on_bad_reply(self.on_bad_reply, self.edge_servers),
-                           self.exclude_after, self.max_weight_ratio)
+                           self.exclude_after, self.max_weight_ratio, self.max_update_ratio)
 
     def asynchronous(self) -> Any:
         """The :class:`fedhier.staleness.AsyncEdges` settings of this run."""
@@ -454,8 +457,10 @@ class RunConfig:
             raise ConfigError(f"client_holdout must be in [0, 1), got {self.client_holdout}")
         _one_of("on_nan", self.on_nan, ("stop", "skip-client"))
         _one_of("on_bad_reply", self.on_bad_reply, ("auto", "stop", "drop"))
-        if self.exclude_after < 0 or not self.max_weight_ratio >= 0:
-            raise ConfigError("need exclude_after >= 0 and max_weight_ratio >= 0")
+        if self.exclude_after < 0 or not (self.max_weight_ratio >= 0
+                                          and self.max_update_ratio >= 0):
+            raise ConfigError("need exclude_after >= 0, max_weight_ratio >= 0 and "
+                              "max_update_ratio >= 0")
         if not 0 <= self.fail_rate < 1 or not 0 <= self.dropout_fraction <= 1:
             raise ConfigError("need 0 <= fail_rate < 1 and 0 <= dropout_fraction <= 1")
         from fedhier.faults import parse_span

@@ -12,6 +12,7 @@ clients claim into the sizes their weights may use.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,18 +34,23 @@ ON_BAD_REPLY = ("auto", "stop", "drop")
 class ReplyPolicy:
     """on_bad_reply: ``stop`` or ``drop``; exclude_after: K >= 1 dropped rounds in a row
     exclude a client (0 = never); max_weight_ratio: a client's size is capped at this
-    multiple of the median claimed size (0 = no cap)."""
+    multiple of the median claimed size (0 = no cap); max_update_ratio: a train reply whose
+    update (its model minus the model sent) is longer than this multiple of the round's
+    median update is a bad reply (0 = no check)."""
 
     on_bad_reply: str = "stop"
     exclude_after: int = 3
     max_weight_ratio: float = 10.0
+    max_update_ratio: float = 1000.0
 
     def __post_init__(self) -> None:
         if self.on_bad_reply not in ("stop", "drop"):
             raise ConfigError(f"unknown on_bad_reply '{self.on_bad_reply}'; choose stop or "
                               "drop")
-        if self.exclude_after < 0 or not self.max_weight_ratio >= 0:
-            raise ConfigError("need exclude_after >= 0 and max_weight_ratio >= 0")
+        if self.exclude_after < 0 or not (self.max_weight_ratio >= 0
+                                          and self.max_update_ratio >= 0):
+            raise ConfigError("need exclude_after >= 0, max_weight_ratio >= 0 and "
+                              "max_update_ratio >= 0")
 
 
 def resolve_on_bad_reply(value: str, real_processes: bool) -> str:
@@ -126,6 +132,32 @@ def allowed_sizes(claimed: np.ndarray, histogram_sums: np.ndarray | None = None,
                         "rows", over[:10].tolist(), max_ratio, cap)
             sizes[over] = cap
     return sizes
+
+
+def outlying_updates(params: list[dict[str, torch.Tensor] | None],
+                     sent: dict[str, torch.Tensor], ratio: float) -> list[tuple[int, float]]:
+    """(row, norm / median) of the replies whose update ||w_j - w_sent|| (whole model,
+    float64) exceeds ``ratio`` x the median update of the usable replies ``params`` (a
+    model per row, None = none); needs 3 or more replies and a positive median."""
+    rows = [i for i, p in enumerate(params) if p is not None]
+    if ratio <= 0 or len(rows) < 3:
+        return []
+    norms = np.array([_distance(params[i], sent) for i in rows])
+    finite = np.isfinite(norms)  # non-finite updates are on_nan's to judge
+    median = float(np.median(norms[finite])) if finite.any() else 0.0
+    if not median > 0:
+        return []
+    over = np.flatnonzero(finite & (norms > ratio * median))
+    return [(rows[i], float(norms[i] / median)) for i in over]
+
+
+def _distance(model: dict[str, torch.Tensor] | None, sent: dict[str, torch.Tensor]) -> float:
+    """||model - sent|| over every array, in float64."""
+    assert model is not None
+    total = 0.0
+    for key, value in sent.items():
+        total += float(((model[key].double() - value.double()) ** 2).sum())
+    return math.sqrt(total)
 
 
 #: A gradient this many times the median client norm is flagged as outlying.

@@ -22,7 +22,7 @@ from fedhier.engines.flower_records import to_record
 from fedhier.faults import RunFailureError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, Params, TrainResult
-from fedhier.reply_policy import ReplyGuard, ReplyPolicy
+from fedhier.reply_policy import ReplyGuard, ReplyPolicy, outlying_updates
 from fedhier.strategies.contract import (
     EDGE_ROUND,
     LOCAL_STEPS,
@@ -219,6 +219,7 @@ class GridExecutor:
         losses = np.full(k, np.nan)
         reported = np.zeros(k, dtype=bool)
         sizes = np.zeros(k, dtype=np.int64)
+        sender: list[Message | None] = [None] * k
         for reply in replies:
             if reply.has_error():
                 reason = reply.error.reason.splitlines()[0] if reply.error.reason else ""
@@ -233,10 +234,17 @@ class GridExecutor:
             except ContractError as exc:
                 self.guard.bad(exc, client)
                 continue
-            params[row] = parsed.params
+            params[row], sender[row] = parsed.params, reply
             sizes[row] = parsed.num_examples
             if parsed.train_loss is not None:
                 losses[row], reported[row] = parsed.train_loss, True
+        ratio = self.guard.policy.max_update_ratio
+        for row, times in outlying_updates(params, template, ratio):
+            client = int(work.clients[row])
+            self.guard.bad(ContractError(
+                f"{who(sender[row], client)} replied an update {times:.3g} x the round's "
+                f"median length (max_update_ratio {ratio:g}): outlying"), client)
+            params[row] = None
         ok = np.array([p is not None for p in params], dtype=bool)
         models = {key: torch.stack([p[key] if p is not None else torch.zeros_like(value)
                                     for p in params]) if k else value.unsqueeze(0)[:0]
