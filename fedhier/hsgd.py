@@ -753,7 +753,8 @@ class HierarchicalSGD:
     def _broadcast(self, averaged: Params, nodes: np.ndarray, level: int) -> None:
         """Edges under a level-``level`` node in ``nodes`` take its aggregate."""
         hierarchy = self._hierarchy()
-        if 1 < level < hierarchy.num_levels:
+        if 1 < level < hierarchy.num_levels and any(
+                aggregator(name).needs_reference for name in self.settings.aggregators):
             self._remember_nodes(averaged, nodes, level)
         position = np.full(hierarchy.num_nodes(level), -1, dtype=np.int64)
         position[nodes] = np.arange(len(nodes))
