@@ -1,8 +1,8 @@
 """What HierFedAvg says in Flower's log (the ``flwr`` logger, Flower's format).
 
 - :func:`log_cloud_round`: one INFO line per cloud round, as Flower's FedAvg logs its rounds:
-  the clients' loss and accuracy, the ``evaluate_fn`` metrics as given, edge rounds, failed
-  clients and the bytes sent so far.
+  the clients' loss and accuracy, the ``evaluate_fn`` metrics as given, edge rounds and the
+  bytes sent so far, and the failed client replies of the round when there were any.
 - :class:`HeldFlowerLog`: holds back what Flower logs while one probe message is out, so
   that an expected error reply (a ClientApp without the optional profile handler) does not
   print Flower's traceback; anything else is let through afterwards.
@@ -32,8 +32,10 @@ def cloud_round_line(record: dict[str, Any], num_rounds: int,
     if numbers:
         parts.append("evaluate_fn: " + ", ".join(f"{k} {v:.4g}" for k, v in numbers.items()))
     sent = record.get("client_edge_bytes", 0) + record.get("edge_cloud_bytes", 0)
-    parts.append(f"{record['edge_rounds']} edge rounds, {record.get('failed_clients', 0)} "
-                 f"failed clients, {sent / 1e6:.3f} MB sent")
+    tail = f"{record['edge_rounds']} edge rounds, {sent / 1e6:.3f} MB sent"
+    if record.get("failed_clients"):
+        tail += f", {record['failed_clients']} client replies failed"
+    parts.append(tail)
     return " | ".join(parts)
 
 

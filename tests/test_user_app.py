@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import traceback
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from fedhier.cli import main as cli_main
 from fedhier.cli_flags import exit_code_for
 from fedhier.clients.adapter import batch_stream, register_profile
 from fedhier.clients.app import app as fedhier_client_app
@@ -326,6 +328,24 @@ def test_injected_faults_keep_running(one_torch_thread):
     assert records[-1]["failed_clients"] == 8
 
 
+def test_cli_run_where_every_client_fails_exits_3(one_torch_thread, monkeypatch, tmp_path,
+                                                  capsys):
+    """fedhier's own ClientApp failing in every client (a bug): exit 3, one line on stderr."""
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise KeyError("learning_rate")
+
+    monkeypatch.setattr("fedhier.clients.app.local_sgd", broken)
+    code = cli_main(["run", "--dataset", "synthetic", "--model", "logreg", "--clients", "4",
+                     "--groups", "2", "--local-period", "1", "--global-period", "2",
+                     "--rounds", "1", "--no-progress", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 3
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("fedhier: run stopped: no client trained in cloud round 1 (8 error "
+                          "replies); the first: client "), err
+    assert "KeyError: 'learning_rate'" in err and "removed" in err
+
+
 # ---------------------------------------------------------------- register_profile
 def test_register_profile_takes_the_quickstart_loader_as_it_is():
     """``load_data(partition_id, num_partitions, batch_size)`` returning (train, val)
@@ -333,14 +353,29 @@ def test_register_profile_takes_the_quickstart_loader_as_it_is():
     for data in (load_data, load_data(2, NUM_CLIENTS, 4)[0]):
         app = ClientApp()
         register_profile(app, data, num_classes=CLASSES)
-        context = Context(run_id=1, node_id=5, node_config={"partition-id": 2,
-                                                            "num-partitions": NUM_CLIENTS},
-                          state=RecordDict(), run_config={"batch-size": 4})
-        msg = Message(RecordDict({"config": ConfigRecord()}), message_type="query",
-                      dst_node_id=5)
-        msg.metadata.__dict__["_message_id"] = "1"
-        reply = app(msg, context)
+        grid = InProcessGrid(app, NUM_CLIENTS, run_config={"batch-size": 4})
+        node = next(n for n, c in grid.contexts.items() if c.node_config["partition-id"] == 2)
+        [reply] = grid.send_and_receive([Message(RecordDict({"config": ConfigRecord()}),
+                                                 message_type="query", dst_node_id=node)])
+        assert not reply.has_error(), reply.error.reason
         metrics = reply.content["metrics"]
         y = client_rows(2)[1][: len(client_rows(2)[1]) * 3 // 4]
         assert metrics["num-examples"] == len(y) == training_rows()[2]
         assert metrics["label-histogram"] == np.bincount(y.numpy(), minlength=CLASSES).tolist()
+
+
+# ---------------------------------------------------------------- the documented conversion
+def test_contract_shows_the_whole_conversion_in_at_most_10_lines():
+    """docs/contract.md's diff: the example's conversion.diff (ClientApp, ServerApp) and the
+    pyproject.toml dependency, at most 10 changed lines in all."""
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "contract.md").read_text()
+    section = doc.split("## Converting Flower's quickstart", 1)[1]
+    block = section.split("```diff\n", 1)[1].split("```", 1)[0]
+    conversion = (root / "examples" / "quickstart-hier" / "conversion.diff").read_text()
+    assert block.startswith(conversion)
+    changed = [line for line in block.splitlines()
+               if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+    assert len(changed) <= 10, changed
+    assert f"**{len(changed)} changed\nlines**" in section
+    assert any('"fedhier"' in line for line in changed)
