@@ -84,8 +84,9 @@ class GridExecutor:
     # ---------------------------------------------------------------- profiles
     def profiles(self) -> ClientInfo:
         """Wait for the nodes, then ask each for its partition id, rows, label histogram and
-        edge tag (the optional profile query). Without a query handler anywhere, clients are
-        numbered by node id and report their rows with their first replies."""
+        edge tag (the optional profile query), one node first. When that node has no query
+        handler, the others are not asked (Flower would log a traceback for each): the
+        clients are numbered by node id and weighted by their train replies' rows."""
         nodes = self.wait_for_nodes(self.min_available_nodes, self.timeout)
         # One node first: a ClientApp without the (optional) handler answers with an error,
         # and Flower would log its traceback once per node.

@@ -38,6 +38,7 @@ from fedhier.federation import Federation
 from fedhier.models import build_model
 from fedhier.server import prepare
 from fedhier.strategies.central_eval import central_evaluate
+from fedhier.strategies.flower_log import HeldFlowerLog
 from fedhier.strategies.hierfedavg import HierFedAvg
 
 NUM_CLIENTS, FEATURES, CLASSES = 6, 12, 3
@@ -235,6 +236,23 @@ def test_user_app_equals_fedhier_client_app(user_run, monkeypatch):
     assert diff < 1e-6
     for mine, other in zip(our_records, their_records, strict=True):
         assert abs(mine["test_loss"] - other["test_loss"]) < 1e-6
+
+
+def test_held_flower_log_lets_through_all_but_an_expected_error():
+    flower, capture = logging.getLogger("flwr"), _Capture()
+    flower.addHandler(capture)
+    try:
+        with HeldFlowerLog() as dropped:
+            flower.error("ValueError: No query function registered with name 'default'")
+            flower.warning("kept")
+        with HeldFlowerLog() as released:
+            flower.error("an error of another kind")
+        assert capture.lines == []  # held until told
+        dropped.drop_errors()
+        released.release()
+    finally:
+        flower.removeHandler(capture)
+    assert capture.lines == ["kept", "an error of another kind"]
 
 
 # ---------------------------------------------------------------- exact weights
