@@ -22,17 +22,20 @@ from fedhier.engines.flower_records import to_record
 from fedhier.faults import RunFailureError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, Params, TrainResult
+from fedhier.strategies.cloud_failure import TrainOutcomes
 from fedhier.strategies.contract import (
     EDGE_ROUND,
     LOCAL_STEPS,
     SERVER_ROUND,
     START_STEP,
     ContractError,
+    evaluate_rows,
     num_examples_of,
     read_evaluate_reply,
     read_train_reply,
     who,
 )
+from fedhier.strategies.flower_log import HeldFlowerLog
 
 log = logging.getLogger("fedhier")
 
@@ -76,23 +79,28 @@ class GridExecutor:
         self.num_clients = num_clients
         self.node_ids: dict[int, int] = {}  # client -> node
         self.client_of_node: dict[int, int] = {}
+        self.outcomes = TrainOutcomes()  # who trained, per cloud round (cloud_failure.py)
 
     # ---------------------------------------------------------------- profiles
     def profiles(self) -> ClientInfo:
         """Wait for the nodes, then ask each for its partition id, rows, label histogram and
-        edge tag (the optional profile query). Without a query handler anywhere, clients are
-        numbered by node id and report their rows with their first replies."""
+        edge tag (the optional profile query), one node first. When that node has no query
+        handler, the others are not asked (Flower would log a traceback for each): the
+        clients are numbered by node id and weighted by their train replies' rows."""
         nodes = self.wait_for_nodes(self.min_available_nodes, self.timeout)
-        messages = [Message(RecordDict({self.configrecord_key: self.train_config}),
-                            message_type=MessageType.QUERY, dst_node_id=node) for node in nodes]
-        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
-        failed = [r for r in replies if r.has_error()]
-        if replies and len(failed) == len(replies) and all(
-                NO_HANDLER in (r.error.reason or "") for r in failed):
+        # One node first: a ClientApp without the (optional) handler answers with an error,
+        # and Flower would log its traceback once per node.
+        with HeldFlowerLog() as held:
+            replies = self._profile_replies(nodes[:1])
+        if replies and replies[0].has_error() and NO_HANDLER in (replies[0].error.reason or ""):
+            held.drop_errors()
             log.warning("the clients have no profile query handler (docs/contract.md): "
                         "clients are numbered by node id and weighted by the num-examples "
-                        "of their replies; label-based groupings are unavailable")
+                        "of their train replies; label-based groupings are unavailable")
             return self._anonymous(sorted(nodes))
+        held.release()
+        replies += self._profile_replies(nodes[1:])
+        failed = [r for r in replies if r.has_error()]
         if failed:
             reason = (failed[0].error.reason or "").strip().splitlines()
             raise RunFailureError(f"node {failed[0].metadata.src_node_id} failed the profile "
@@ -125,6 +133,14 @@ class GridExecutor:
         return ClientInfo(label_histograms=histograms,
                           num_examples=np.array([p[2] for p in profiles], dtype=np.int64),
                           edge_tags=np.array([p[4] for p in profiles], dtype=np.int64))
+
+    def _profile_replies(self, nodes: list[int]) -> list[Message]:
+        """The replies of ``nodes`` to the profile query."""
+        if not nodes:
+            return []
+        messages = [Message(RecordDict({self.configrecord_key: self.train_config}),
+                            message_type=MessageType.QUERY, dst_node_id=node) for node in nodes]
+        return list(self.grid.send_and_receive(messages, timeout=self.timeout))
 
     def wait_for_nodes(self, count: int, timeout: float, what: str = "nodes") -> list[int]:
         """The grid's node ids once at least ``count`` are connected (RunFailureError after
@@ -186,10 +202,11 @@ class GridExecutor:
         losses = np.full(k, np.nan)
         reported = np.zeros(k, dtype=bool)
         sizes = np.zeros(k, dtype=np.int64)
+        failures: list[tuple[str, str | None]] = []
         for reply in replies:
             if reply.has_error():
-                reason = reply.error.reason.splitlines()[0] if reply.error.reason else ""
-                log.warning("client on node %s failed: %s", reply.metadata.src_node_id, reason)
+                failures.append((who(reply, self.client_of_node.get(reply.metadata.src_node_id)),
+                                 reply.error.reason))
                 continue
             client = self.client_of_node[reply.metadata.src_node_id]
             row = row_of[client]
@@ -199,6 +216,8 @@ class GridExecutor:
             if parsed.train_loss is not None:
                 losses[row], reported[row] = parsed.train_loss, True
         ok = np.array([p is not None for p in params], dtype=bool)
+        self.outcomes.note(work.cloud_round, work.edge_round, failures, bool(ok.any()),
+                           defer=self.expected_clients is None)
         models = {key: torch.stack([p[key] if p is not None else torch.zeros_like(value)
                                     for p in params]) if k else value.unsqueeze(0)[:0]
                   for key, value in template.items()}
@@ -234,10 +253,16 @@ class GridExecutor:
             out.loss[client], out.accuracy[client] = numbers[0], numbers[1]
             if numbers[2] is not None:
                 out.holdout_accuracy[client] = numbers[2]
-            out.num_examples[client] = num_examples_of(reply, client)
+            out.num_examples[client] = evaluate_rows(reply, client)
         return out.if_answered()
 
     def evaluate(self, params: Params, cloud_round: int) -> ClientEvaluation | None:
+        """The global model after ``cloud_round`` on every client; first, a cloud round in
+        which no client trained (and one failed with its own error) stops the run
+        (:mod:`fedhier.strategies.cloud_failure`; an edge server's executor leaves that to
+        the cloud)."""
+        if cloud_round > 0 and self.expected_clients is None:
+            self.outcomes.check(cloud_round)
         replies = self.grid.send_and_receive(self.evaluate_messages(params, cloud_round),
                                              timeout=self.timeout)
         return self.read_evaluate_replies(replies)
