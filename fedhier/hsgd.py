@@ -334,14 +334,26 @@ class HierarchicalSGD:
         return build_hierarchy(s.periods, s.groups, s.grouping, info, seed,
                                client_grads=grads, weights=self.weights)
 
-    def learn_sizes(self, clients: np.ndarray, sizes: np.ndarray | None) -> None:
-        """Take the rows of clients whose profile did not report them (0) from a reply."""
+    def learn_sizes(self, clients: np.ndarray, sizes: np.ndarray | None, *,
+                    trained: bool = True) -> None:
+        """Take clients' rows (int64, aligned with ``clients``) from their replies.
+
+        A train reply's rows (``trained``) are its client's weight from then on, every
+        round: a client whose data change size is re-weighted. An evaluate reply's rows only
+        stand in for a client whose rows are not known yet (0: no profile, not trained yet);
+        the client's first train reply replaces them (docs/contract.md, "Which rows weigh").
+        """
         info = self._info()
-        if sizes is None or (info.num_examples > 0).all():
+        if sizes is None:
             return
-        known = info.num_examples.copy()
-        learn = (known[clients] <= 0) & (sizes > 0)
-        known[clients[learn]] = sizes[learn]
+        known = info.num_examples
+        take = (sizes > 0) & (known[clients] != sizes)
+        if not trained:
+            take &= known[clients] <= 0
+        if not take.any():
+            return
+        known = known.copy()
+        known[clients[take]] = sizes[take]
         self.info = dataclasses.replace(info, num_examples=known)
         self.weights = self._weights_of(known)
 
@@ -353,6 +365,16 @@ class HierarchicalSGD:
             info.label_histograms) else None
         return client_weights(self.settings.weighting, allowed_sizes(
             claimed, sums, self.settings.policy.max_weight_ratio))
+
+    def evaluation_weights(self, evaluation: ClientEvaluation) -> np.ndarray:
+        """float64 [n]: the weights of evaluation means: under ``samples`` the rows each
+        client evaluated (its evaluate reply's), else (or when not reported) the clients'
+        averaging weights."""
+        rows = evaluation.num_examples
+        if rows is None or self.settings.weighting != "samples" or not (rows > 0).any():
+            return self.weights
+        return client_weights(self.settings.weighting,  # a claim is capped here too
+                              allowed_sizes(rows, None, self.settings.policy.max_weight_ratio))
 
     def regroup_due(self, cloud_round: int) -> bool:
         every = self.settings.regroup_every
@@ -778,8 +800,9 @@ class HierarchicalSGD:
                                   "edge_rounds": cloud_round * s.edge_rounds_per_cloud_round}
         evaluation = executor.evaluate(self.global_params, cloud_round)
         if evaluation is not None:
-            self.learn_sizes(np.arange(len(self.weights)), evaluation.num_examples)
-            record.update(evaluation_metrics(evaluation, self.weights))
+            self.learn_sizes(np.arange(len(self.weights)), evaluation.num_examples,
+                             trained=False)
+            record.update(evaluation_metrics(evaluation, self.evaluation_weights(evaluation)))
         record.update(trained)
         excluded = getattr(executor, "excluded_clients", None)
         if excluded:

@@ -5,7 +5,10 @@
 #   scripts/flwr_run_local.sh NUM_SUPERNODES "key=value key=value ..."
 # e.g. scripts/flwr_run_local.sh 20 "rounds=5 out='runs/flwr-demo'"
 # `clients` is set to NUM_SUPERNODES. FLWR_HOME defaults to a fresh folder under /tmp;
-# FEDHIER_VENV (default: the repo's .venv) is the venv whose flwr runs.
+# FEDHIER_VENV (default: the repo's .venv) is the venv whose flwr runs. The local SuperLink
+# gets free ports of its own (FLWR_LOCAL_SUPERLINK_HTTP_API_PORT, FLWR_LOCAL_CONTROL_API_PORT,
+# unless set): `flwr run` hands an app to whichever local SuperLink answers on its ports, and
+# one left over from an earlier `flwr run` (another folder, another venv) would run it.
 set -euo pipefail
 nodes=${1:?usage: flwr_run_local.sh NUM_SUPERNODES [RUN_CONFIG]}
 overrides=${2:-}
@@ -17,6 +20,16 @@ export FLWR_HOME=${FLWR_HOME:-$(mktemp -d /tmp/fedhier-flwr-XXXXXX)}
 export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
 export RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0
 mkdir -p "$FLWR_HOME"
+free_port() { python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+export FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=${FLWR_LOCAL_SUPERLINK_HTTP_API_PORT:-$(free_port)}
+export FLWR_LOCAL_CONTROL_API_PORT=${FLWR_LOCAL_CONTROL_API_PORT:-$(free_port)}
+# Local SuperLinks left by earlier `flwr run`s (their --log-file lies in their FLWR_HOME).
+leftover=$(pgrep -af -- "/local-superlink/superlink.log" | grep -v -- "$FLWR_HOME/" || true)
+if [ -n "$leftover" ]; then
+  echo "note: local SuperLink(s) from an earlier flwr run still running (not used: own ports);" \
+       "stop with kill PID:" >&2
+  echo "$leftover" | cut -c1-160 >&2
+fi
 cat > "$FLWR_HOME/config.toml" <<TOML
 [superlink]
 default = "local"
@@ -27,11 +40,13 @@ options.num-supernodes = $nodes
 options.backend.client-resources.num-cpus = 1
 options.backend.client-resources.num-gpus = 0.0
 TOML
-stop_superlink() {
-  local pattern="$FLWR_HOME/local-superlink"
-  pkill -f "$pattern" 2>/dev/null || return 0
-  for _ in $(seq 50); do pgrep -f "$pattern" >/dev/null || return 0; sleep 0.2; done
-  pkill -9 -f "$pattern" 2>/dev/null || true
+stop_superlink() {  # ours only: its command line names our FLWR_HOME
+  local pids
+  pids=$(pgrep -f -- "$FLWR_HOME/local-superlink" || true)
+  [ -n "$pids" ] || return 0
+  kill $pids 2>/dev/null || true
+  for _ in $(seq 50); do pgrep -f -- "$FLWR_HOME/local-superlink" >/dev/null || return 0; sleep 0.2; done
+  kill -9 $pids 2>/dev/null || true
 }
 trap stop_superlink EXIT
 cd "$root"

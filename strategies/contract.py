@@ -30,9 +30,9 @@ from fedhier.errors import FedhierError
 
 __all__ = ["ACCURACY_KEYS", "EDGE_ROUND", "LOCAL_STEPS", "LOSS_KEYS", "NUM_EXAMPLES",
            "ROUND_KEYS", "SERVER_ROUND", "START_STEP", "TRAIN_LOSS_KEYS", "ContractError",
-           "NonFiniteLossError",
-           "TrainReply", "check_histogram", "num_examples_of", "read_evaluate_reply",
-           "read_gradient_reply", "read_train_reply", "who"]
+           "NonFiniteLossError", "TrainReply", "check_histogram", "evaluate_rows",
+           "num_examples_of", "read_evaluate_reply", "read_gradient_reply", "read_train_reply",
+           "train_rows", "who"]
 
 
 class ContractError(FedhierError):
@@ -86,6 +86,20 @@ def num_examples_of(reply: Message, client: int | None) -> int:
     return int(value)
 
 
+def train_rows(reply: Message, client: int) -> int:
+    """Which number is a client's weight this round: the rows it trained on, as its train
+    reply's ``num-examples`` says (docs/contract.md, "Which rows weigh"). Read from every
+    train reply, so a client whose data change size is re-weighted; the one place that
+    decides it (checks on claimed sizes wrap this function)."""
+    return num_examples_of(reply, client)
+
+
+def evaluate_rows(reply: Message, client: int) -> int:
+    """The weight of a client's evaluation in the round's means: the rows it evaluated, as
+    its evaluate reply's ``num-examples`` says (never its training weight)."""
+    return num_examples_of(reply, client)
+
+
 def read_train_reply(reply: Message, client: int, arrays_key: str,
                      expected: dict[str, torch.Tensor]) -> TrainReply:
     """Parse a (non-error) train reply; its arrays must match ``expected`` in keys and
@@ -105,7 +119,7 @@ def read_train_reply(reply: Message, client: int, arrays_key: str,
                 f"{tuple(value.shape)}, expected the model's {str(expected[key].dtype)[6:]} "
                 f"{tuple(expected[key].shape)}")
     loss = _metric(reply, TRAIN_LOSS_KEYS, client)
-    return TrainReply(params=params, num_examples=num_examples_of(reply, client),
+    return TrainReply(params=params, num_examples=train_rows(reply, client),
                       train_loss=loss)
 
 

@@ -23,6 +23,7 @@ from fedhier.faults import RunFailureError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, Params, TrainResult
 from fedhier.reply_policy import ReplyGuard, ReplyPolicy, outlying_updates
+from fedhier.strategies.cloud_failure import TrainOutcomes
 from fedhier.strategies.contract import (
     EDGE_ROUND,
     LOCAL_STEPS,
@@ -31,12 +32,14 @@ from fedhier.strategies.contract import (
     ContractError,
     NonFiniteLossError,
     check_histogram,
+    evaluate_rows,
     num_examples_of,
     read_evaluate_reply,
     read_gradient_reply,
     read_train_reply,
     who,
 )
+from fedhier.strategies.flower_log import HeldFlowerLog
 
 log = logging.getLogger("fedhier")
 
@@ -82,6 +85,7 @@ class GridExecutor:
         self.num_clients = num_clients
         self.node_ids: dict[int, int] = {}  # client -> node
         self.client_of_node: dict[int, int] = {}
+        self.outcomes = TrainOutcomes()  # who trained, per cloud round (cloud_failure.py)
         self.guard = ReplyGuard(policy or ReplyPolicy())
 
     @property
@@ -101,19 +105,23 @@ class GridExecutor:
     # ---------------------------------------------------------------- profiles
     def profiles(self) -> ClientInfo:
         """Wait for the nodes, then ask each for its partition id, rows, label histogram and
-        edge tag (the optional profile query). Without a query handler anywhere, clients are
-        numbered by node id and report their rows with their first replies."""
+        edge tag (the optional profile query), one node first. When that node has no query
+        handler, the others are not asked (Flower would log a traceback for each): the
+        clients are numbered by node id and weighted by their train replies' rows."""
         nodes = self.wait_for_nodes(self.min_available_nodes, self.timeout)
-        messages = [Message(RecordDict({self.configrecord_key: self.train_config}),
-                            message_type=MessageType.QUERY, dst_node_id=node) for node in nodes]
-        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
-        failed = [r for r in replies if r.has_error()]
-        if replies and len(failed) == len(replies) and all(
-                NO_HANDLER in (r.error.reason or "") for r in failed):
+        # One node first: a ClientApp without the (optional) handler answers with an error,
+        # and Flower would log its traceback once per node.
+        with HeldFlowerLog() as held:
+            replies = self._profile_replies(nodes[:1])
+        if replies and replies[0].has_error() and NO_HANDLER in (replies[0].error.reason or ""):
+            held.drop_errors()
             log.warning("the clients have no profile query handler (docs/contract.md): "
                         "clients are numbered by node id and weighted by the num-examples "
-                        "of their replies; label-based groupings are unavailable")
+                        "of their train replies; label-based groupings are unavailable")
             return self._anonymous(sorted(nodes))
+        held.release()
+        replies += self._profile_replies(nodes[1:])
+        failed = [r for r in replies if r.has_error()]
         if failed:
             reason = (failed[0].error.reason or "").strip().splitlines()
             raise RunFailureError(f"node {failed[0].metadata.src_node_id} failed the profile "
@@ -137,6 +145,14 @@ class GridExecutor:
         return ClientInfo(label_histograms=histograms,
                           num_examples=np.array([p[2] for p in profiles], dtype=np.int64),
                           edge_tags=np.array([p[4] for p in profiles], dtype=np.int64))
+
+    def _profile_replies(self, nodes: list[int]) -> list[Message]:
+        """The replies of ``nodes`` to the profile query."""
+        if not nodes:
+            return []
+        messages = [Message(RecordDict({self.configrecord_key: self.train_config}),
+                            message_type=MessageType.QUERY, dst_node_id=node) for node in nodes]
+        return list(self.grid.send_and_receive(messages, timeout=self.timeout))
 
     def wait_for_nodes(self, count: int, timeout: float, what: str = "nodes") -> list[int]:
         """The grid's node ids once at least ``count`` are connected (RunFailureError after
@@ -220,10 +236,11 @@ class GridExecutor:
         reported = np.zeros(k, dtype=bool)
         sizes = np.zeros(k, dtype=np.int64)
         sender: list[Message | None] = [None] * k
+        failures: list[tuple[str, str | None]] = []
         for reply in replies:
             if reply.has_error():
-                reason = reply.error.reason.splitlines()[0] if reply.error.reason else ""
-                log.warning("client on node %s failed: %s", reply.metadata.src_node_id, reason)
+                failures.append((who(reply, self.client_of_node.get(reply.metadata.src_node_id)),
+                                 reply.error.reason))
                 continue
             client = self.client_of_node.get(reply.metadata.src_node_id, -1)
             if client not in row_of:
@@ -246,6 +263,8 @@ class GridExecutor:
                 f"median length (max_update_ratio {ratio:g}): outlying"), client)
             params[row] = None
         ok = np.array([p is not None for p in params], dtype=bool)
+        self.outcomes.note(work.cloud_round, work.edge_round, failures, bool(ok.any()),
+                           defer=self.expected_clients is None)
         models = {key: torch.stack([p[key] if p is not None else torch.zeros_like(value)
                                     for p in params]) if k else value.unsqueeze(0)[:0]
                   for key, value in template.items()}
@@ -285,7 +304,7 @@ class GridExecutor:
                 continue
             try:
                 numbers = read_evaluate_reply(reply, client)
-                size = num_examples_of(reply, client) if numbers is not None else 0
+                size = evaluate_rows(reply, client) if numbers is not None else 0
             except NonFiniteLossError as exc:
                 log.warning("evaluate: %s", exc)
                 continue
@@ -305,6 +324,12 @@ class GridExecutor:
         return out.if_answered()
 
     def evaluate(self, params: Params, cloud_round: int) -> ClientEvaluation | None:
+        """The global model after ``cloud_round`` on every client; first, a cloud round in
+        which no client trained (and one failed with its own error) stops the run
+        (:mod:`fedhier.strategies.cloud_failure`; an edge server's executor leaves that to
+        the cloud)."""
+        if cloud_round > 0 and self.expected_clients is None:
+            self.outcomes.check(cloud_round)
         messages = self.evaluate_messages(params, cloud_round)
         replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
         self._missing(f"evaluate (round {cloud_round})",

@@ -39,6 +39,7 @@ from fedhier.reply_policy import ReplyPolicy
 from fedhier.sim_clock import TimeModel
 from fedhier.staleness import AsyncEdges
 from fedhier.strategies.cloud_step import as_cloud_step
+from fedhier.strategies.flower_log import log_cloud_round
 from fedhier.strategies.grid_executor import GridExecutor, metric_record
 from fedhier.topology import Hierarchy
 
@@ -118,6 +119,10 @@ class HierFedAvg(Strategy):
         Per-edge periods I_i, one per edge, each dividing the next level's period; then
         ``local_period`` must be their gcd g, the length of an edge round
         (docs/hsgd.md#per-edge-periods). () = every edge aggregates every ``local_period``.
+    fraction_evaluate : float (default: 1.0)
+        Accepted as FedAvg's is, but HierFedAvg evaluates every client after each cloud
+        round (the record's train_loss is the global objective over all clients); a value
+        below 1 is named once in the log.
     reply_policy : fedhier.reply_policy.ReplyPolicy, optional
         A reply that breaks the contract stops the run or is dropped; K dropped rounds in a
         row exclude the client; the cap on a client's claimed size (docs/security.md).
@@ -147,6 +152,7 @@ class HierFedAvg(Strategy):
         time_model: TimeModel | None = None,
         asynchronous: AsyncEdges | None = None,
         edge_periods: Sequence[int] = (),
+        fraction_evaluate: float = 1.0,
         reply_policy: ReplyPolicy | None = None,
     ) -> None:
         all_periods = tuple(periods) if periods else (local_period, global_period)
@@ -163,6 +169,7 @@ class HierFedAvg(Strategy):
             edge_periods=tuple(edge_periods), policy=reply_policy or ReplyPolicy())
         self.algorithm = algorithm_for(self.settings, as_cloud_step(cloud_strategy))
         self.min_available_nodes = min_available_nodes
+        self.fraction_evaluate = fraction_evaluate
         self.arrayrecord_key = arrayrecord_key
         self.configrecord_key = configrecord_key
         self.keeps_client_state = False  # set by fedhier's ServerApp for exact checkpoints
@@ -224,6 +231,9 @@ class HierFedAvg(Strategy):
             list(s.periods), s.local_period, s.global_period)
         log(INFO, "\t├──> Groups per level: %s, grouping '%s'", list(s.groups), s.grouping)
         log(INFO, "\t└──> Weighting: %s, aggregators %s", s.weighting, list(s.aggregators))
+        if self.fraction_evaluate < 1:
+            log(INFO, "HierFedAvg evaluates every client after each cloud round: "
+                "fraction_evaluate=%s is not used", self.fraction_evaluate)
 
     # ------------------------------------------------------------------ Flower's hooks
     def executor_for(self, grid: Grid, config: ConfigRecord, timeout: float = 3600,
@@ -305,7 +315,7 @@ class HierFedAvg(Strategy):
         evaluation = self._require_executor().read_evaluate_replies(replies)
         if evaluation is None:
             return None
-        numbers = evaluation_metrics(evaluation, self.algorithm.weights)
+        numbers = evaluation_metrics(evaluation, self.algorithm.evaluation_weights(evaluation))
         record = MetricRecord({"loss": numbers["train_loss"],
                                "accuracy": numbers["train_accuracy"]})
         if evaluation.holdout_accuracy is not None:
@@ -354,6 +364,8 @@ class HierFedAvg(Strategy):
 
         def on_record(record: dict[str, Any]) -> None:
             cloud_round = record["round"]
+            log_cloud_round(record, num_rounds,
+                            result.evaluate_metrics_serverapp.get(cloud_round))
             if "train_loss" in record:
                 result.evaluate_metrics_clientapp[cloud_round] = MetricRecord(
                     {"loss": record["train_loss"], "accuracy": record["train_accuracy"]})

@@ -11,7 +11,7 @@ from quickstarthier.task import train as train_fn
 
 # Flower ClientApp
 app = ClientApp()
-register_profile(app, lambda pid, n: load_data(pid, n)[0], num_classes=10)
+register_profile(app, load_data, num_classes=10)
 
 
 @app.train()
