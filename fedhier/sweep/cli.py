@@ -83,7 +83,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     check_tracker(args.tracker)
     table = spec_table(args)
     spec = build(table, where=str(args.spec or "--grid"))
-    folder = spec.out
+    folder = spec.out.resolve()  # Tune's workers run elsewhere: absolute paths
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"sweep folder {folder} is a file; choose another out")
     trials = trials_of(spec, folder)

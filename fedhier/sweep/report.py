@@ -61,15 +61,18 @@ def summarize(spec: SweepSpec, trials: Sequence[Trial],
 
 def paired_differences(spec: SweepSpec, arms: Mapping[str, Any],
                        metrics: Sequence[str]) -> list[dict[str, Any]]:
-    """Each arm minus the arm that differs from it only in ``compare`` = ``baseline``."""
+    """Each arm minus its twin: the arm with ``compare`` = ``baseline`` and the same values
+    on every other axis (for a zipped ``compare``: on every axis outside the zip)."""
     if spec.compare is None:
         return []
+    group = set(spec.zipped) if spec.compare in spec.zipped else {spec.compare}
     out = []
     for arm in spec.arms:
         if arm.values[spec.compare] == spec.baseline:
             continue
-        twin = {**arm.values, spec.compare: spec.baseline}
-        base = next((a for a in spec.arms if a.values == twin), None)
+        rest = {k: v for k, v in arm.values.items() if k not in group}
+        base = next((a for a in spec.arms if a.values[spec.compare] == spec.baseline
+                     and {k: v for k, v in a.values.items() if k not in group} == rest), None)
         if base is None:
             continue
         for m in metrics:

@@ -10,7 +10,8 @@ TOML layout (every key optional except at least one of grid/zip/random/tune)::
     baseline = "random"             # the value the others are compared to (default: first)
     [base]   ...RunConfig keys...
     [grid]   key = [v1, v2]         # cartesian product
-    [zip]    a = [1, 2]; b = [3, 4] # varied together (equal lengths)
+    [zip]    a = [1, 2]; b = [3, 4] # varied together (equal lengths); an optional
+             name = ["x", "y"]      # names the zipped rows (folders, tables) instead
     [random] samples = 4; sample_seed = 0
              lr = {low = 0.01, high = 0.5, log = true}   # or a list to choose from
     [tune]   lr = [0.03, 0.1]       # chosen per arm by validation accuracy
@@ -60,6 +61,7 @@ class SweepSpec:
     axes: tuple[str, ...]
     tuned: tuple[str, ...]
     arms: tuple[Arm, ...]
+    zipped: tuple[str, ...] = ()
     target_accuracy: float | None = None
     at_iterations: tuple[int, ...] = ()
     compare: str | None = None
@@ -69,6 +71,8 @@ class SweepSpec:
 
 def _key(name: Any, where: str) -> str:
     key = str(name).replace("-", "_")
+    if key == "name" and where == "zip":
+        return key
     if key in OWNED:
         raise ConfigError(f"{where}: '{name}' is set by the sweep (use seeds = [...] and out)")
     if key not in RUN_KEYS:
@@ -157,9 +161,11 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-def arm_name(values: Mapping[str, Any]) -> str:
-    """A folder-safe name such as ``alpha=0.1,grouping=random`` (``base`` with no axis)."""
-    text = ",".join(f"{k}={_text(v)}" for k, v in values.items()) or "base"
+def arm_name(values: Mapping[str, Any], hide: Sequence[str] = ()) -> str:
+    """A folder-safe name such as ``alpha=0.1,grouping=random`` (``base`` with no axis); a
+    zipped ``name`` stands for its row (``alpha=0.1,hsgd``, the row's keys in ``hide``)."""
+    text = ",".join(str(v) if k == "name" else f"{k}={_text(v)}" for k, v in values.items()
+                    if k not in hide) or "base"
     return re.sub(r"[^A-Za-z0-9_.,=+-]+", "-", text)
 
 
@@ -174,7 +180,16 @@ def build(table: Mapping[str, Any], where: str, out: Path | None = None) -> Swee
         raise ConfigError(f"{where}: [base] must be a table of run settings")
     base = {_key(k, "base"): v for k, v in base_table.items()}
     grid = _values(table.get("grid", {}), "grid")
-    zipped = _values(table.get("zip", {}), "zip")
+    zip_table = dict(table.get("zip", {})) if isinstance(table.get("zip", {}), Mapping) else None
+    names_row = zip_table.pop("name", None) if zip_table is not None else None
+    zipped = _values(zip_table, "zip")
+    if names_row is not None:
+        if not isinstance(names_row, list) or not all(isinstance(n, str) and n
+                                                      for n in names_row):
+            raise ConfigError("zip.name must be a list of non-empty strings")
+        if len(set(names_row)) != len(names_row):
+            raise ConfigError(f"zip.name repeats a name: {names_row}")
+        zipped = {"name": names_row, **zipped}
     tune = _values(table.get("tune", {}), "tune")
     draws = _random_draws(table["random"]) if "random" in table else [{}]
     lengths = {len(v) for v in zipped.values()}
@@ -206,13 +221,15 @@ def build(table: Mapping[str, Any], where: str, out: Path | None = None) -> Swee
         for zrow in zip_rows:
             for draw in draws:
                 values = {**dict(zip(grid, combo, strict=True)), **zrow, **draw}
+                settings_of_arm = {k: v for k, v in values.items() if k != "name"}
                 candidates = []
                 for tcombo in itertools.product(*tune.values()):
                     tuned = dict(zip(tune, tcombo, strict=True))
-                    settings = {**base, **values, **tuned}
+                    settings = {**base, **settings_of_arm, **tuned}
                     cfg = RunConfig.from_mapping(settings, where=f"arm {arm_name(values)}")
                     candidates.append((tuned, cfg))
-                name = arm_name(values)
+                name = arm_name(values, hide=[k for k in zipped if k != "name"]
+                                if "name" in zipped else ())
                 if name in names:
                     raise ConfigError(f"two arms are both {name}; make the axis values differ")
                 names.add(name)
@@ -237,7 +254,7 @@ def build(table: Mapping[str, Any], where: str, out: Path | None = None) -> Swee
         raise ConfigError(f"at_iterations must be a list of positive integers, got {at!r}")
     folder = out or Path(str(table.get("out", "runs/sweep")))
     return SweepSpec(out=folder, seeds=_seeds(table.get("seeds", 3)), axes=axes,
-                     tuned=tuple(tune), arms=tuple(arms),
+                     tuned=tuple(tune), arms=tuple(arms), zipped=tuple(zipped),
                      target_accuracy=None if target is None else float(target),
                      at_iterations=tuple(at), compare=compare, baseline=baseline, base=base)
 

@@ -127,10 +127,13 @@ class TrialFailedError(RuntimeError):
 def run_trial(trial: Trial, tracker: str | None = None) -> dict[str, Any]:
     """Run (or resume, or restart) one trial through :func:`fedhier.cli.main`; returns its
     summary. A finished trial is not run again."""
+    import importlib
+
     import torch
 
-    from fedhier.cli import main
-
+    # the console script's entry point, fedhier.cli:main, resolved as the registry resolves
+    # engines: fedhier.cli registers this subcommand, so a plain import would be a cycle
+    main = importlib.import_module("fedhier.cli").main
     state = trial_state(trial)
     if state != "done":
         torch.set_num_threads(1)  # one trial per core, as fedhier experiment does

@@ -38,9 +38,11 @@ def run_on_tune(trials: Sequence[Trial], folder: Path, jobs: int, address: str |
     folder = folder.resolve()
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
                                                        os.environ.get("PYTHONPATH", "")])),
-           "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+           "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+           "RAY_CHDIR_TO_TRIAL_DIR": "0"}  # relative data paths keep meaning the same files
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
                               "configure_logging": False}
     if address:
