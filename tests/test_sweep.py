@@ -188,9 +188,9 @@ def test_sandwich_suite_as_a_spec_gives_the_suites_numbers(tmp_path, one_torch_t
     """examples/sweeps/sandwich-quick.toml at T = 32 iterations (rounds / 10) and one seed:
     every arm's metrics.jsonl equals the suite's own run (fedhier experiment sandwich
     --quick --iterations 32 --seeds 1)."""
+    from fedhier.config import RunConfig
     from fedhier.experiments.cli import QUICK
     from fedhier.experiments.suites import sandwich
-    from fedhier.config import RunConfig
 
     table = tomllib.loads((ROOT / "examples/sweeps/sandwich-quick.toml").read_text())
     table["zip"]["rounds"] = [r // 10 for r in table["zip"]["rounds"]]
