@@ -200,3 +200,25 @@ def attached(callbacks: Sequence[RunCallback]) -> Iterator[None]:
 def current() -> tuple[RunCallback, ...]:
     """The callbacks attached around the run being recorded."""
     return _CURRENT.get()
+
+
+def read_tensorboard_scalars(logdir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Tag -> [(step, value)] of the scalar events in ``logdir``'s event files (not its
+    subfolders): TFRecord framing (8-byte length, 4-byte CRC, the Event, 4-byte CRC) read
+    with tensorboardX's protobuf classes. Values are float32, as TensorBoard stores them."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(Path(logdir).glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        pos = 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            for value in event.summary.value:
+                if value.HasField("simple_value"):
+                    out.setdefault(value.tag, []).append((int(event.step), value.simple_value))
+    return out
