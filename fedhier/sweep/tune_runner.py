@@ -54,7 +54,7 @@ def run_on_tune(trials: Sequence[Trial], folder: Path, jobs: int, address: str |
             tune.with_resources(_tune_trial, {"cpu": 1}),
             param_space={"trial": tune.grid_search(list(trials)), "tracker": tracker},
             tune_config=tune.TuneConfig(num_samples=1, max_concurrent_trials=jobs or None,
-                                        reuse_actors=False),
+                                        reuse_actors=True),
             run_config=tune.RunConfig(name="tune", storage_path=str(folder), verbose=0,
                                       failure_config=tune.FailureConfig(max_failures=0)))
         grid = tuner.fit()
