@@ -81,6 +81,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.jobs < 0:
         raise FedhierError(f"--jobs must be >= 0 (0 = one per CPU core), got {args.jobs}")
     check_tracker(args.tracker)
+    paths = [str(Path(args.spec).resolve().parent)] if args.spec else []
+    paths.append(os.getcwd())
+    for path in reversed(paths):  # a module:function plugin beside the spec (or here)
+        if path not in sys.path:
+            sys.path.insert(0, path)
     table = spec_table(args)
     spec = build(table, where=str(args.spec or "--grid"))
     folder = spec.out.resolve()  # Tune's workers run elsewhere: absolute paths
@@ -101,7 +106,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         from fedhier.sweep.tune_runner import run_on_tune
 
         jobs = min(args.jobs or os.cpu_count() or 1, len(pending))
-        errors = run_on_tune(pending, folder, jobs, args.ray_address, args.tracker)
+        errors = run_on_tune(pending, folder, jobs, args.ray_address, args.tracker, paths)
         if errors:
             print(f"fedhier: run stopped: {len(errors)} of {len(pending)} runs failed; first: "
                   f"{errors[0]}; rerun the same command to retry them", file=sys.stderr)

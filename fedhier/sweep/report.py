@@ -24,7 +24,8 @@ def label(metric: str) -> str:
 
 
 def summarize(spec: SweepSpec, trials: Sequence[Trial],
-              records: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any]:
+              records: Mapping[str, list[dict[str, Any]]],
+              folder: Path | None = None) -> dict[str, Any]:
     """Per arm: the chosen tuned value (by validation accuracy), each seed's numbers and the
     t-interval of every metric; paired differences against the baseline along ``compare``."""
     metrics = metric_names(spec.target_accuracy, spec.at_iterations)
@@ -50,7 +51,8 @@ def summarize(spec: SweepSpec, trials: Sequence[Trial],
         arms[arm.name] = {
             "values": arm.values, "chosen": dict(picked[0].tuned) if picked and spec.tuned
             else None, "tuning_validation_accuracy": tuning,
-            "runs": {t.seed: str(t.run_dir) for t in picked},
+            "runs": {t.seed: str(t.run_dir.relative_to(folder) if folder else t.run_dir)
+                     for t in picked},
             "per_seed": per_seed, "stats": stats,
             "band": band([records[t.name] for t in picked]) if picked else None}
     return {"level": LEVEL, "seeds": list(spec.seeds), "axes": list(spec.axes),
@@ -135,6 +137,8 @@ def markdown(spec: SweepSpec, results: Mapping[str, Any], figures: Sequence[str]
     if results["paired"]:
         lines += ["", f"Paired differences along `{spec.compare}` against "
                   f"`{spec.baseline}`, seed by seed (same seeds, same partitions):", "",
+                  "\"seeds\": how many seeds both arms have the number for (to a target: the "
+                  "seeds where both reached it).", "",
                   "| arm - baseline arm | metric | mean difference [95% t-interval] | seeds |",
                   "|---|---|---|---|"]
         for p in results["paired"]:
@@ -144,24 +148,35 @@ def markdown(spec: SweepSpec, results: Mapping[str, Any], figures: Sequence[str]
     return "\n".join(lines)
 
 
-def plot_curves(results: Mapping[str, Any], path: Path) -> None:
-    """Test accuracy against iterations per arm, with its 95% t-band over seeds."""
+def plot_curves(spec: SweepSpec, results: Mapping[str, Any], path: Path) -> None:
+    """Test accuracy against iterations per arm with its 95% t-band over seeds; one panel per
+    setting of the axes other than ``compare`` (its values are the curves of a panel)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, arm in results["arms"].items():
-        b = arm["band"]
-        if not b:
-            continue
-        ax.plot(b["iteration"], b["mean"], label=name)
-        ax.fill_between(b["iteration"], b["low"], b["high"], alpha=0.15)
-    ax.set(xlabel="local SGD iterations", ylabel="test accuracy",
-           title=f"mean over seeds, {LEVEL:.0%} t-band")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    group = (set(spec.zipped) if spec.compare in spec.zipped else {spec.compare}) \
+        if spec.compare else set(spec.axes)
+    panels: dict[str, list[str]] = {}
+    for arm in spec.arms:
+        key = arm_name({k: v for k, v in arm.values.items() if k not in group})
+        panels.setdefault(key, []).append(arm.name)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1, 4),
+                             squeeze=False, sharey=True)
+    for ax, (title, names) in zip(axes[0], panels.items(), strict=True):
+        for name in names:
+            b = results["arms"][name]["band"]
+            if not b:
+                continue
+            values = next(a.values for a in spec.arms if a.name == name)
+            legend = arm_name({k: v for k, v in values.items() if k in group}) or name
+            ax.plot(b["iteration"], b["mean"], label=legend)
+            ax.fill_between(b["iteration"], b["low"], b["high"], alpha=0.15)
+        ax.set(xlabel="local SGD iterations", title=title if title != "base" else "")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel(f"test accuracy (mean, {LEVEL:.0%} t-band)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -214,9 +229,9 @@ def plot_heatmap(spec: SweepSpec, results: Mapping[str, Any], path: Path) -> boo
 def write_report(spec: SweepSpec, trials: Sequence[Trial],
                  records: Mapping[str, list[dict[str, Any]]], folder: Path) -> dict[str, Any]:
     """Write results.json, results.md, curves.png (and heatmap.png); returns the results."""
-    results = summarize(spec, trials, records)
+    results = summarize(spec, trials, records, folder)
     figures = ["curves.png"]
-    plot_curves(results, folder / "curves.png")
+    plot_curves(spec, results, folder / "curves.png")
     if plot_heatmap(spec, results, folder / "heatmap.png"):
         figures.append("heatmap.png")
     write_json(folder / "results.json", results)

@@ -30,13 +30,14 @@ def _tune_trial(config: dict[str, Any]) -> None:
 
 
 def run_on_tune(trials: Sequence[Trial], folder: Path, jobs: int, address: str | None,
-                tracker: str | None) -> list[str]:
-    """Run ``trials`` on Ray Tune; returns the one-line errors of those that failed."""
+                tracker: str | None, paths: Sequence[str] = ()) -> list[str]:
+    """Run ``trials`` on Ray Tune; returns the one-line errors of those that failed.
+    ``paths`` join the local workers' PYTHONPATH (where a spec's own plugin module lies)."""
     import ray
     from ray import tune
 
     folder = folder.resolve()
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [*paths, os.getcwd(),
                                                        os.environ.get("PYTHONPATH", "")])),
            "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
            "RAY_CHDIR_TO_TRIAL_DIR": "0"}  # relative data paths keep meaning the same files
