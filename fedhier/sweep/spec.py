@@ -226,7 +226,13 @@ def build(table: Mapping[str, Any], where: str, out: Path | None = None) -> Swee
                 for tcombo in itertools.product(*tune.values()):
                     tuned = dict(zip(tune, tcombo, strict=True))
                     settings = {**base, **settings_of_arm, **tuned}
-                    cfg = RunConfig.from_mapping(settings, where=f"arm {arm_name(values)}")
+                    where_arm = f"arm {arm_name({**values, **tuned})}"
+                    try:
+                        cfg = RunConfig.from_mapping(settings, where=where_arm)
+                    except ConfigError as exc:
+                        text = str(exc)
+                        raise ConfigError(text if where_arm in text
+                                          else f"{where_arm}: {text}") from exc
                     candidates.append((tuned, cfg))
                 name = arm_name(values, hide=[k for k in zipped if k != "name"]
                                 if "name" in zipped else ())
