@@ -203,3 +203,27 @@ def test_sandwich_suite_as_a_spec_gives_the_suites_numbers(tmp_path, one_torch_t
         name = arm.values["name"]
         assert _rows(tmp_path / "sweep/runs" / name / "seed0") == \
             _rows(tmp_path / "suite/runs" / name / "seed0"), name
+
+
+def test_heatmap_grid_places_each_arms_mean_on_the_two_numeric_axes(tmp_path):
+    from fedhier.sweep.report import heatmap_grids, plot_heatmap
+
+    spec = build({"base": TINY, "seeds": [0], "grid": {
+        "alpha": [0.5, 0.1], "lr": [0.1, 0.2, 0.4], "grouping": ["random", "contiguous"]}},
+        "t")
+    results = {"arms": {a.name: {"stats": {"final_test_accuracy": {
+        "mean": a.values["alpha"] * 10 + a.values["lr"] + (a.values["grouping"] == "random")}}}
+        for a in spec.arms}}
+    heat = heatmap_grids(spec, results)
+    assert heat["x"] == ("alpha", [0.1, 0.5]) and heat["y"] == ("lr", [0.1, 0.2, 0.4])
+    grid = heat["grids"]["grouping=contiguous"]
+    assert grid[2, 1] == pytest.approx(5.4) and grid[0, 0] == pytest.approx(1.1)
+    assert heat["grids"]["grouping=random"][0, 0] == pytest.approx(2.1)
+    assert plot_heatmap(spec, results, tmp_path / "h.png") and (tmp_path / "h.png").stat().st_size
+    one = build({"base": TINY, "grid": {"alpha": [0.5], "grouping": ["random"]}}, "t")
+    assert heatmap_grids(one, {"arms": {}}) is None
+
+
+def test_engine_flower_is_refused_in_a_sweep():
+    with pytest.raises(ConfigError, match="engine 'flower' starts its own Ray"):
+        build({"base": {**TINY, "engine": "flower"}, "grid": {"lr": [0.1]}}, "t")

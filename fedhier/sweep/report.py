@@ -188,11 +188,34 @@ def numeric_axes(spec: SweepSpec) -> list[str]:
                                         for arm in spec.arms)]
 
 
-def plot_heatmap(spec: SweepSpec, results: Mapping[str, Any], path: Path) -> bool:
-    """Mean final test accuracy over the first two numeric axes, one panel per setting of
-    the other axes; False (nothing drawn) with fewer than two numeric axes."""
+def heatmap_grids(spec: SweepSpec, results: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Mean final test accuracy on the first two numeric axes (x, y), one grid [y, x] per
+    setting of the other axes: {"x": (axis, values), "y": (axis, values), "grids": {...}};
+    None with fewer than two numeric axes."""
+    import numpy as np
+
     numeric = numeric_axes(spec)
     if len(numeric) < 2:
+        return None
+    x_axis, y_axis = numeric[:2]
+    rest = [a for a in spec.axes if a not in (x_axis, y_axis)]
+    xs = sorted({arm.values[x_axis] for arm in spec.arms})
+    ys = sorted({arm.values[y_axis] for arm in spec.arms})
+    grids: dict[str, Any] = {}
+    for arm in spec.arms:
+        key = arm_name({a: arm.values[a] for a in rest})
+        grid = grids.setdefault(key, np.full((len(ys), len(xs)), np.nan))
+        mean = results["arms"][arm.name]["stats"]["final_test_accuracy"]["mean"]
+        grid[ys.index(arm.values[y_axis]), xs.index(arm.values[x_axis])] = \
+            np.nan if mean is None else mean
+    return {"x": (x_axis, xs), "y": (y_axis, ys), "grids": grids}
+
+
+def plot_heatmap(spec: SweepSpec, results: Mapping[str, Any], path: Path) -> bool:
+    """:func:`heatmap_grids` drawn, one panel per grid; False (nothing drawn) without two
+    numeric axes."""
+    heat = heatmap_grids(spec, results)
+    if heat is None:
         return False
     import matplotlib
 
@@ -200,23 +223,14 @@ def plot_heatmap(spec: SweepSpec, results: Mapping[str, Any], path: Path) -> boo
     import matplotlib.pyplot as plt
     import numpy as np
 
-    x_axis, y_axis = numeric[:2]
-    rest = [a for a in spec.axes if a not in (x_axis, y_axis)]
-    xs = sorted({arm.values[x_axis] for arm in spec.arms})
-    ys = sorted({arm.values[y_axis] for arm in spec.arms})
-    panels: dict[str, Any] = {}
-    for arm in spec.arms:
-        key = arm_name({a: arm.values[a] for a in rest})
-        grid = panels.setdefault(key, np.full((len(ys), len(xs)), np.nan))
-        mean = results["arms"][arm.name]["stats"]["final_test_accuracy"]["mean"]
-        grid[ys.index(arm.values[y_axis]), xs.index(arm.values[x_axis])] = \
-            np.nan if mean is None else mean
+    (x_axis, xs), (y_axis, ys), panels = heat["x"], heat["y"], heat["grids"]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
     for ax, (key, grid) in zip(axes[0], panels.items(), strict=True):
         image = ax.imshow(grid, origin="lower", cmap="viridis", aspect="auto")
         ax.set_xticks(range(len(xs)), [f"{v:g}" for v in xs])
         ax.set_yticks(range(len(ys)), [f"{v:g}" for v in ys])
-        ax.set(xlabel=x_axis, ylabel=y_axis, title=key if rest else "final test accuracy")
+        ax.set(xlabel=x_axis, ylabel=y_axis,
+               title=key if key != "base" else "final test accuracy")
         for (r, c), value in np.ndenumerate(grid):
             ax.text(c, r, f"{value:.3f}", ha="center", va="center", fontsize=7, color="w")
         fig.colorbar(image, ax=ax)

@@ -233,6 +233,11 @@ def build(table: Mapping[str, Any], where: str, out: Path | None = None) -> Swee
                         text = str(exc)
                         raise ConfigError(text if where_arm in text
                                           else f"{where_arm}: {text}") from exc
+                    if cfg.engine == "flower":
+                        raise ConfigError(
+                            f"{where_arm}: engine 'flower' starts its own Ray, which a sweep's "
+                            "Ray Tune trial cannot host; use inprocess or vectorized (the same "
+                            "numbers, docs/engines.md)")
                     candidates.append((tuned, cfg))
                 name = arm_name(values, hide=[k for k in zipped if k != "name"]
                                 if "name" in zipped else ())
