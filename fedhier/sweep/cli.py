@@ -9,7 +9,12 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from fedhier.cli_flags import EXIT_RUN_FAILED, add_config_flags, read_config_file
+from fedhier.cli_flags import (
+    EXIT_INTERRUPTED,
+    EXIT_RUN_FAILED,
+    add_config_flags,
+    read_config_file,
+)
 from fedhier.config import RunConfig
 from fedhier.errors import ConfigError, FedhierError
 from fedhier.trackers import TRACKERS
@@ -111,6 +116,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             print(f"fedhier: run stopped: {len(errors)} of {len(pending)} runs failed; first: "
                   f"{errors[0]}; rerun the same command to retry them", file=sys.stderr)
             return EXIT_RUN_FAILED
+        unfinished = [t.name for t in pending if trial_state(t) != "done"]
+        if unfinished:  # Tune stopped early (Ctrl-C): no report from part of the runs
+            print(f"fedhier: interrupted: {len(unfinished)} of {len(trials)} runs unfinished "
+                  f"(first: {unfinished[0]}); rerun the same command to finish them",
+                  file=sys.stderr)
+            return EXIT_INTERRUPTED
     write_report(spec, trials, load_records(trials), folder)
     print(f"wrote {folder / 'results.md'}, results.json, curves.png")
     return 0

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedhier.errors import FedhierError
 from fedhier.sweep.trials import Trial, run_trial
 
 
@@ -46,10 +47,16 @@ def run_on_tune(trials: Sequence[Trial], folder: Path, jobs: int, address: str |
     os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
                               "configure_logging": False}
-    if address:
-        ray.init(address=address, **kwargs)
-    else:
-        ray.init(num_cpus=jobs, runtime_env={"env_vars": env}, **kwargs)
+    try:
+        if address:
+            ray.init(address=address, **kwargs)
+        else:
+            ray.init(num_cpus=jobs, runtime_env={"env_vars": env}, **kwargs)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        where = f"--ray-address {address}" if address else "a local Ray"
+        text = " ".join(str(exc).split())[:300]
+        raise FedhierError(f"{where}: Ray did not start or connect ({type(exc).__name__}: "
+                           f"{text})") from exc
     try:
         tuner = tune.Tuner(
             tune.with_resources(_tune_trial, {"cpu": 1}),
@@ -63,9 +70,9 @@ def run_on_tune(trials: Sequence[Trial], folder: Path, jobs: int, address: str |
         for index in range(len(grid)):
             result = grid[index]
             if result.error is not None:
-                text = str(result.error).strip().splitlines()
-                errors.append(next((line for line in reversed(text) if "TrialFailedError" in line
-                                    or line.startswith("fedhier")), text[-1] if text else "?"))
+                lines = str(result.error).strip().splitlines()
+                errors.append(next((line for line in reversed(lines) if "TrialFailedError" in line
+                                    or line.startswith("fedhier")), lines[-1] if lines else "?"))
         return errors
     finally:
         ray.shutdown()
