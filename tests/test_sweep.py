@@ -227,3 +227,21 @@ def test_heatmap_grid_places_each_arms_mean_on_the_two_numeric_axes(tmp_path):
 def test_engine_flower_is_refused_in_a_sweep():
     with pytest.raises(ConfigError, match="engine 'flower' starts its own Ray"):
         build({"base": {**TINY, "engine": "flower"}, "grid": {"lr": [0.1]}}, "t")
+
+
+def test_a_module_function_grouping_is_imported_without_a_package(tmp_path, monkeypatch):
+    """A spec's own plugin, ``my_grouping:dealt_by_label`` (examples/sweeps), used by name."""
+    import numpy as np
+
+    from fedhier.config import RunConfig
+    from fedhier.grouping import ClientInfo, assign_groups
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples/sweeps"))
+    hist = np.eye(3, dtype=np.int64)[[0, 0, 1, 1, 2, 2]] * 5
+    info = ClientInfo(hist, hist.sum(1), edge_tags=np.full(6, -1))
+    groups = assign_groups("my_grouping:dealt_by_label", info, 2, seed=0)
+    for label in range(3):  # each dominant label dealt to both edges
+        assert sorted(groups[hist.argmax(1) == label]) == [0, 1]
+    RunConfig.from_mapping({**TINY, "grouping": "my_grouping:dealt_by_label"})
+    with pytest.raises(ConfigError, match="module reference no_such_mod:f failed to import"):
+        RunConfig.from_mapping({**TINY, "grouping": "no_such_mod:f"})
