@@ -1,11 +1,12 @@
 """The ``fedhier`` command line: ``fedhier run``, ``diversity``, ``experiment``, ``deploy``,
-``plot``.
+``plot``, ``sweep``.
 
 Bad input ends with one line on stderr and exit code 2; ``--debug`` shows the traceback.
 The flags and exit codes every subcommand shares are in :mod:`fedhier.cli_flags`, the engine
 names and dispatch in :mod:`fedhier.engines.registry`; the ``experiment`` and ``deploy``
 subcommands live in :mod:`fedhier.experiments.cli` and :mod:`fedhier.engines.deployment.cli`.
-Only the ``fedhier`` console script (and ``fedhier.experiments.publish``) import this module.
+Only the ``fedhier`` console script, ``fedhier.experiments.publish`` and a sweep's trials
+(:mod:`fedhier.sweep.trials`, which run ``fedhier run`` itself) import this module.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from fedhier.cli_flags import (
 from fedhier.engines.registry import run_engine
 from fedhier.errors import FedhierError
 from fedhier.run_folder import write_json
+from fedhier.trackers import TRACKERS, attached, make_trackers
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", type=Path, metavar="RUN_DIR",
                      help="continue a run from its checkpoint.pt (same configuration)")
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    run.add_argument("--tracker", choices=TRACKERS,
+                     help="also log to tensorboard, mlflow or wandb (optional extras)")
     run.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     add_config_flags(run)
 
@@ -68,8 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from fedhier.engines.deployment.cli import add_parser as add_deploy_parser
     from fedhier.experiments.cli import add_parser as add_experiment_parser
+    from fedhier.sweep.cli import add_parser as add_sweep_parser
 
     add_experiment_parser(sub)
+    add_sweep_parser(sub)
     add_deploy_parser(sub)
 
     plot = sub.add_parser("plot", help="overlay the curves of several run folders")
@@ -87,6 +93,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fedhier.run_folder import RunFolder, default_run_dir
     from fedhier.train import resolve_device
 
+    trackers = make_trackers(getattr(args, "tracker", None))  # a missing extra: nothing written
     resume = None
     if args.resume:
         if args.overwrite:
@@ -109,7 +116,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         folder = RunFolder.claim(out, overwrite=args.overwrite, unique=not cfg.out)
     progress = not args.no_progress
     try:
-        summary = run_engine(cfg, folder, progress, resume)
+        with attached(trackers):
+            summary = run_engine(cfg, folder, progress, resume)
     except KeyboardInterrupt:
         note = folder.fail("interrupted (Ctrl-C)", EXIT_INTERRUPTED, interrupted=True)
         hint = (f"; resume with: fedhier run --resume {folder.path}"
@@ -231,9 +239,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
     from fedhier.engines.deployment.cli import cmd_deploy
     from fedhier.experiments.cli import cmd_experiment
+    from fedhier.sweep.cli import cmd_sweep
 
     handlers: dict[str, Any] = {"run": cmd_run, "plot": cmd_plot, "diversity": cmd_diversity,
-                                "experiment": cmd_experiment, "deploy": cmd_deploy}
+                                "experiment": cmd_experiment, "deploy": cmd_deploy,
+                                "sweep": cmd_sweep}
     args.argv = list(argv if argv is not None else sys.argv[1:])
     return run_command(handlers[args.command], args)
 

@@ -484,7 +484,8 @@ class RunConfig:
             raise ConfigError("dataset must not be empty")
         from fedhier.grouping import BUILTIN_GROUPINGS, GRADIENT_GROUPING, available_groupings
 
-        _one_of("grouping", self.grouping, tuple(available_groupings()))
+        if ":" not in self.grouping:  # module:function is imported below
+            _one_of("grouping", self.grouping, tuple(available_groupings()))
         if self.grouping not in BUILTIN_GROUPINGS and self.grouping != GRADIENT_GROUPING:
             from fedhier.grouping import load_plugin
 

@@ -83,6 +83,12 @@ class RunRecorder:
         self.last: dict[str, Any] = {}
         self.bar = tqdm(total=cfg.rounds, desc="cloud rounds", unit="round",
                         disable=not progress, dynamic_ncols=True, initial=resume_round or 0)
+        from fedhier.trackers import current
+
+        self.callbacks = current()  # trackers attached by the command line (--tracker)
+        for callback in self.callbacks:
+            callback.on_start(folder.path, {**cfg.to_dict(), "engine": engine},
+                              resumed=resume_round is not None)
         if resume_round is not None:
             kept = [r for r in read_metrics(folder.path) if r["round"] <= resume_round]
             folder.rewrite_metrics(kept)
@@ -134,6 +140,8 @@ class RunRecorder:
         record["wall_seconds"] = time.time() - self.t_start
         self.folder.append_metrics(record)
         self.last = dict(record)
+        for callback in self.callbacks:
+            callback.on_round(record)
         if record["round"] > 0:
             self.bar.update(1)
             self.bar.set_postfix(test_acc=f"{record['test_accuracy']:.4f}",
@@ -166,6 +174,8 @@ class RunRecorder:
             "communication": dict(communication),
         }
         self.folder.write_json("summary.json", summary)
+        for callback in self.callbacks:
+            callback.on_finish(self.folder.path, summary)
         from fedhier.plots import plot_groups_history, plot_runs
 
         plot_runs([self.folder.path], self.folder.path / "curves.png")

@@ -5,7 +5,10 @@ Plugins are other installed packages that declare an entry point in the group
 ``name = "package.module:function"`` makes ``--grouping name`` call that function, which must
 follow :class:`fedhier.grouping.base.Grouping`. A built-in name cannot be replaced. A plugin that
 fails to import is a one-line `ConfigError` naming the plugin and its package, raised when the
-configuration is validated (before a run writes anything). See docs/grouping.md.
+configuration is validated (before a run writes anything). A grouping name with a colon,
+``module:function``, is such an entry point's value used directly: the function is imported
+from an importable module without installing a package (a sweep's own plugin, docs/sweeps.md).
+See docs/grouping.md.
 """
 
 from __future__ import annotations
@@ -50,13 +53,21 @@ def _plugins() -> dict[str, EntryPoint]:
 def plugin_origin(ep: EntryPoint) -> str:
     """How errors name a plugin's code: "package mypkg 0.1 (mypkg.grouping:func)"."""
     dist = getattr(ep, "dist", None)
+    if dist is None and ep.name == ep.value:
+        return f"module reference {ep.value}"
     package = f"package {dist.name} {dist.version}" if dist is not None else "unknown package"
     return f"{package} ({ep.value})"
 
 
+def _entry(name: str) -> EntryPoint:
+    """The entry point of plugin ``name``: an installed one, or ``module:function`` itself."""
+    found = _plugins().get(name)
+    return found if found is not None else EntryPoint(name, name, ENTRY_POINT_GROUP)
+
+
 def load_plugin(name: str) -> Grouping:
     """Import the plugin grouping ``name``; any failure is a one-line ConfigError naming it."""
-    ep = _plugins()[name]
+    ep = _entry(name)
     try:
         function = ep.load()
     except Exception as exc:  # a broken plugin is its author's to fix: say which one
@@ -83,7 +94,7 @@ def get_grouping(name: str) -> Grouping:
                           "fedhier.grouping.make_gradient_grouping(grads)")
     if name in BUILTIN_GROUPINGS:
         return BUILTIN_GROUPINGS[name]
-    if name in _plugins():
+    if name in _plugins() or ":" in name:
         return load_plugin(name)
     raise ConfigError(
         f"unknown grouping '{name}'; choose one of {', '.join(available_groupings())}")
