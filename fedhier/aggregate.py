@@ -6,6 +6,7 @@ number or order of summands beyond float64 rounding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from fedhier.errors import ConfigError
+from fedhier.robust import Params, clipped_mean, krum, trimmed_mean
 
 
 def segment_weighted_mean(
@@ -157,29 +159,118 @@ class AggregateFn(Protocol):
                  num_segments: int) -> torch.Tensor: ...
 
 
+class ModelAggregateFn(Protocol):
+    """A rule over whole models: values name -> [k, *shape], weights [k], segments [k],
+    reference name -> [num_segments, *shape] (each segment's start model, or None) ->
+    name -> [num_segments, *shape]."""
+
+    def __call__(self, values: Params, weights: torch.Tensor, segments: torch.Tensor,
+                 num_segments: int, reference: Params | None) -> Params: ...
+
+
+
 @dataclass(frozen=True)
 class Aggregator:
     """An aggregation rule. ``linear``: aggregating aggregates (weighted by their members'
     total weight) equals aggregating all members at once (the mean); a level above the
-    edges is then computed directly over the clients of its subtree."""
+    edges is then computed directly over the clients of its subtree. ``function`` works
+    array by array; ``model_function``, when set, on the whole model (norms, distances);
+    ``needs_reference``: it takes each segment's start model."""
 
-    function: AggregateFn
+    function: AggregateFn | None
     linear: bool
+    model_function: ModelAggregateFn | None = None
+    needs_reference: bool = False
+
+    def apply(self, values: Params, weights: torch.Tensor, segments: torch.Tensor,
+              num_segments: int, reference: Params | None = None) -> Params:
+        """The rule on every array of ``values``: name -> [num_segments, *shape]."""
+        if self.model_function is not None:
+            return self.model_function(values, weights, segments, num_segments, reference)
+        assert self.function is not None
+        return {k: self.function(v, weights, segments, num_segments) for k, v in values.items()}
+
+
+def _trimmed(fraction: float) -> Aggregator:
+    if not 0 <= fraction < 0.5:
+        raise ConfigError(f"trimmed-mean:{fraction}: the fraction cut at each end must be "
+                          "in [0, 0.5)")
+    return Aggregator(lambda v, w, s, n: trimmed_mean(v, s, n, fraction), linear=False)
+
+
+def _clip(arg: str) -> Aggregator:
+    relative = arg.endswith("x")
+    bound = _number("clip", arg[:-1] if relative else arg)
+    if not bound > 0:
+        raise ConfigError(f"clip:{arg}: the bound must be positive (a norm, or Cx for C "
+                          "times the median norm)")
+
+    def rule(values: Params, weights: torch.Tensor, segments: torch.Tensor,
+             num_segments: int, reference: Params | None) -> Params:
+        if reference is None:
+            raise ConfigError("the clip aggregator needs each node's start model, which "
+                              "this path does not provide")
+        return clipped_mean(values, weights, segments, num_segments, reference, bound,
+                            relative)
+
+    return Aggregator(None, linear=False, model_function=rule, needs_reference=True)
+
+
+def _krum(arg: str, multi: bool) -> Aggregator:
+    f = _number("krum", arg)
+    if f != int(f) or f < 0:
+        raise ConfigError(f"krum:{arg}: f (hostile members per node) must be a whole "
+                          "number >= 0")
+    def rule(values: Params, weights: torch.Tensor, segments: torch.Tensor,
+             num_segments: int, reference: Params | None) -> Params:
+        return krum(values, weights, segments, num_segments, int(f), multi)
+
+    return Aggregator(None, linear=False, model_function=rule)
+
+
+def _number(rule: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"aggregator {rule}: '{text}' is not a number") from None
 
 
 #: Aggregation rules by name (``--aggregators``): one function plus one line here adds one.
 AGGREGATORS: dict[str, Aggregator] = {
     "mean": Aggregator(mean_aggregate, linear=True),
     "median": Aggregator(median_aggregate, linear=False),
+    "trimmed-mean": _trimmed(0.2),
+    "clip": _clip("1x"),
+    "krum": _krum("1", multi=False),
+    "multi-krum": _krum("1", multi=True),
 }
+
+#: Rules that take a parameter as ``name:value`` (e.g. ``trimmed-mean:0.1``, ``clip:2x``).
+PARAMETRISED: dict[str, Callable[[str], Aggregator]] = {
+    "trimmed-mean": lambda a: _trimmed(_number("trimmed-mean", a)),
+    "clip": _clip,
+    "krum": lambda a: _krum(a, multi=False),
+    "multi-krum": lambda a: _krum(a, multi=True),
+}
+
+
+def aggregator(name: str) -> Aggregator:
+    """The rule named ``name`` or ``name:parameter`` (ConfigError when unknown)."""
+    base, _, arg = name.partition(":")
+    if base not in AGGREGATORS:
+        raise ConfigError(f"unknown aggregator '{base}'; choose one of "
+                          f"{', '.join(AGGREGATORS)}")
+    if not arg:
+        return AGGREGATORS[base]
+    if base not in PARAMETRISED:
+        raise ConfigError(f"aggregator '{base}' takes no parameter, got '{name}'")
+    return PARAMETRISED[base](arg)
 
 
 def check_aggregators(names: tuple[str, ...], num_levels: int) -> None:
     """One name for every level, or one per level (edge ... cloud)."""
-    unknown = [n for n in names if n not in AGGREGATORS]
-    if unknown:
-        raise ConfigError(f"unknown aggregator '{unknown[0]}'; choose one of "
-                          f"{', '.join(AGGREGATORS)}")
+    for name in names:
+        aggregator(name)
     if len(names) not in (1, num_levels):
         raise ConfigError(f"aggregators: give one name for every level or {num_levels} "
                           f"(edge ... cloud), got {len(names)}: {','.join(names)}")

@@ -173,7 +173,8 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
             factor[job.survivors] = staleness_weight(staleness)
         weights = presence_weights(self.weights, present, edge_of) * factor
         averaged, _ = aggregate_levels(models, survivors, weights, hierarchy,
-                                       hierarchy.num_levels, self.settings.aggregators)
+                                       hierarchy.num_levels, self.settings.aggregators,
+                                       self.node_models)
         new = {k: v[0] for k, v in averaged.items()}
         stale = [(job, float(weights[job.survivors].sum())) for job, s in reports if s > 0]
         if stale:  # stale reports enter as updates relative to their own start model

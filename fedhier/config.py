@@ -95,7 +95,8 @@ class RunConfig:
         "fedavg, fedavgm, fedadam, fedyogi, fedadagrad"))
     aggregators: str = field(default="mean", metadata=_help(
         "aggregation rule at every level, or one per level edge,...,cloud: mean (exact "
-        "H-SGD), median (coordinate-wise, robust)"))
+        "H-SGD), median, trimmed-mean[:b], clip[:C x|:tau] (norm-bounded mean), krum[:f], "
+        "multi-krum[:f] (docs/security.md)"))
     server_lr: float = field(default=0.0, metadata=_help(
         "cloud strategy's server learning rate (0 = the strategy's default)"))
     server_momentum: float = field(default=0.0, metadata=_help("fedavgm server momentum"))
@@ -124,6 +125,18 @@ class RunConfig:
         "stop the run when an edge round leaves an edge with fewer surviving clients"))
     on_nan: str = field(default="stop", metadata=_help(
         "a non-finite client update: stop the run, or skip-client (drop it from the average)"))
+    on_bad_reply: str = field(default="auto", metadata=_help(
+        "a reply that breaks the contract: stop the run, or drop it (the client fails that "
+        "round); auto = drop under fedhier deploy and edge servers, stop in simulations"))
+    exclude_after: int = field(default=3, metadata=_help(
+        "a client whose replies were dropped K rounds in a row is excluded for the rest of "
+        "the run (0 = never)"))
+    max_weight_ratio: float = field(default=10.0, metadata=_help(
+        "a client's size (its weight) is capped at this multiple of the median claimed "
+        "size (0 = no cap; docs/security.md)"))
+    max_update_ratio: float = field(default=1000.0, metadata=_help(
+        "a train reply whose update is longer than this multiple of the round's median "
+        "update is a bad reply (0 = no check; docs/security.md)"))
     checkpoint_every: int = field(default=0, metadata=_help(
         "write a checkpoint every K cloud rounds (0 = only on Ctrl-C)"))
     async_buffer: int = field(default=0, metadata=_help(
@@ -316,6 +329,14 @@ class RunConfig:
                          self.client_edge_latency_ms, self.edge_cloud_mbps,
                          self.edge_cloud_latency_ms, parse_edge_slowdown(self.edge_slowdown))
 
+    def reply_policy(self) -> Any:
+        """The :class:`fedhier.reply_policy.ReplyPolicy` of this run (``auto``: drop with
+        edge servers, stop otherwise; ``fedhier deploy`` sets drop itself)."""
+        from fedhier.reply_policy import ReplyPolicy, resolve_on_bad_reply
+
+        return ReplyPolicy(resolve_on_bad_reply(self.on_bad_reply, self.edge_servers),
+                           self.exclude_after, self.max_weight_ratio, self.max_update_ratio)
+
     def asynchronous(self) -> Any:
         """The :class:`fedhier.staleness.AsyncEdges` settings of this run."""
         from fedhier.staleness import AsyncEdges
@@ -435,6 +456,11 @@ class RunConfig:
         if not 0 <= self.client_holdout < 1:
             raise ConfigError(f"client_holdout must be in [0, 1), got {self.client_holdout}")
         _one_of("on_nan", self.on_nan, ("stop", "skip-client"))
+        _one_of("on_bad_reply", self.on_bad_reply, ("auto", "stop", "drop"))
+        if self.exclude_after < 0 or not (self.max_weight_ratio >= 0
+                                          and self.max_update_ratio >= 0):
+            raise ConfigError("need exclude_after >= 0, max_weight_ratio >= 0 and "
+                              "max_update_ratio >= 0")
         if not 0 <= self.fail_rate < 1 or not 0 <= self.dropout_fraction <= 1:
             raise ConfigError("need 0 <= fail_rate < 1 and 0 <= dropout_fraction <= 1")
         from fedhier.faults import parse_span

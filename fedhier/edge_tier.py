@@ -181,7 +181,7 @@ def run_edge_job(settings: HSGDSettings, executor: Executor, job: EdgeJob) -> Ed
         present[survivors] = True
         weights = presence_weights(algorithm.weights, present, hierarchy.edge_of_client())
         averaged, _ = aggregate_levels(models, survivors, weights, hierarchy, 1,
-                                       settings.aggregators)
+                                       settings.aggregators, algorithm.node_models)
         model = {k: v[0] for k, v in averaged.items()}
     traffic = algorithm.communication
     return EdgeReport(job.edge, model, outcome.losses, outcome.failed_clients,

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from fedhier.aggregate import (
-    AGGREGATORS,
+    aggregator,
     check_aggregators,
     client_weights,
     occupied_segments,
@@ -50,6 +50,7 @@ from fedhier.faults import RunFailureError, failed_edges, non_finite_message
 from fedhier.grouping import ClientInfo, grouping_needs
 from fedhier.mobility import Mobility
 from fedhier.plan import EdgeRoundPlan, Workload, plan_edge_round
+from fedhier.reply_policy import ReplyPolicy, allowed_sizes, outlying_gradients
 from fedhier.round_diagnostics import client_diagnostics, diagnostics_due
 from fedhier.sim_clock import SimClock, TimeModel
 from fedhier.staleness import AsyncEdges
@@ -221,6 +222,7 @@ class HSGDSettings:
     time_model: TimeModel = field(default_factory=TimeModel)
     asynchronous: AsyncEdges = field(default_factory=AsyncEdges)
     edge_periods: tuple[int, ...] = ()
+    policy: ReplyPolicy = field(default_factory=ReplyPolicy)
 
     def __post_init__(self) -> None:
         validate_periods(self.periods)
@@ -288,6 +290,7 @@ class HierarchicalSGD:
         self._carried: Params = {}
         self._has_carry = np.zeros(0, dtype=bool)
         self._edge_aggregations = np.zeros(0, dtype=np.int64)
+        self._node_models: dict[int, Params] = {}  # level -> [nodes, *shape], 1 < level < L
 
     # ---------------------------------------------------------------- set-up and grouping
     def setup(self, executor: Executor, initial: Params, *, info: ClientInfo | None = None,
@@ -299,7 +302,7 @@ class HierarchicalSGD:
         """
         s = self.settings
         self.info = executor.profiles() if info is None else info
-        self.weights = client_weights(s.weighting, self.info.num_examples)
+        self.weights = self._weights_of(self.info.num_examples)
         self.global_params = dict(initial)
         self.model_bytes = executor.model_bytes(initial)
         if hierarchy is not None:
@@ -352,7 +355,16 @@ class HierarchicalSGD:
         known = known.copy()
         known[clients[take]] = sizes[take]
         self.info = dataclasses.replace(info, num_examples=known)
-        self.weights = client_weights(self.settings.weighting, known)
+        self.weights = self._weights_of(known)
+
+    def _weights_of(self, claimed: np.ndarray) -> np.ndarray:
+        """float64 [n] averaging weights from the clients' claimed sizes, as far as they may
+        claim them (:func:`fedhier.reply_policy.allowed_sizes`)."""
+        info = self._info()
+        sums = np.asarray(info.label_histograms).sum(axis=1) if len(claimed) == len(
+            info.label_histograms) else None
+        return client_weights(self.settings.weighting, allowed_sizes(
+            claimed, sums, self.settings.policy.max_weight_ratio))
 
     def evaluation_weights(self, evaluation: ClientEvaluation) -> np.ndarray:
         """float64 [n]: the weights of evaluation means: under ``samples`` the rows each
@@ -361,7 +373,8 @@ class HierarchicalSGD:
         rows = evaluation.num_examples
         if rows is None or self.settings.weighting != "samples" or not (rows > 0).any():
             return self.weights
-        return client_weights(self.settings.weighting, rows)
+        return client_weights(self.settings.weighting,  # a claim is capped here too
+                              allowed_sizes(rows, None, self.settings.policy.max_weight_ratio))
 
     def regroup_due(self, cloud_round: int) -> bool:
         every = self.settings.regroup_every
@@ -393,6 +406,7 @@ class HierarchicalSGD:
                                        hierarchy.edge_of_client(), num_edges)
         self.edge_models = {k: v.unsqueeze(0).repeat(num_edges, *([1] * v.dim()))
                             for k, v in self.global_params.items()}
+        self._node_models = {}
         n = hierarchy.num_clients
         self._remaining = np.zeros(n, dtype=np.int64)
         self._scale = np.ones(n, dtype=np.float64)
@@ -571,7 +585,7 @@ class HierarchicalSGD:
             averaged, nodes = self._cloud_update(work.cloud_round, models, survivors, weights)
         else:
             averaged, nodes = aggregate_levels(models, survivors, weights, hierarchy, level,
-                                               s.aggregators)
+                                               s.aggregators, self.node_models)
         self.communication.add_aggregation(hierarchy, level, self.model_bytes)
         clock.aggregate(hierarchy, level, self.model_bytes)
         self._broadcast(averaged, nodes, level)
@@ -673,7 +687,7 @@ class HierarchicalSGD:
         hierarchy = self._hierarchy()
         child_level = hierarchy.num_levels - 1
         children, nodes = aggregate_levels(models, survivors, weights, hierarchy, child_level,
-                                           self.settings.aggregators)
+                                           self.settings.aggregators, self.node_models)
         child_weight = np.bincount(hierarchy.ancestors(child_level)[survivors],
                                    weights=weights[survivors],
                                    minlength=hierarchy.num_nodes(child_level))
@@ -712,20 +726,58 @@ class HierarchicalSGD:
         if self.cloud_step is not None:
             averaged, nodes = self._cloud_step_on(cloud_round, models, edges, weights)
         else:
-            rule = AGGREGATORS[self.settings.aggregators[-1]]
+            rule = aggregator(self.settings.aggregators[-1])
             device = _device(models)
             w = torch.as_tensor(weights, device=device)
             owner = torch.zeros(len(edges), dtype=torch.int64, device=device)
-            averaged = {k: rule.function(v, w, owner, 1) for k, v in models.items()}
+            averaged = rule.apply(models, w, owner, 1, self.node_models(level, np.zeros(1)))
             nodes = np.zeros(1, dtype=np.int64)
         self.communication.add_aggregation(hierarchy, level, self.model_bytes)
         self._clock().aggregate(hierarchy, level, self.model_bytes)
         self._broadcast(averaged, nodes, level)
         self.global_params = {k: v[0] for k, v in averaged.items()}
 
+    def node_models(self, level: int, nodes: np.ndarray) -> Params:
+        """The current models of level-``level`` nodes ``nodes`` (int64 [m]): name ->
+        [m, *shape]; an edge's model, the global model at the top, and in between the node's
+        last aggregate this cloud round (the global model before one)."""
+        hierarchy = self._hierarchy()
+        device = _device(self.global_params)
+        index = torch.as_tensor(np.asarray(nodes, dtype=np.int64), device=device)
+        if level == 1:
+            return {k: v.index_select(0, index) for k, v in self.edge_models.items()}
+        if level == hierarchy.num_levels or level not in self._node_models:
+            return {k: v.unsqueeze(0).expand(len(index), *v.shape)
+                    for k, v in self.global_params.items()}
+        return {k: v.index_select(0, index) for k, v in self._node_models[level].items()}
+
+    def _remember_nodes(self, averaged: Params, nodes: np.ndarray, level: int) -> None:
+        """Levels strictly between the edges and the cloud: the nodes under (or at) a
+        level-``level`` node in ``nodes`` take its aggregate (for :meth:`node_models`)."""
+        hierarchy = self._hierarchy()
+        position = np.full(hierarchy.num_nodes(level), -1, dtype=np.int64)
+        position[nodes] = np.arange(len(nodes))
+        device = _device(averaged)
+        for lv in range(2, min(level, hierarchy.num_levels - 1) + 1):
+            above = np.arange(hierarchy.num_nodes(lv))
+            for k in range(lv, level):
+                above = hierarchy.parents[k][above]
+            source = position[above]
+            updated = np.flatnonzero(source >= 0)
+            if lv not in self._node_models:
+                self._node_models[lv] = {k: v.unsqueeze(0).repeat(len(above), *([1] * v.dim()))
+                                         for k, v in self.global_params.items()}
+            src = torch.as_tensor(source[updated], device=device)
+            dst = torch.as_tensor(updated, device=device)
+            for key, value in averaged.items():
+                self._node_models[lv][key].index_copy_(0, dst, value.index_select(0, src))
+
     def _broadcast(self, averaged: Params, nodes: np.ndarray, level: int) -> None:
         """Edges under a level-``level`` node in ``nodes`` take its aggregate."""
         hierarchy = self._hierarchy()
+        if 1 < level < hierarchy.num_levels and any(
+                aggregator(name).needs_reference for name in self.settings.aggregators):
+            self._remember_nodes(averaged, nodes, level)
         position = np.full(hierarchy.num_nodes(level), -1, dtype=np.int64)
         position[nodes] = np.arange(len(nodes))
         source = position[hierarchy.edges_under(level)]
@@ -752,6 +804,9 @@ class HierarchicalSGD:
                              trained=False)
             record.update(evaluation_metrics(evaluation, self.evaluation_weights(evaluation)))
         record.update(trained)
+        excluded = getattr(executor, "excluded_clients", None)
+        if excluded:
+            record["excluded_clients"] = sorted(excluded)
         if evaluate_fn is not None:
             record.update(evaluate_fn(cloud_round, self.global_params))
         if diagnostics_due(cloud_round, s.diagnostics_every):
@@ -760,7 +815,15 @@ class HierarchicalSGD:
                 log.warning("divergences need every client's gradient (query.gradient, "
                             "docs/contract.md): not recorded for round %d", cloud_round)
             else:
-                record.update(client_diagnostics(grads, self.weights, self._hierarchy()))
+                flagged = outlying_gradients(grads)
+                weights = self.weights
+                if flagged.any():
+                    record["diagnostics_flagged_clients"] = np.flatnonzero(flagged).tolist()
+                    grads = torch.where(torch.as_tensor(flagged, device=grads.device)[:, None],
+                                        torch.zeros((), dtype=grads.dtype, device=grads.device),
+                                        grads)
+                    weights = np.where(flagged, 0.0, weights)
+                record.update(client_diagnostics(grads, weights, self._hierarchy()))
         record.update(self.communication.as_dict())
         record["sim_seconds"] = self.elapsed_seconds()
         return record
@@ -825,13 +888,17 @@ class HierarchicalSGD:
 
 def aggregate_levels(models: dict[str, torch.Tensor], survivors: np.ndarray,
                      weights: np.ndarray, hierarchy: Hierarchy, level: int,
-                     aggregators: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+                     aggregators: tuple[str, ...],
+                     reference: Callable[[int, np.ndarray], Params] | None = None,
+                     ) -> tuple[dict[str, torch.Tensor], np.ndarray]:
     """Aggregate the surviving clients' models up to ``level``.
 
     Args:
         models: name -> [s, *shape], the survivors' models in ``survivors`` order.
         survivors: int64 [s], their client ids; weights: float64 [n], every client's
             (presence) weight; aggregators: one name for all levels or one per level.
+        reference: (level, node ids int64 [m]) -> name -> [m, *shape], those nodes' models
+            before this aggregation (the start model rules such as ``clip`` measure from).
 
     Returns:
         (name -> [m, *shape], the aggregates of the m level-``level`` nodes that have a
@@ -840,7 +907,7 @@ def aggregate_levels(models: dict[str, torch.Tensor], survivors: np.ndarray,
         survivors' total weight.
     """
     check_aggregators(aggregators, hierarchy.num_levels)
-    rules = [AGGREGATORS[aggregators[0] if len(aggregators) == 1 else aggregators[lv - 1]]
+    rules = [aggregator(aggregators[0] if len(aggregators) == 1 else aggregators[lv - 1])
              for lv in range(1, level + 1)]
     device = next(iter(models.values())).device
     if all(rule.linear for rule in rules):
@@ -848,8 +915,7 @@ def aggregate_levels(models: dict[str, torch.Tensor], survivors: np.ndarray,
                                            hierarchy.num_nodes(level))
         w = torch.as_tensor(weights[survivors], device=device)
         owner = torch.as_tensor(compact, device=device)
-        return {k: rules[-1].function(v, w, owner, len(nodes))
-                for k, v in models.items()}, nodes
+        return rules[-1].apply(models, w, owner, len(nodes)), nodes
     members, member_weights, values = survivors, weights[survivors], models
     for lv, rule in enumerate(rules, start=1):
         parent = (hierarchy.parents[lv - 1][members] if lv < hierarchy.num_levels
@@ -857,7 +923,14 @@ def aggregate_levels(models: dict[str, torch.Tensor], survivors: np.ndarray,
         nodes, compact = occupied_segments(parent, hierarchy.num_nodes(lv))
         w = torch.as_tensor(member_weights, device=device)
         owner = torch.as_tensor(compact, device=device)
-        values = {k: rule.function(v, w, owner, len(nodes)) for k, v in values.items()}
+        start = None
+        if rule.needs_reference:
+            if reference is None:
+                raise ConfigError(f"aggregator '{aggregators[min(lv, len(aggregators)) - 1]}'"
+                                  " needs each node's start model, which this path does "
+                                  "not provide")
+            start = reference(lv, nodes)
+        values = rule.apply(values, w, owner, len(nodes), start)
         member_weights = np.bincount(compact, weights=member_weights, minlength=len(nodes))
         members = nodes
     return values, members

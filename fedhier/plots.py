@@ -105,7 +105,8 @@ def plot_groups(groups_json: str | Path, out: str | Path) -> Path:
     groups = json.loads(Path(groups_json).read_text())
     counts = np.array([e["label_histogram"] for e in groups["edges"]], dtype=np.float64)
     shares = counts / np.maximum(counts.sum(1, keepdims=True), 1)
-    proxy = groups.get("label_upward_divergence", float("nan"))
+    proxy = groups.get("label_upward_divergence")
+    proxy = float("nan") if proxy is None else proxy  # None: no client reported labels
     labelled = len(counts) <= MAX_LABELLED_ROWS  # else one row per edge, unlabelled
     height = 1.2 + 0.35 * min(len(counts), MAX_LABELLED_ROWS)
     fig, ax = plt.subplots(figsize=(1.2 + 0.45 * counts.shape[1], height))

@@ -120,7 +120,8 @@ class RunRecorder:
             edges.append({"edge": edge, "clients": members.tolist(),
                           "num_examples": int(info.num_examples[members].sum()),
                           "label_histogram": info.label_histograms[members].sum(0).tolist()})
-        proxy = label_upward_divergence(info.label_histograms, edge_of, hierarchy.num_nodes(1))
+        proxy = (label_upward_divergence(info.label_histograms, edge_of, hierarchy.num_nodes(1))
+                 if info.label_histograms.any() else None)  # None: no client reported labels
         self.folder.write_json("groups.json", {
             "grouping": grouping, "seed": seed, "groups_per_level": list(self.cfg.groups),
             "client_to_edge": edge_of.tolist(),

@@ -73,7 +73,8 @@ def settings_for(cfg: RunConfig) -> HSGDSettings:
                         diagnostics_every=cfg.diagnostics_every,
                         regroup_every=cfg.regroup_every, aggregators=cfg.aggregator_names,
                         mobility=cfg.mobility(), time_model=cfg.time_model(),
-                        asynchronous=cfg.asynchronous(), edge_periods=cfg.edge_period_list)
+                        asynchronous=cfg.asynchronous(), edge_periods=cfg.edge_period_list,
+                        policy=cfg.reply_policy())
 
 
 def central_evaluation(cfg: RunConfig, fed: Federation, model: torch.nn.Module,

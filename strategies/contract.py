@@ -8,6 +8,7 @@ contract stops the run with one line naming the client and the key (:class:`Cont
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,12 +30,18 @@ from fedhier.errors import FedhierError
 
 __all__ = ["ACCURACY_KEYS", "EDGE_ROUND", "LOCAL_STEPS", "LOSS_KEYS", "NUM_EXAMPLES",
            "ROUND_KEYS", "SERVER_ROUND", "START_STEP", "TRAIN_LOSS_KEYS", "ContractError",
-           "TrainReply", "evaluate_rows", "num_examples_of", "read_evaluate_reply",
-           "read_train_reply", "train_rows", "who"]
+           "NonFiniteLossError", "TrainReply", "check_histogram", "evaluate_rows",
+           "num_examples_of", "read_evaluate_reply", "read_gradient_reply", "read_train_reply",
+           "train_rows", "who"]
 
 
 class ContractError(FedhierError):
     """A client's reply breaks the message contract."""
+
+
+class NonFiniteLossError(ContractError):
+    """An evaluate reply's loss is NaN or inf: always left out (with a warning), never a
+    stop, since an honest client reports it for a global model that diverged."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +80,7 @@ def num_examples_of(reply: Message, client: int | None) -> int:
     """The reply's ``num-examples``: a positive whole number."""
     value = _metric(reply, (NUM_EXAMPLES,), client, required=True)
     assert value is not None
-    if value != int(value) or value <= 0:
+    if not math.isfinite(value) or value != int(value) or value <= 0:
         raise ContractError(f"{who(reply, client)} replied '{NUM_EXAMPLES}' = {value}: it must "
                             "be a positive whole number")
     return int(value)
@@ -104,8 +111,7 @@ def read_train_reply(reply: Message, client: int, arrays_key: str,
     record: ArrayRecord = records[arrays_key]
     params = to_tensors(record, remember=False)
     if params.keys() != expected.keys():
-        raise ContractError(f"{who(reply, client)} replied arrays {sorted(params)[:4]}..., "
-                            f"expected the model's {sorted(expected)[:4]}...")
+        raise ContractError(key_difference(who(reply, client), params, expected))
     for key, value in params.items():
         if value.shape != expected[key].shape or value.dtype != expected[key].dtype:
             raise ContractError(
@@ -125,4 +131,52 @@ def read_evaluate_reply(reply: Message,
     accuracy = _metric(reply, ACCURACY_KEYS, client)
     if loss is None or accuracy is None:
         return None
-    return loss, accuracy, _metric(reply, ("holdout-accuracy",), client)
+    holdout = _metric(reply, ("holdout-accuracy",), client)
+    if not math.isfinite(loss):  # honest on a diverged global model: not a contract break
+        raise NonFiniteLossError(f"{who(reply, client)} replied loss = {loss}: left out of the "
+                            "recorded metrics")
+    if loss < 0:
+        raise ContractError(f"{who(reply, client)} replied loss = {loss}: it must be >= 0")
+    for name, value in (("accuracy", accuracy), ("holdout-accuracy", holdout)):
+        if value is not None and not 0 <= value <= 1:
+            raise ContractError(f"{who(reply, client)} replied {name} = {value}: it must "
+                                "be in [0, 1]")
+    return loss, accuracy, holdout
+
+
+def key_difference(sender: str, got: dict, expected: dict) -> str:
+    """'client 3 (node ...) replied arrays without [...] and with extra [...]': the keys
+    that differ, not the first few of each side."""
+    missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+    parts = ([f"without the model's {missing}"] if missing else []) + (
+        [f"with arrays the model lacks {extra}"] if extra else [])
+    return f"{sender} replied arrays {' and '.join(parts)}"
+
+
+def check_histogram(reply: Message, histogram: object, classes: int | None) -> list[int]:
+    """A profile reply's ``label-histogram``: whole counts >= 0, ``classes`` long when
+    given (the length most clients report)."""
+    values = list(histogram) if isinstance(histogram, list | tuple) else None
+    if values is None or any(isinstance(v, bool) or not isinstance(v, int) or v < 0
+                             for v in values):
+        raise ContractError(f"{who(reply, None)} replied 'label-histogram' = "
+                            f"{str(histogram)[:60]}: it must be counts >= 0")
+    if classes is not None and values and len(values) != classes:
+        raise ContractError(f"{who(reply, None)} replied 'label-histogram' of {len(values)} "
+                            f"classes, the others {classes}")
+    return [int(v) for v in values]
+
+
+def read_gradient_reply(reply: Message, client: int, size: int | None) -> torch.Tensor:
+    """A ``query.gradient`` reply's ``g``: a finite-length float vector of ``size`` entries
+    (the others' length) when given."""
+    record = reply.content.array_records["gradient"]
+    if "g" not in record:
+        raise ContractError(f"{who(reply, client)} replied ArrayRecord 'gradient' without "
+                            f"'g' (docs/contract.md)")
+    g = record.to_torch_state_dict()["g"]
+    if g.dim() != 1 or not g.is_floating_point() or (size is not None and len(g) != size):
+        raise ContractError(f"{who(reply, client)} replied gradient 'g' as "
+                            f"{str(g.dtype)[6:]} {tuple(g.shape)}, expected float "
+                            f"({size if size is not None else 'P'},)")
+    return g

@@ -59,7 +59,7 @@ class EdgeServer:
                 self.grid, ConfigRecord(cfg.to_run_config()),
                 timeout=self.timeout or cfg.round_timeout,
                 min_available_nodes=len(self.clients), clients=self.clients,
-                num_clients=cfg.clients)
+                num_clients=cfg.clients, policy=cfg.reply_policy())
             executor.profiles()
             self._executor, self._config = executor, cfg
         return self._executor

@@ -22,6 +22,7 @@ from fedhier.engines.flower_records import to_record
 from fedhier.faults import RunFailureError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, Params, TrainResult
+from fedhier.reply_policy import ReplyGuard, ReplyPolicy, outlying_updates
 from fedhier.strategies.cloud_failure import TrainOutcomes
 from fedhier.strategies.contract import (
     EDGE_ROUND,
@@ -29,9 +30,12 @@ from fedhier.strategies.contract import (
     SERVER_ROUND,
     START_STEP,
     ContractError,
+    NonFiniteLossError,
+    check_histogram,
     evaluate_rows,
     num_examples_of,
     read_evaluate_reply,
+    read_gradient_reply,
     read_train_reply,
     who,
 )
@@ -59,13 +63,15 @@ class GridExecutor:
             larger federation's clients (an edge server's clients); default: 0..k-1.
         num_clients: the federation's number of clients (arrays by client have this length;
             default: the number of nodes).
+        policy: what a reply that breaks the contract does (:mod:`fedhier.reply_policy`).
     """
 
     def __init__(self, grid: Grid, train_config: ConfigRecord | None = None,
                  evaluate_config: ConfigRecord | None = None, timeout: float = 3600,
                  *, min_available_nodes: int = 1, arrayrecord_key: str = "arrays",
                  configrecord_key: str = "config", keeps_client_state: bool = False,
-                 clients: Iterable[int] | None = None, num_clients: int | None = None) -> None:
+                 clients: Iterable[int] | None = None, num_clients: int | None = None,
+                 policy: ReplyPolicy | None = None) -> None:
         self.grid = grid
         self.train_config = ConfigRecord() if train_config is None else train_config
         self.evaluate_config = (self.train_config if evaluate_config is None
@@ -80,6 +86,21 @@ class GridExecutor:
         self.node_ids: dict[int, int] = {}  # client -> node
         self.client_of_node: dict[int, int] = {}
         self.outcomes = TrainOutcomes()  # who trained, per cloud round (cloud_failure.py)
+        self.guard = ReplyGuard(policy or ReplyPolicy())
+
+    @property
+    def excluded_clients(self) -> dict[int, str]:
+        """Clients sent nothing more (K bad replies in a row) -> why."""
+        return self.guard.excluded
+
+    def _missing(self, what: str, sent: Iterable[int], replies: list[Message]) -> None:
+        """One log line naming the clients of ``sent`` (node ids) that did not reply."""
+        answered = {r.metadata.src_node_id for r in replies}
+        missing = [self.client_of_node.get(n, n) for n in sent if n not in answered]
+        if missing:
+            log.warning("%s: %d of %d clients did not reply within %.0f s: %s", what,
+                        len(missing), len(answered) + len(missing), self.timeout,
+                        sorted(missing)[:10])
 
     # ---------------------------------------------------------------- profiles
     def profiles(self) -> ClientInfo:
@@ -108,16 +129,7 @@ class GridExecutor:
         if len(replies) != len(nodes):
             raise RunFailureError(f"{len(nodes) - len(replies)} of {len(nodes)} nodes did not "
                                   f"answer the profile query within {self.timeout:.0f} s")
-        profiles = []
-        for reply in replies:
-            metrics = reply.content.metric_records.get("metrics")
-            if metrics is None or "partition-id" not in metrics:
-                raise ContractError(f"{who(reply, None)} answered the profile query without "
-                                    "'partition-id' (docs/contract.md)")
-            histogram = metrics.get("label-histogram", [])
-            profiles.append((int(metrics["partition-id"]), reply.metadata.src_node_id,
-                             num_examples_of(reply, None), list(histogram),  # type: ignore
-                             int(metrics.get("edge-tag", -1))))  # type: ignore[arg-type]
+        profiles = [self._profile(reply, _usual_length(replies)) for reply in replies]
         profiles.sort()
         ids = [p[0] for p in profiles]
         if self.expected_clients is not None and ids != self.expected_clients:
@@ -152,6 +164,27 @@ class GridExecutor:
                                       f"{timeout:.0f} s")
             time.sleep(0.1)
         return nodes
+
+    def _profile(self, reply: Message, classes: int | None) -> tuple[int, int, int, list[int],
+                                                                        int]:
+        """(partition id, node, rows, label histogram, edge tag) of a profile reply. A bad
+        size or histogram stops the run or, under ``drop``, counts as not reported (the
+        rows are then learned from train replies); a missing partition id always stops."""
+        metrics = reply.content.metric_records.get("metrics")
+        pid = metrics.get("partition-id") if metrics is not None else None
+        if isinstance(pid, bool) or not isinstance(pid, int):
+            raise ContractError(f"{who(reply, None)} answered the profile query without a "
+                                "whole-number 'partition-id' (docs/contract.md)")
+        assert metrics is not None
+        tag = metrics.get("edge-tag", -1)
+        try:
+            size = num_examples_of(reply, None)
+            histogram = check_histogram(reply, metrics.get("label-histogram", []), classes)
+        except ContractError as exc:
+            self.guard.bad(exc, None)
+            size, histogram = 0, []
+        return (pid, reply.metadata.src_node_id, size, histogram,
+                int(tag) if isinstance(tag, int) else -1)
 
     def _number(self, node_ids: list[int], clients: list[int] | None = None) -> None:
         clients = list(range(len(node_ids))) if clients is None else clients
@@ -202,19 +235,33 @@ class GridExecutor:
         losses = np.full(k, np.nan)
         reported = np.zeros(k, dtype=bool)
         sizes = np.zeros(k, dtype=np.int64)
+        sender: list[Message | None] = [None] * k
         failures: list[tuple[str, str | None]] = []
         for reply in replies:
             if reply.has_error():
                 failures.append((who(reply, self.client_of_node.get(reply.metadata.src_node_id)),
                                  reply.error.reason))
                 continue
-            client = self.client_of_node[reply.metadata.src_node_id]
+            client = self.client_of_node.get(reply.metadata.src_node_id, -1)
+            if client not in row_of:
+                continue  # a reply nobody asked for (a late one)
             row = row_of[client]
-            parsed = read_train_reply(reply, client, self.arrayrecord_key, template)
-            params[row] = parsed.params
+            try:
+                parsed = read_train_reply(reply, client, self.arrayrecord_key, template)
+            except ContractError as exc:
+                self.guard.bad(exc, client)
+                continue
+            params[row], sender[row] = parsed.params, reply
             sizes[row] = parsed.num_examples
             if parsed.train_loss is not None:
                 losses[row], reported[row] = parsed.train_loss, True
+        ratio = self.guard.policy.max_update_ratio
+        for row, times in outlying_updates(params, template, ratio):
+            client = int(work.clients[row])
+            self.guard.bad(ContractError(
+                f"{who(sender[row], client)} replied an update {times:.3g} x the round's "
+                f"median length (max_update_ratio {ratio:g}): outlying"), client)
+            params[row] = None
         ok = np.array([p is not None for p in params], dtype=bool)
         self.outcomes.note(work.cloud_round, work.edge_round, failures, bool(ok.any()),
                            defer=self.expected_clients is None)
@@ -226,9 +273,14 @@ class GridExecutor:
 
     def train(self, work: EdgeRoundWork, edge_models: Params) -> TrainResult:
         template = {k: v[0] for k, v in edge_models.items()}
-        replies = self.grid.send_and_receive(self.train_messages(work, edge_models),
-                                             timeout=self.timeout)
-        return self.read_train_replies(work, replies, template)
+        messages = [m for m in self.train_messages(work, edge_models)
+                    if self.client_of_node[m.metadata.dst_node_id] not in self.guard.excluded]
+        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
+        self._missing(f"edge round {work.edge_round}",
+                      [m.metadata.dst_node_id for m in messages], replies)
+        result = self.read_train_replies(work, replies, template)
+        self.guard.end_round()
+        return result
 
     # ---------------------------------------------------------------- evaluation
     def evaluate_messages(self, params: Params, cloud_round: int) -> list[Message]:
@@ -243,17 +295,32 @@ class GridExecutor:
     def read_evaluate_replies(self, replies: Iterable[Message]) -> ClientEvaluation | None:
         out = ClientEvaluation.unanswered(self.num_clients or 0)
         assert out.holdout_accuracy is not None and out.num_examples is not None
+        silent: list[int] = []
         for reply in replies:
             if reply.has_error():
                 continue
-            client = self.client_of_node[reply.metadata.src_node_id]
-            numbers = read_evaluate_reply(reply, client)
+            client = self.client_of_node.get(reply.metadata.src_node_id, -1)
+            if client < 0:
+                continue
+            try:
+                numbers = read_evaluate_reply(reply, client)
+                size = evaluate_rows(reply, client) if numbers is not None else 0
+            except NonFiniteLossError as exc:
+                log.warning("evaluate: %s", exc)
+                continue
+            except ContractError as exc:
+                self.guard.bad(exc, client)
+                continue
             if numbers is None:
+                silent.append(client)
                 continue
             out.loss[client], out.accuracy[client] = numbers[0], numbers[1]
             if numbers[2] is not None:
                 out.holdout_accuracy[client] = numbers[2]
-            out.num_examples[client] = evaluate_rows(reply, client)
+            out.num_examples[client] = size
+        if silent:
+            log.warning("evaluate: client(s) %s replied without loss and accuracy: left out",
+                        sorted(silent)[:10])
         return out.if_answered()
 
     def evaluate(self, params: Params, cloud_round: int) -> ClientEvaluation | None:
@@ -263,8 +330,10 @@ class GridExecutor:
         the cloud)."""
         if cloud_round > 0 and self.expected_clients is None:
             self.outcomes.check(cloud_round)
-        replies = self.grid.send_and_receive(self.evaluate_messages(params, cloud_round),
-                                             timeout=self.timeout)
+        messages = self.evaluate_messages(params, cloud_round)
+        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
+        self._missing(f"evaluate (round {cloud_round})",
+                      [m.metadata.dst_node_id for m in messages], replies)
         return self.read_evaluate_replies(replies)
 
     # ---------------------------------------------------------------- queries
@@ -276,11 +345,19 @@ class GridExecutor:
         messages = [Message(content, message_type=f"{MessageType.QUERY}.gradient",
                             dst_node_id=node) for node in self.node_ids.values()]
         grads: dict[int, torch.Tensor] = {}
-        for reply in self.grid.send_and_receive(messages, timeout=self.timeout):
+        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
+        self._missing("gradient query", [m.metadata.dst_node_id for m in messages], replies)
+        size = None
+        for reply in replies:
             if reply.has_error() or "gradient" not in reply.content.array_records:
                 continue
             client = self.client_of_node[reply.metadata.src_node_id]
-            grads[client] = reply.content["gradient"].to_torch_state_dict()["g"]
+            try:
+                grads[client] = read_gradient_reply(reply, client, size)
+            except ContractError as exc:
+                self.guard.bad(exc, client)
+                continue
+            size = len(grads[client])
         if len(grads) != len(self.node_ids):
             log.warning("gradient query: %d of %d clients answered (a client needs a "
                         "query.gradient handler: docs/contract.md)", len(grads),
@@ -327,6 +404,17 @@ class GridExecutor:
         if failed:
             raise RunFailureError(f"{len(failed)} client(s) could not restore their kept "
                                   "state from the checkpoint")
+
+
+def _usual_length(replies: list[Message]) -> int | None:
+    """The label-histogram length most profile replies report (None: none reports one)."""
+    lengths: dict[int, int] = {}
+    for reply in replies:
+        metrics = reply.content.metric_records.get("metrics")
+        histogram = metrics.get("label-histogram") if metrics is not None else None
+        if isinstance(histogram, list) and histogram:
+            lengths[len(histogram)] = lengths.get(len(histogram), 0) + 1
+    return max(lengths, key=lambda n: (lengths[n], n)) if lengths else None
 
 
 def metric_record(values: dict[str, Any]) -> MetricRecord:

@@ -35,6 +35,7 @@ from fedhier.hsgd import (
 )
 from fedhier.mobility import Mobility
 from fedhier.plan import EdgeRoundPlan, Workload
+from fedhier.reply_policy import ReplyPolicy
 from fedhier.sim_clock import TimeModel
 from fedhier.staleness import AsyncEdges
 from fedhier.strategies.cloud_step import as_cloud_step
@@ -102,7 +103,8 @@ class HierFedAvg(Strategy):
         ``gradient`` grouping uses the gradients at the current global model). 0 = never.
     aggregators : sequence of str (default: ("mean",))
         The aggregation rule at every level, or one per level (edge ... cloud), from
-        ``fedhier.aggregate.AGGREGATORS`` ("mean": exact H-SGD; "median": coordinate-wise).
+        ``fedhier.aggregate.AGGREGATORS`` ("mean": exact H-SGD; "median", "trimmed-mean",
+        "clip", "krum", "multi-krum": robust rules, docs/security.md).
     mobility : fedhier.mobility.Mobility, optional
         Clients moving between edges (a seeded rate or a trace) and the handoff policy
         (docs/hsgd.md#mobility). None = static.
@@ -121,6 +123,10 @@ class HierFedAvg(Strategy):
         Accepted as FedAvg's is, but HierFedAvg evaluates every client after each cloud
         round (the record's train_loss is the global objective over all clients); a value
         below 1 is named once in the log.
+    reply_policy : fedhier.reply_policy.ReplyPolicy, optional
+        A reply that breaks the contract stops the run or is dropped; K dropped rounds in a
+        row exclude the client; the cap on a client's claimed size (docs/security.md).
+        None = stop, K = 3, cap 10 x the median claim.
     """
 
     def __init__(
@@ -147,6 +153,7 @@ class HierFedAvg(Strategy):
         asynchronous: AsyncEdges | None = None,
         edge_periods: Sequence[int] = (),
         fraction_evaluate: float = 1.0,
+        reply_policy: ReplyPolicy | None = None,
     ) -> None:
         all_periods = tuple(periods) if periods else (local_period, global_period)
         if all_periods[0] != local_period or all_periods[-1] != global_period:
@@ -159,7 +166,7 @@ class HierFedAvg(Strategy):
             diagnostics_every=diagnostics_every, regroup_every=regroup_every,
             aggregators=tuple(aggregators), mobility=mobility or Mobility(),
             time_model=time_model or TimeModel(), asynchronous=asynchronous or AsyncEdges(),
-            edge_periods=tuple(edge_periods))
+            edge_periods=tuple(edge_periods), policy=reply_policy or ReplyPolicy())
         self.algorithm = algorithm_for(self.settings, as_cloud_step(cloud_strategy))
         self.min_available_nodes = min_available_nodes
         self.fraction_evaluate = fraction_evaluate
@@ -181,7 +188,8 @@ class HierFedAvg(Strategy):
                    min_clients_per_edge=s.min_clients_per_edge, on_nan=s.on_nan,
                    diagnostics_every=s.diagnostics_every, regroup_every=s.regroup_every,
                    aggregators=s.aggregators, mobility=s.mobility, time_model=s.time_model,
-                   asynchronous=s.asynchronous, edge_periods=s.edge_periods)
+                   asynchronous=s.asynchronous, edge_periods=s.edge_periods,
+                   reply_policy=s.policy)
 
     # ------------------------------------------------------------------ what it holds
     @property
@@ -234,7 +242,8 @@ class HierFedAvg(Strategy):
                             min_available_nodes=self.min_available_nodes,
                             arrayrecord_key=self.arrayrecord_key,
                             configrecord_key=self.configrecord_key,
-                            keeps_client_state=self.keeps_client_state)
+                            keeps_client_state=self.keeps_client_state,
+                            policy=self.settings.policy)
 
     def setup(self, grid: Grid, config: ConfigRecord, timeout: float,
               arrays: ArrayRecord) -> None:

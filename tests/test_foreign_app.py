@@ -191,6 +191,7 @@ def test_from_settings_keeps_every_setting():
     from fedhier.hsgd import HSGDSettings
     from fedhier.mobility import Mobility
     from fedhier.plan import Workload
+    from fedhier.reply_policy import ReplyPolicy
     from fedhier.sim_clock import TimeModel
     from fedhier.staleness import AsyncEdges
     from fedhier.strategies import HierFedAvg
@@ -200,7 +201,8 @@ def test_from_settings_keeps_every_setting():
         workload=Workload(participation=0.5), min_clients_per_edge=1, on_nan="skip-client",
         diagnostics_every=2, regroup_every=3, aggregators=("median",),
         mobility=Mobility(rate=0.1), time_model=TimeModel(step_seconds=0.5),
-        asynchronous=AsyncEdges(0, 2), edge_periods=(2, 8))
+        asynchronous=AsyncEdges(0, 2), edge_periods=(2, 8),
+        policy=ReplyPolicy("drop", exclude_after=2, max_weight_ratio=5.0))
     default = HSGDSettings(periods=(2, 8), groups=(2,))
     assert all(getattr(changed, f.name) != getattr(default, f.name)
                for f in dataclasses.fields(HSGDSettings) if f.name not in ("periods", "groups"))

@@ -17,6 +17,7 @@ from fedhier.errors import ConfigError
 from fedhier.federation import federation_for
 from fedhier.grouping import grouping_needs
 from fedhier.hsgd import aggregate_levels
+from fedhier.reply_policy import ReplyPolicy
 from fedhier.strategies.contract import ContractError
 from fedhier.strategies.hierfedavg import HierFedAvg
 from fedhier.topology import Hierarchy
@@ -87,7 +88,8 @@ def test_median_resists_a_poisoned_client_the_mean_does_not():
     for rule in ("mean", "median"):
         grid = InProcessGrid(poisoning_app(partition=0, factor=1e6), cfg.clients, seed=cfg.seed)
         strategy = HierFedAvg(2, 4, 3, grouping="contiguous", seed=cfg.seed,
-                              aggregators=(rule,))
+                              aggregators=(rule,),  # the rules alone: no update check
+                              reply_policy=ReplyPolicy(max_update_ratio=0))
         result = strategy.start(grid, ArrayRecord(initial_state(cfg)), num_rounds=1,
                                 train_config=ConfigRecord(cfg.to_run_config()))
         finals[rule] = result.arrays.to_torch_state_dict()

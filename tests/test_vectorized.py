@@ -76,6 +76,11 @@ CASES = {
     "median-mean-median-three-level-faults": BASE.replace(
         groups=(4, 2), periods=(2, 4, 8), aggregators="median,mean,median", fail_rate=0.3,
         rounds=3),
+    "trimmed-krum": BASE.replace(aggregators="trimmed-mean,krum", rounds=2),
+    "clip-clip-multikrum-three-level-faults": BASE.replace(
+        groups=(4, 2), periods=(2, 4, 8), aggregators="clip:1.5x,clip,multi-krum",
+        fail_rate=0.3, rounds=2),
+    "median-clip-cloud": BASE.replace(aggregators="median,clip:0.5", rounds=2),
     "stragglers-cnn": BASE.replace(model="cnn", local_period=3, global_period=6,
                                    straggler_fraction=0.5, normalize_updates=True, rounds=1),
 }

@@ -2,12 +2,17 @@
 
 It implements Flower's ``Grid`` interface, so any ``flwr.serverapp.strategy`` strategy (ours
 or Flower's own) runs on it unchanged. Messages are handled one after another in the order
-sent; a ClientApp exception becomes an error reply, as on Flower's engines.
+sent; a ClientApp exception becomes an error reply, as on Flower's engines. Under
+``send_and_receive(..., timeout=T)`` each client gets T seconds of its own (as if the nodes
+ran in parallel): a reply that takes longer is dropped, and a node still busy with it gets
+no reply to later messages until it finishes, so a client that never answers does not hang
+the run.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import traceback
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -54,6 +59,7 @@ class InProcessGrid(Grid):
         }
         self._replies: dict[str, Message] = {}
         self._message_ids = itertools.count(1)
+        self._busy: dict[int, threading.Thread] = {}  # node -> a call still running late
 
     def set_run(self, run: Run) -> None:
         self._run = run
@@ -71,23 +77,46 @@ class InProcessGrid(Grid):
         return list(self.contexts)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self._handle(messages, None)
+
+    def _handle(self, messages: Iterable[Message], timeout: float | None) -> list[str]:
+        """Call the ClientApp for each message in order; with ``timeout``, each call in a
+        thread of its own given ``timeout`` seconds (a late call leaves no reply)."""
         ids = []
         for msg in messages:
             msg.metadata.__dict__["_message_id"] = str(next(self._message_ids))
-            context = self.contexts[msg.metadata.dst_node_id]
-            try:
-                reply = self.client_app(msg, context)
-            except Exception as exc:  # noqa: BLE001 - reported to the strategy as in Flower
-                reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
-                error = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason)
-                reply = Message(error, reply_to=msg)
-            self._replies[msg.metadata.message_id] = reply
             ids.append(msg.metadata.message_id)
+            if timeout is None:
+                self._replies[msg.metadata.message_id] = self._call(msg)
+                continue
+            node = msg.metadata.dst_node_id
+            late = self._busy.get(node)
+            if late is not None and late.is_alive():
+                continue  # still working on an earlier message: no reply
+            holder: list[Message] = []
+            worker = threading.Thread(target=lambda m=msg, h=holder: h.append(self._call(m)),
+                                      daemon=True, name=f"fedhier-node-{node}")
+            worker.start()
+            worker.join(timeout)
+            if worker.is_alive() or not holder:
+                self._busy[node] = worker  # late: whatever it replies is never read
+            else:
+                self._replies[msg.metadata.message_id] = holder[0]
         return ids
+
+    def _call(self, msg: Message) -> Message:
+        """The ClientApp's reply to ``msg`` (an exception becomes an error reply)."""
+        context = self.contexts[msg.metadata.dst_node_id]
+        try:
+            return self.client_app(msg, context)
+        except Exception as exc:  # noqa: BLE001 - reported to the strategy as in Flower
+            reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
+            error = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason)
+            return Message(error, reply_to=msg)
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         return [self._replies.pop(mid) for mid in message_ids if mid in self._replies]
 
     def send_and_receive(self, messages: Iterable[Message], *,
                          timeout: float | None = None) -> Iterable[Message]:
-        return self.pull_messages(self.push_messages(messages))
+        return self.pull_messages(self._handle(messages, timeout))

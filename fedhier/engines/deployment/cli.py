@@ -71,6 +71,8 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
         raise ConfigError(f"--clients {args.clients} contradicts --nodes {args.nodes}: each "
                           "SuperNode is one client; give --nodes only")
     cfg = cfg.replace(clients=args.nodes)
+    if cfg.on_bad_reply == "auto":  # real processes: one client must not stop everyone's run
+        cfg = cfg.replace(on_bad_reply="drop")
     edges = getattr(args, "edges", None)
     if edges is None:
         return cfg
