@@ -186,26 +186,34 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     return RunConfig.from_mapping({**base, **given}, where="command line")
 
 
-def resumable_checkpoint(path: Path, cfg: RunConfig) -> Checkpoint:
+def resumable_checkpoint(path: Path, cfg: RunConfig) -> Checkpoint | None:
     """The checkpoint of run folder ``path`` (configuration ``cfg``), checked against the
-    folder's metrics and the model ``cfg`` builds; a one-line FedhierError if it does not fit."""
-    from fedhier.checkpoint import check_model, load_checkpoint
+    folder's metrics and the model ``cfg`` builds; a one-line FedhierError if it does not fit.
+
+    None when the run stopped before its first checkpoint (no checkpoint.pt, no summary.json):
+    the resumed run starts again at round 0 in the same folder. A round-0 checkpoint is the
+    same as none (it holds nothing a fresh start lacks)."""
+    from fedhier.checkpoint import CHECKPOINT, check_model, load_checkpoint
     from fedhier.run_folder import read_metrics
     from fedhier.server import initial_model
     from fedhier.train import resolve_device
 
-    resume = load_checkpoint(path)
-    if not 0 <= resume.round <= cfg.rounds:
-        raise FedhierError(f"{path}/checkpoint.pt is after cloud round {resume.round} of a "
-                           f"{cfg.rounds}-round run; it does not belong to this run folder")
-    recorded = {r["round"] for r in read_metrics(path)}
-    if not set(range(resume.round + 1)) <= recorded:
-        raise FedhierError(f"{path}/metrics.jsonl lacks rounds of the checkpoint's "
-                           f"0..{resume.round}; the folder is damaged")
+    resume: Checkpoint | None = None
+    if (path / CHECKPOINT).exists() or (path / "summary.json").exists():
+        resume = load_checkpoint(path)
+        if not 0 <= resume.round <= cfg.rounds:
+            raise FedhierError(f"{path}/{CHECKPOINT} is after cloud round {resume.round} of "
+                               f"a {cfg.rounds}-round run; it does not belong to this run "
+                               "folder")
+        recorded = {r["round"] for r in read_metrics(path)}
+        if not set(range(resume.round + 1)) <= recorded:
+            raise FedhierError(f"{path}/metrics.jsonl lacks rounds of the checkpoint's "
+                               f"0..{resume.round}; the folder is damaged")
     resolve_device(cfg.device)
     fed = prepare_data(cfg)
-    check_model(resume, initial_model(cfg, fed).state_dict(), path)
-    return resume
+    if resume is not None:
+        check_model(resume, initial_model(cfg, fed).state_dict(), path)
+    return resume if resume is not None and resume.round > 0 else None
 
 
 def resumed_config(args: argparse.Namespace, engine: str | None = None) -> RunConfig:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from fedhier import crash_points
 from fedhier.errors import ConfigError, FedhierError
 from fedhier.run_lock import LOCK_NAME, RunLock, busy_error, live_holder
 
@@ -288,8 +289,15 @@ class RunFolder:
     def append_metrics(self, record: Mapping[str, Any]) -> None:
         """Append one JSON line to metrics.jsonl and flush it to disk."""
         path = self.path / "metrics.jsonl"
+        line = json.dumps(_jsonable(record)) + "\n"
         with writing(path), open(path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(_jsonable(record)) + "\n")
+            if crash_points.active():  # a test kills the process halfway through the line
+                handle.write(line[:len(line) // 2])
+                handle.flush()
+                os.fsync(handle.fileno())
+                crash_points.crash_point()
+                line = line[len(line) // 2:]
+            handle.write(line)
             handle.flush()
             os.fsync(handle.fileno())
 
