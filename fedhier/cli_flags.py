@@ -15,7 +15,7 @@ import logging
 import struct
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -171,19 +171,44 @@ def prepare_data(cfg: RunConfig) -> Any:
     return fed
 
 
-def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """TOML file (if any) overlaid with the flags given on the command line."""
+def config_values(args: argparse.Namespace,
+                  defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The configuration keys a command sets: its own ``defaults`` (an experiment suite's
+    sizes), overlaid with the ``--config`` TOML file, overlaid with the flags given. The one
+    place every command (run, diversity, experiment, deploy) resolves its flags, so they all
+    read the same flags the same way:
+
+    - ``--periods`` replaces the two-level periods below it, ``--local-period`` /
+      ``--global-period`` replace ``periods`` below them;
+    - a ``--data-path`` (flag or file) without a ``dataset`` of the file or flags drops the
+      command's default dataset, so that :meth:`RunConfig.from_mapping` picks the dataset
+      from the path (a ``FILE.npz`` reads the npz source) as ``fedhier run`` does.
+    """
     base: dict[str, Any] = {}
     if args.config:
         base = {str(k).replace("-", "_"): v for k, v in read_config_file(args.config).items()}
         RunConfig.from_mapping(base, where=str(args.config))  # report the file's own errors
     given = {f.name: getattr(args, f.name) for f in fields(RunConfig)
              if getattr(args, f.name) is not None}
-    if "periods" in given:  # --periods replaces the two-level periods of the file
-        base = {k: v for k, v in base.items() if k not in ("local_period", "global_period")}
-    elif given.keys() & {"local_period", "global_period"}:
-        base.pop("periods", None)
-    return RunConfig.from_mapping({**base, **given}, where="command line")
+    layers = [dict(defaults or {}), base, given]
+    for upper in range(1, len(layers)):  # each layer's periods replace those beneath it
+        keys = layers[upper].keys()
+        for lower in layers[:upper]:
+            if "periods" in keys:
+                for key in ("local_period", "global_period"):
+                    lower.pop(key, None)
+            elif keys & {"local_period", "global_period"}:
+                lower.pop("periods", None)
+    explicit = {**base, **given}
+    if "dataset" not in explicit and explicit.get("data_path"):
+        layers[0].pop("dataset", None)
+    return {**layers[0], **explicit}
+
+
+def config_from_args(args: argparse.Namespace,
+                     defaults: Mapping[str, Any] | None = None) -> RunConfig:
+    """The validated configuration of :func:`config_values` (TOML file, then flags)."""
+    return RunConfig.from_mapping(config_values(args, defaults), where="command line")
 
 
 def resumable_checkpoint(path: Path, cfg: RunConfig) -> Checkpoint | None:
