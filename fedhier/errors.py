@@ -13,10 +13,11 @@ class DataError(FedhierError):
     """A dataset that cannot be found, read or partitioned as asked."""
 
 
-class DamagedFileError(DataError):
+class DamagedFileError(ConfigError, DataError):
     """A file fedhier reads (a data file, a checkpoint, a run folder's file, a TOML file) that
     is damaged, unreadable or not what its name says: one line naming the file, what is wrong
-    and what to do (exit code 2). Every reader raises this one type."""
+    and what to do (exit code 2). Every reader raises this one type; it is both a ConfigError
+    and a DataError, so code catching the kind of file's earlier error keeps working."""
 
     def __init__(self, path: object, reason: str, remedy: str = "") -> None:
         self.path = str(path)

@@ -30,7 +30,7 @@ from sklearn.model_selection import train_test_split
 
 from fedhier.data.bundle import DataBundle, bundle_from_arrays
 from fedhier.data.synthetic import make_synthetic
-from fedhier.errors import ConfigError, DataError, FedhierError
+from fedhier.errors import ConfigError, DamagedFileError, DataError, FedhierError, os_reason
 
 SOURCES = ("sklearn-digits", "idx", "synthetic", "hub", "local", "shakespeare")
 LOCAL_FORMATS = ("auto", "disk", "parquet", "csv", "npz")
@@ -279,7 +279,12 @@ def resolve_spec(dataset: str | os.PathLike[str]) -> DatasetSpec:
         origin = Path(name).expanduser()
         if not origin.is_file():
             raise ConfigError(f"dataset TOML '{name}' not found; check the path")
-        text = origin.read_text(encoding="utf-8")
+        try:
+            text = origin.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else os_reason(exc)
+            raise DamagedFileError(origin, f"cannot read the dataset TOML ({reason})",
+                                   "a dataset TOML is a readable text file") from None
         label = str(origin)
     else:
         raise ConfigError(
@@ -289,7 +294,7 @@ def resolve_spec(dataset: str | os.PathLike[str]) -> DatasetSpec:
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{label}: invalid TOML: {exc}") from exc
+        raise DamagedFileError(label, f"invalid TOML: {exc}") from exc
     return parse_spec(raw, origin.resolve(), label)
 
 
@@ -367,11 +372,14 @@ def _check_width(spec: DatasetSpec, width: int, what: str) -> None:
 
 
 def _check_labels(spec: DatasetSpec, y: np.ndarray, what: str) -> None:
+    """Labels must be class indices 0..num_classes-1: name the first row that breaks it."""
     if len(y) and (y.min() < 0 or y.max() >= spec.num_classes):
+        row = int(np.flatnonzero((y < 0) | (y >= spec.num_classes))[0])
+        rule = ("labels are class indices >= 0" if y[row] < 0 else
+                f"labels must be below num_classes {spec.num_classes} of {spec.label}")
         raise DataError(
-            f"{what} has labels from {y.min()} to {y.max()} but num_classes is "
-            f"{spec.num_classes} in {spec.label}; fix num_classes or remap the labels "
-            f"to 0..{spec.num_classes - 1}"
+            f"{what}: row {row} holds label {y[row]} ({rule}); the labels run from {y.min()} "
+            f"to {y.max()}: fix num_classes or remap the labels to 0..{spec.num_classes - 1}"
         )
 
 
@@ -611,14 +619,18 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _call_datasets(fn: Callable[[], T], what: str, fix: str) -> T:
-    """Run a `datasets` call; turn any failure into a one-line `DataError`."""
+def _call_datasets(fn: Callable[[], T], what: str, fix: str, path: Path | None = None) -> T:
+    """Run a `datasets` call; turn any failure into a one-line `DataError` (a
+    `DamagedFileError` naming ``path`` when it reads local files)."""
     try:
         with _quiet_progress():
             return fn()
     except FedhierError:
         raise
     except Exception as exc:
+        if path is not None:
+            raise DamagedFileError(path, f"could not load {what} ({_one_line(exc)})",
+                                   fix) from exc
         raise DataError(f"could not load {what} ({_one_line(exc)}); {fix}") from exc
 
 
@@ -681,6 +693,7 @@ def _open_local(spec: DatasetSpec, data_path: str | None) -> tuple[Any, str]:
             lambda: datasets.load_from_disk(str(path)),
             f"save_to_disk folder {path}",
             "check that it was written by Dataset.save_to_disk or DatasetDict.save_to_disk",
+            path,
         )
         return loaded, str(path)
     files = [path] if path.is_file() else sorted(path.rglob(f"*.{fmt}"))
@@ -699,6 +712,7 @@ def _open_local(spec: DatasetSpec, data_path: str | None) -> tuple[Any, str]:
         lambda: datasets.load_dataset(fmt, data_files=data_files),
         f"{fmt} data {path}",
         "check that the files are valid and share one set of columns",
+        path,
     )
     return loaded, str(path)
 
@@ -958,15 +972,23 @@ def _load_npz(spec: DatasetSpec, seed: int, data_path: str | None) -> DataBundle
     """A numpy ``.npz``: features (``x``/``image``/...), labels (``y``/``label``/...), an
     optional ``client_id`` array and optional ``*_test`` arrays; see docs/data.md."""
     path = _local_path(spec, data_path)
+    if path.is_dir():
+        raise DamagedFileError(path, "is a folder, not an .npz file",
+                               f"fix `path` in {spec.label} or pass --data-path FILE.npz")
     if not path.is_file():
         raise DataError(
             f"local dataset {path} does not exist; fix `path` in {spec.label} or pass --data-path")
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {name: data[name] for name in data.files}
-    except (OSError, ValueError, EOFError) as exc:
-        raise DataError(f"cannot read {path} as a numpy .npz ({_one_line(exc)}); write it with "
-                        "numpy.savez") from exc
+    except Exception as exc:  # noqa: BLE001 - BadZipFile, zlib.error, OSError, ...: the file's
+        raise DamagedFileError(path, "cannot read it as a numpy .npz "
+                               f"({os_reason(exc)[:200]})", "write it again with numpy.savez "
+                               "(a cut-short or damaged copy cannot be read)") from exc
+    if not arrays:
+        raise DamagedFileError(path, "the .npz holds no arrays (an empty archive)",
+                               "write the features and labels into it with numpy.savez(path, "
+                               "x=..., y=...)")
     opts = spec.options
     where = str(path)
     feats = tuple(opts["feature_columns"]) if "feature_columns" in opts else NPZ_FEATURES
@@ -974,8 +996,17 @@ def _load_npz(spec: DatasetSpec, seed: int, data_path: str | None) -> DataBundle
         raise ConfigError(f"{spec.label}: an .npz has one feature array; set feature_columns "
                           "to its name")
     labels = (opts["label_column"],) if "label_column" in opts else NPZ_LABELS
-    _, x, x_test = _npz_pick(arrays, feats, "feature", "feature_columns", spec, where)
-    _, y, y_test = _npz_pick(arrays, labels, "label", "label_column", spec, where)
+    x_name, x, x_test = _npz_pick(arrays, feats, "feature", "feature_columns", spec, where)
+    y_name, y, y_test = _npz_pick(arrays, labels, "label", "label_column", spec, where)
+    for name, array in ((x_name, x), (y_name, y), (f"{x_name}_test", x_test),
+                        (f"{y_name}_test", y_test)):
+        if array is not None and array.ndim == 0:
+            raise DamagedFileError(path, f"array '{name}' is one value, not one row per "
+                                   "example", "store an array with a row per example")
+    if len(x) == 0 or len(y) == 0:
+        empty = x_name if len(x) == 0 else y_name
+        raise DamagedFileError(path, f"array '{empty}' has no rows (the file holds no "
+                               "examples)", "an .npz needs at least one row per class")
     if (x_test is None) != (y_test is None):
         raise DataError(f"{where} has a test array for only one of features and labels; add "
                         "the other or drop it")
@@ -1015,8 +1046,9 @@ def _load_npz(spec: DatasetSpec, seed: int, data_path: str | None) -> DataBundle
         xs_out.append(flat)
     if not spec.input_shape or not spec.num_classes:
         spec = dataclasses.replace(spec, input_shape=shape, num_classes=num_classes)
-    for labels_part in ys:
-        _check_labels(spec, labels_part, f"labels of {where}")
+    for labels_part, (_, _, split) in zip(ys, parts, strict=True):
+        name = y_name if split == "train" else f"{y_name}_test"
+        _check_labels(spec, labels_part, f"{where}: array '{name}'")
     x_tr, y_tr = xs_out[0], ys[0]
     if len(parts) == 2:
         train = (x_tr, y_tr, cid)
