@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from fedhier.config import RunConfig, read_toml
 from fedhier.engines.registry import engine_help
-from fedhier.errors import ConfigError, DataError, FedhierError
+from fedhier.errors import ConfigError, DamagedFileError, DataError, FedhierError
 from fedhier.faults import RunFailureError
 
 if TYPE_CHECKING:
@@ -255,9 +255,11 @@ def resumed_config(args: argparse.Namespace, engine: str | None = None) -> RunCo
         saved = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
         reason = exc.strerror if isinstance(exc, OSError) else "not valid JSON"
-        raise ConfigError(f"--resume {args.resume}: cannot read {path} ({reason})") from None
+        raise DamagedFileError(path, f"--resume {args.resume}: cannot read it ({reason})",
+                               "the run folder is damaged; it cannot be continued") from None
     if not isinstance(saved, dict):
-        raise ConfigError(f"--resume {args.resume}: {path} is not a run configuration")
+        raise DamagedFileError(path, f"--resume {args.resume}: not a run configuration",
+                               "the run folder is damaged; it cannot be continued")
     names = {f.name for f in fields(RunConfig)}
     missing = sorted(names - saved.keys())
     if missing:  # defaults would silently replace them: another federation than the checkpoint's

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from fedhier import crash_points
-from fedhier.errors import ConfigError, FedhierError
+from fedhier.errors import ConfigError, DamagedFileError, FedhierError
 from fedhier.run_lock import LOCK_NAME, RunLock, busy_error, live_holder
 
 FAILED = "failed.json"
@@ -329,7 +329,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise ConfigError(f"cannot read {path}: {reason}") from exc
+        raise DamagedFileError(path, f"cannot read it: {reason}", _REMEDY) from exc
     lines = text.split("\n")
     records = []
     for number, line in enumerate(lines, start=1):
@@ -340,12 +340,26 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         except ValueError:
             if number == len(lines):  # the torn last line of an interrupted append
                 break
-            raise ConfigError(f"{path} is damaged: line {number} is not JSON") from None
+            raise DamagedFileError(path, f"damaged: line {number} is not JSON",
+                                   _REMEDY) from None
         if not isinstance(record, dict) or not isinstance(record.get("round"), int):
-            raise ConfigError(f"{path} is damaged: line {number} is not a round's record")
+            raise DamagedFileError(path, f"damaged: line {number} is not a round's record",
+                                   _REMEDY)
         records.append(record)
     return records
 
 
+#: What to do about a damaged file of a run folder.
+_REMEDY = "the run folder is damaged; rerun the run (or restore the file from a copy)"
+
+
 def read_json(run_dir: str | Path, name: str) -> Any:
-    return json.loads((Path(run_dir) / name).read_text())
+    """A JSON file of a run folder; a one-line :class:`DamagedFileError` if it cannot be
+    read or is not JSON."""
+    path = Path(run_dir) / name
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # missing, unreadable, not UTF-8, not JSON
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
+            "not UTF-8 JSON text" if isinstance(exc, ValueError) else str(exc)
+        raise DamagedFileError(path, f"cannot read it ({reason})", _REMEDY) from None
