@@ -34,6 +34,13 @@ from fedhier.errors import ConfigError, DamagedFileError, FedhierError
 from fedhier.run_lock import LOCK_NAME, RunLock, busy_error, live_holder
 
 FAILED = "failed.json"
+#: Every file a run writes in its folder: ``--overwrite`` removes them all when it claims the
+#: folder, so that the folder describes one run (never an earlier run's model or curves beside
+#: the new run's failed.json).
+RUN_FILES = ("config.json", "partition.json", "groups.json", "groups.png", "metrics.jsonl",
+             "summary.json", "model_initial.safetensors", "model_final.safetensors",
+             "curves.png", "groups_history.json", "groups_history.png", FAILED, "checkpoint.pt",
+             ".checkpoint.pt.tmp")
 
 
 class WriteError(FedhierError):
@@ -194,7 +201,7 @@ class RunFolder:
             cls.check_target(path, overwrite)  # another run may have filled it meanwhile
             folder._pristine = not _entries(path)
             if overwrite:
-                for name in ("metrics.jsonl", "summary.json", FAILED, "checkpoint.pt"):
+                for name in RUN_FILES:  # the earlier run's files, all of them
                     with writing(path / name):
                         (path / name).unlink(missing_ok=True)
         except BaseException:

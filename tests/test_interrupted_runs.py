@@ -99,3 +99,26 @@ def test_twenty_kills_then_resume_equal_the_uninterrupted_run(engine, tmp_path, 
         assert main(["run", "--resume", str(out), "--no-progress"]) == 0, point
         assert folder_contents(out) == reference, f"killed at crash point {point}"
         shutil.rmtree(out)
+
+
+def test_a_failed_overwrite_leaves_no_file_of_the_earlier_run(tmp_path, monkeypatch, capsys):
+    """``--overwrite`` of a finished run folder by a run that then fails (exit 3): the folder
+    describes the new run only (its config.json and failed.json), never the earlier run's
+    model_final.safetensors, curves.png or summary.json beside them."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    argv = run_argv("inprocess", out)
+    assert main(argv) == 0
+    assert {"model_final.safetensors", "curves.png", "summary.json"} <= \
+        {p.name for p in out.iterdir()}
+    assert main([*argv, "--overwrite", "--lr", "1e30"]) == 3
+    assert "failed.json" in capsys.readouterr().err
+    names = {p.name for p in out.iterdir()}
+    assert not names & {"model_final.safetensors", "curves.png", "summary.json",
+                        "checkpoint.pt"}, names
+    assert json.loads((out / "config.json").read_text())["lr"] == 1e30
+    failed = json.loads((out / "failed.json").read_text())
+    assert failed["exit_code"] == 3 and failed["last_completed_round"] == 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    rounds = [json.loads(line)["round"] for line in lines]
+    assert rounds == [0]
