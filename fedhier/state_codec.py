@@ -184,7 +184,7 @@ def decode(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
                 state = dec(v["state"])
                 if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
                     raise StateFormatError(f"holds a {cls.__name__} without attributes")
-                obj = object.__new__(cls)  # no __init__, no __setstate__: nothing runs
+                obj: Any = object.__new__(cls)  # no __init__, no __setstate__: nothing runs
                 obj.__dict__.update(state)
                 return obj
         except StateFormatError:
