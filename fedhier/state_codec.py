@@ -4,11 +4,15 @@
 arrays and scalars, and objects of the *allowed* classes) into a JSON-able tree plus a flat
 ``name -> tensor`` dict (saved with safetensors); :func:`decode` reverses it exactly (floats
 through ``repr``, arrays as their raw bytes). Reading never runs code from the file: an object
-is rebuilt only for a class on the allow-list (fedhier's own state classes and the Flower cloud
-strategies fedhier builds), with ``cls.__new__`` and its saved attributes, and a function only
-by name from the same list. Anything else in a file is refused as damaged; anything else in a
-state being saved is a :class:`TypeError` (a programming error: register the type first with
-:func:`allow`).
+is rebuilt only for a class on the allow-list (fedhier's own state classes, and what the
+strategy layer registers: the Flower cloud strategies fedhier builds), with ``cls.__new__`` and
+its saved attributes, and a function only by name from the same list; a registered
+:func:`adapter` type (Flower's ``ArrayRecord``) is stored as plain values and rebuilt by its
+adapter. Anything else in a file is refused as damaged; anything else in a state being saved
+is a :class:`TypeError` (a programming error: register the type first with :func:`allow`).
+
+This module imports no Flower: the layers that create Flower objects register them
+(``fedhier.strategies.cloud_step``), and are imported by name when a file names them.
 """
 
 from __future__ import annotations
@@ -26,15 +30,17 @@ import torch
 #: The allowed classes and functions, by "module:qualname" (see :func:`_allowed`).
 _EXTRA: dict[str, Any] = {}
 _ALLOWED: dict[str, Any] | None = None
+#: Adapters by name: (type, to plain values, from plain values).
+_ADAPTERS: dict[str, tuple[type, Callable[[Any], Any], Callable[[Any], Any]]] = {}
 
-#: The built-in allow-list: (module, names) imported on first use.
+#: fedhier's own allow-list: (module, names) imported on first use.
 _BUILTIN = (
     ("fedhier.topology", ("Hierarchy",)),
     ("fedhier.async_edges", ("EdgeJob",)),
-    ("fedhier.strategies.cloud_step", ("FlowerCloudStep",)),
-    ("flwr.serverapp.strategy", ("FedAvg", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad")),
-    ("flwr.serverapp.strategy.strategy_utils", ("aggregate_metricrecords",)),
 )
+#: Modules that register the types they put into a run's state (:func:`allow`,
+#: :func:`adapter`) when imported; imported before a file is decoded.
+_PROVIDERS = ("fedhier.strategies.cloud_step",)
 
 
 class StateFormatError(ValueError):
@@ -51,9 +57,18 @@ def allow(obj: type | Callable[..., Any]) -> None:
     _EXTRA[_name(obj)] = obj
 
 
+def adapter(name: str, cls: type, to_plain: Callable[[Any], Any],
+            from_plain: Callable[[Any], Any]) -> None:
+    """Store instances of ``cls`` as ``to_plain(obj)`` (values this module stores) and rebuild
+    them with ``from_plain`` (e.g. Flower's ArrayRecord as name -> NumPy array)."""
+    _ADAPTERS[name] = (cls, to_plain, from_plain)
+
+
 def _allowed() -> dict[str, Any]:
     global _ALLOWED
     if _ALLOWED is None:
+        for module in _PROVIDERS:
+            importlib.import_module(module)
         table = {}
         for module, names in _BUILTIN:
             loaded = importlib.import_module(module)
@@ -104,9 +119,10 @@ def encode(value: Any) -> tuple[Any, dict[str, torch.Tensor]]:
             if all(isinstance(k, str) and not k.startswith("$") for k in v):
                 return {k: enc(x, f"{path}/{k}") for k, x in v.items()}
             return {"$dict": [[enc(k, path), enc(x, f"{path}/{k}")] for k, x in v.items()]}
-        if _is_array_record(v):
-            return {"$arrayrecord": [[k, enc(a.numpy(), f"{path}/{k}")] for k, a in v.items()]}
         allowed = _allowed()
+        for name, (cls, to_plain, _) in _ADAPTERS.items():
+            if type(v) is cls:
+                return {"$adapter": name, "value": enc(to_plain(v), path)}
         if isinstance(v, types.FunctionType | types.BuiltinFunctionType):
             if _name(v) not in allowed:
                 raise TypeError(f"{path}: function {_name(v)} is not allowed in checkpoints "
@@ -168,10 +184,12 @@ def decode(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
                 return tuple(dec(x) for x in v["$tuple"])
             if marker == "$dict":
                 return {_key(dec(k)): dec(x) for k, x in v["$dict"]}
-            if marker == "$arrayrecord":
-                from flwr.app import Array, ArrayRecord
-
-                return ArrayRecord({str(k): Array(dec(a)) for k, a in v["$arrayrecord"]})
+            if marker == "$adapter":
+                _allowed()  # the providers register their adapters
+                if v["$adapter"] not in _ADAPTERS:
+                    raise StateFormatError(f"names an adapter {str(v['$adapter'])[:40]!r} "
+                                           "fedhier does not have")
+                return _ADAPTERS[v["$adapter"]][2](dec(v["value"]))
             if marker == "$function":
                 function = lookup(v["$function"])
                 if isinstance(function, type):
@@ -208,8 +226,3 @@ def _key(key: Any) -> Any:
     except TypeError:
         raise StateFormatError("has an unhashable dictionary key") from None
     return key
-
-
-def _is_array_record(value: Any) -> bool:
-    cls = type(value)
-    return cls.__name__ == "ArrayRecord" and cls.__module__.startswith("flwr.")
