@@ -19,13 +19,13 @@ _passed = 0
 
 def active() -> bool:
     """Whether crash points are counted in this process."""
-    return bool(os.environ.get(ENV))
+    return os.environ.get(ENV, "").strip().isdigit()
 
 
 def crash_point() -> None:
     """Count one crash point; SIGKILL this process if it is the N-th."""
-    target = os.environ.get(ENV)
-    if not target:
+    target = os.environ.get(ENV, "")
+    if not target.strip().isdigit():  # unset (normal use), or not a count: no crash points
         return
     global _passed
     _passed += 1
