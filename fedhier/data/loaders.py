@@ -43,7 +43,7 @@ from fedhier.data.specs import (
 )
 from fedhier.data.synthetic import make_synthetic
 from fedhier.data.tables import _load_table
-from fedhier.errors import ConfigError, DataError
+from fedhier.errors import ConfigError, DamagedFileError, DataError, os_reason
 
 # --------------------------------------------------------------------------- entry point
 
@@ -133,26 +133,27 @@ _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 
 
 
 def read_idx(path: Path, ndim: int) -> np.ndarray:
-    """Read an IDX file (gzipped or not) with ``ndim`` dimensions into a numpy array."""
+    """Read an IDX file (gzipped or not) with ``ndim`` dimensions into a numpy array; a
+    :class:`DamagedFileError` naming the file if it cannot be read or is not such a file."""
+    fix = "re-download or reinstall it"
     try:
         with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as fh:
             data = fh.read()
-    except (OSError, EOFError) as exc:
-        raise DataError(f"cannot read {path}: {exc}; re-download or reinstall it") from exc
+    except Exception as exc:  # noqa: BLE001 - OSError, EOFError, zlib.error: the file's fault
+        raise DamagedFileError(path, f"cannot read it ({os_reason(exc)})", fix) from exc
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES:
-        raise DataError(f"{path} is not an IDX file (bad magic number); check the file")
+        raise DamagedFileError(path, "is not an IDX file (bad magic number)", "check the file")
     if data[3] != ndim:
-        raise DataError(
-            f"{path} holds a {data[3]}-D IDX array, expected {ndim}-D (magic number "
-            f"0x{data[2]:02x}{ndim:02x}); check which file is which"
-        )
+        raise DamagedFileError(
+            path, f"holds a {data[3]}-D IDX array, expected {ndim}-D (magic number "
+            f"0x{data[2]:02x}{ndim:02x})", "check which file is which")
+    if len(data) < 4 + 4 * ndim:
+        raise DamagedFileError(path, "is truncated or corrupt (its header is cut short)", fix)
     dims = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
     dtype = np.dtype(_IDX_DTYPES[data[2]])
     expected = math.prod(dims) * dtype.itemsize
     if len(data) - 4 - 4 * ndim != expected:
-        raise DataError(
-            f"{path} is truncated or corrupt (header says {dims}); re-download or reinstall it"
-        )
+        raise DamagedFileError(path, f"is truncated or corrupt (header says {dims})", fix)
     return np.frombuffer(data, dtype=dtype, offset=4 + 4 * ndim).reshape(dims)
 
 
