@@ -6,11 +6,16 @@ object with its optimiser state), the clients' kept state (collected with ``quer
 messages, so on every Flower engine; the vectorized engine keeps it in ``strategy_state``),
 and the run's elapsed seconds. Randomness needs no saving: every draw is a
 pure function of (seed, ids), so a resumed run draws exactly what the uninterrupted run would.
+
+The file is a safetensors file, never a pickle: the tensors (and NumPy arrays, as raw bytes)
+are its tensors, everything else is JSON in its header (:mod:`fedhier.state_codec`), so
+reading a checkpoint someone hands you runs no code from it. A checkpoint written by fedhier
+before this format (a torch pickle) is refused in one line, never unpickled.
 """
 
 from __future__ import annotations
 
-import io
+import json
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -18,10 +23,14 @@ from typing import Any
 
 import torch
 
-from fedhier.errors import ConfigError
+from fedhier.crash_points import crash_point
+from fedhier.errors import ConfigError, DamagedFileError, os_reason
 from fedhier.run_folder import writing
 
 CHECKPOINT = "checkpoint.pt"
+#: The header key (safetensors metadata) holding the JSON part, and its format version.
+FORMAT_KEY = "fedhier_checkpoint"
+FORMAT_VERSION = 1
 
 
 @dataclass
@@ -33,44 +42,119 @@ class Checkpoint:
     client_states: dict[int, dict[str, dict[str, torch.Tensor]]] = field(default_factory=dict)
 
 
+def checkpoint_bytes(checkpoint: Checkpoint) -> bytes:
+    """The file contents of a checkpoint: safetensors with the JSON state in its header."""
+    from safetensors.torch import save
+
+    from fedhier.state_codec import encode
+
+    tree, tensors = encode(checkpoint.__dict__)
+    header = json.dumps({"version": FORMAT_VERSION, "state": tree}, allow_nan=False)
+    return save(tensors, metadata={FORMAT_KEY: header})
+
+
 def save_checkpoint(run_dir: Path, checkpoint: Checkpoint) -> None:
     """Write ``checkpoint.pt`` atomically (a reader never sees a half-written file)."""
-    buffer = io.BytesIO()
-    torch.save(checkpoint.__dict__, buffer)
+    data = checkpoint_bytes(checkpoint)
     tmp = run_dir / f".{CHECKPOINT}.tmp"
     with writing(run_dir / CHECKPOINT):
         try:
             with open(tmp, "wb") as handle:
-                handle.write(buffer.getvalue())
+                handle.write(data)
                 handle.flush()
                 os.fsync(handle.fileno())
+            crash_point()
             os.replace(tmp, run_dir / CHECKPOINT)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
 
 
+def read_checkpoint_file(path: Path) -> Checkpoint:
+    """The checkpoint in file ``path``; a one-line :class:`DamagedFileError` if it is not a
+    readable fedhier checkpoint. Never unpickles anything."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    from fedhier.state_codec import StateFormatError, decode
+
+    remedy = "it cannot be resumed; rerun the run from the start"
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise DamagedFileError(path, f"cannot read the checkpoint ({os_reason(exc)})",
+                               "check the file's permissions") from None
+    if data[:2] == b"PK" or data[:1] == b"\x80":
+        raise DamagedFileError(path, "a pickled checkpoint (an older fedhier's format, or "
+                               "something else's); fedhier never unpickles files",
+                               "rerun the run from the start to get a safe checkpoint")
+    try:
+        tensors = load(data)
+        metadata = _metadata(data)
+    except (SafetensorError, ValueError, OverflowError, RuntimeError) as exc:
+        raise DamagedFileError(path, f"damaged, not a fedhier checkpoint ({os_reason(exc)[:120]})",
+                               remedy) from None
+    if FORMAT_KEY not in metadata:
+        raise DamagedFileError(path, "not a fedhier checkpoint (a safetensors file without "
+                               "fedhier's state)", remedy)
+    try:
+        header = json.loads(metadata[FORMAT_KEY])
+        if not isinstance(header, dict) or header.get("version") != FORMAT_VERSION:
+            raise StateFormatError(f"has format version {str(header.get('version'))[:20]} "
+                                   f"where fedhier reads {FORMAT_VERSION}"
+                                   if isinstance(header, dict) else "has no header")
+        state = decode(header.get("state"), tensors)
+    except (ValueError, RecursionError) as exc:  # StateFormatError, JSON errors
+        raise DamagedFileError(path, f"damaged: the checkpoint {exc}"
+                               if isinstance(exc, StateFormatError) else
+                               "damaged: its header is not JSON", remedy) from None
+    names = {f.name for f in fields(Checkpoint)}
+    required = {f.name for f in fields(Checkpoint) if f.default is MISSING
+                and f.default_factory is MISSING}
+    if not isinstance(state, dict) or not required <= state.keys() or \
+            not state.keys() <= names:
+        raise DamagedFileError(path, "not a fedhier checkpoint (damaged, or written by "
+                               "something else)", remedy)
+    if not isinstance(state["round"], int) or isinstance(state["round"], bool) or \
+            not isinstance(state["global_state"], dict) or \
+            not all(isinstance(v, torch.Tensor) for v in state["global_state"].values()) or \
+            not isinstance(state["strategy_state"], dict) or \
+            not isinstance(state["wall_seconds"], int | float) or \
+            not isinstance(state.get("client_states", {}), dict):
+        raise DamagedFileError(path, "damaged: no cloud round or global model in it", remedy)
+    return Checkpoint(**state)
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file's JSON header (already validated by
+    safetensors' own parser when the tensors were loaded)."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict):
+        raise ValueError("header metadata is not a table")
+    return metadata
+
+
 def load_checkpoint(run_dir: Path) -> Checkpoint:
-    """The checkpoint of a run folder; a one-line ConfigError if it is missing or damaged."""
+    """The checkpoint of a run folder; a one-line error if it is missing or damaged."""
     path = Path(run_dir) / CHECKPOINT
     if not path.exists():
         raise ConfigError(f"{run_dir} has no {CHECKPOINT} to resume from (checkpoints are "
                           "written with --checkpoint-every K and on Ctrl-C)")
-    try:
-        data = torch.load(path, weights_only=False)
-    except Exception as exc:  # a damaged file is the user's to know about, in one line
-        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
-        raise ConfigError(f"cannot read {path}: {reason}") from exc
-    names = {f.name for f in fields(Checkpoint)}
-    required = {f.name for f in fields(Checkpoint) if f.default is MISSING
-                and f.default_factory is MISSING}
-    if not isinstance(data, dict) or not required <= data.keys() or not data.keys() <= names:
-        raise ConfigError(f"{path} is not a fedhier checkpoint (damaged, or written by "
-                          "something else)")
-    if not isinstance(data["round"], int) or not isinstance(data["global_state"], dict) or \
-            not all(isinstance(v, torch.Tensor) for v in data["global_state"].values()):
-        raise ConfigError(f"{path} is damaged: no cloud round or global model in it")
-    return Checkpoint(**data)
+    if not path.is_file():
+        raise DamagedFileError(path, "is not a file", "a checkpoint is a file; remove it")
+    return read_checkpoint_file(path)
+
+
+def resumed_checkpoint(run_dir: Path | str) -> Checkpoint | None:
+    """What ``--resume`` continues from: the folder's checkpoint, or None (start again at
+    round 0 in the same folder) when the run stopped before its first checkpoint or holds a
+    round-0 one (checked by :func:`fedhier.cli_flags.resumable_checkpoint` beforehand)."""
+    if not (Path(run_dir) / CHECKPOINT).exists():
+        return None
+    checkpoint = load_checkpoint(Path(run_dir))
+    return checkpoint if checkpoint.round > 0 else None
 
 
 def check_model(checkpoint: Checkpoint, state: dict[str, torch.Tensor], path: Path) -> None:

@@ -15,14 +15,14 @@ import logging
 import struct
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from fedhier.config import RunConfig, read_toml
 from fedhier.engines.registry import engine_help
-from fedhier.errors import ConfigError, DataError, FedhierError
+from fedhier.errors import ConfigError, DamagedFileError, DataError, FedhierError
 from fedhier.faults import RunFailureError
 
 if TYPE_CHECKING:
@@ -171,41 +171,74 @@ def prepare_data(cfg: RunConfig) -> Any:
     return fed
 
 
-def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """TOML file (if any) overlaid with the flags given on the command line."""
+def config_values(args: argparse.Namespace,
+                  defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The configuration keys a command sets: its own ``defaults`` (an experiment suite's
+    sizes), overlaid with the ``--config`` TOML file, overlaid with the flags given. The one
+    place every command (run, diversity, experiment, deploy) resolves its flags, so they all
+    read the same flags the same way:
+
+    - ``--periods`` replaces the two-level periods below it, ``--local-period`` /
+      ``--global-period`` replace ``periods`` below them;
+    - a ``--data-path`` (flag or file) without a ``dataset`` of the file or flags drops the
+      command's default dataset, so that :meth:`RunConfig.from_mapping` picks the dataset
+      from the path (a ``FILE.npz`` reads the npz source) as ``fedhier run`` does.
+    """
     base: dict[str, Any] = {}
     if args.config:
         base = {str(k).replace("-", "_"): v for k, v in read_config_file(args.config).items()}
         RunConfig.from_mapping(base, where=str(args.config))  # report the file's own errors
     given = {f.name: getattr(args, f.name) for f in fields(RunConfig)
              if getattr(args, f.name) is not None}
-    if "periods" in given:  # --periods replaces the two-level periods of the file
-        base = {k: v for k, v in base.items() if k not in ("local_period", "global_period")}
-    elif given.keys() & {"local_period", "global_period"}:
-        base.pop("periods", None)
-    return RunConfig.from_mapping({**base, **given}, where="command line")
+    layers = [dict(defaults or {}), base, given]
+    for upper in range(1, len(layers)):  # each layer's periods replace those beneath it
+        keys = layers[upper].keys()
+        for lower in layers[:upper]:
+            if "periods" in keys:
+                for key in ("local_period", "global_period"):
+                    lower.pop(key, None)
+            elif keys & {"local_period", "global_period"}:
+                lower.pop("periods", None)
+    explicit = {**base, **given}
+    if "dataset" not in explicit and explicit.get("data_path"):
+        layers[0].pop("dataset", None)
+    return {**layers[0], **explicit}
 
 
-def resumable_checkpoint(path: Path, cfg: RunConfig) -> Checkpoint:
+def config_from_args(args: argparse.Namespace,
+                     defaults: Mapping[str, Any] | None = None) -> RunConfig:
+    """The validated configuration of :func:`config_values` (TOML file, then flags)."""
+    return RunConfig.from_mapping(config_values(args, defaults), where="command line")
+
+
+def resumable_checkpoint(path: Path, cfg: RunConfig) -> Checkpoint | None:
     """The checkpoint of run folder ``path`` (configuration ``cfg``), checked against the
-    folder's metrics and the model ``cfg`` builds; a one-line FedhierError if it does not fit."""
-    from fedhier.checkpoint import check_model, load_checkpoint
+    folder's metrics and the model ``cfg`` builds; a one-line FedhierError if it does not fit.
+
+    None when the run stopped before its first checkpoint (no checkpoint.pt, no summary.json):
+    the resumed run starts again at round 0 in the same folder. A round-0 checkpoint is the
+    same as none (it holds nothing a fresh start lacks)."""
+    from fedhier.checkpoint import CHECKPOINT, check_model, load_checkpoint
     from fedhier.run_folder import read_metrics
     from fedhier.server import initial_model
     from fedhier.train import resolve_device
 
-    resume = load_checkpoint(path)
-    if not 0 <= resume.round <= cfg.rounds:
-        raise FedhierError(f"{path}/checkpoint.pt is after cloud round {resume.round} of a "
-                           f"{cfg.rounds}-round run; it does not belong to this run folder")
-    recorded = {r["round"] for r in read_metrics(path)}
-    if not set(range(resume.round + 1)) <= recorded:
-        raise FedhierError(f"{path}/metrics.jsonl lacks rounds of the checkpoint's "
-                           f"0..{resume.round}; the folder is damaged")
+    resume: Checkpoint | None = None
+    if (path / CHECKPOINT).exists() or (path / "summary.json").exists():
+        resume = load_checkpoint(path)
+        if not 0 <= resume.round <= cfg.rounds:
+            raise FedhierError(f"{path}/{CHECKPOINT} is after cloud round {resume.round} of "
+                               f"a {cfg.rounds}-round run; it does not belong to this run "
+                               "folder")
+        recorded = {r["round"] for r in read_metrics(path)}
+        if not set(range(resume.round + 1)) <= recorded:
+            raise FedhierError(f"{path}/metrics.jsonl lacks rounds of the checkpoint's "
+                               f"0..{resume.round}; the folder is damaged")
     resolve_device(cfg.device)
     fed = prepare_data(cfg)
-    check_model(resume, initial_model(cfg, fed).state_dict(), path)
-    return resume
+    if resume is not None:
+        check_model(resume, initial_model(cfg, fed).state_dict(), path)
+    return resume if resume is not None and resume.round > 0 else None
 
 
 def resumed_config(args: argparse.Namespace, engine: str | None = None) -> RunConfig:
@@ -222,9 +255,11 @@ def resumed_config(args: argparse.Namespace, engine: str | None = None) -> RunCo
         saved = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
         reason = exc.strerror if isinstance(exc, OSError) else "not valid JSON"
-        raise ConfigError(f"--resume {args.resume}: cannot read {path} ({reason})") from None
+        raise DamagedFileError(path, f"--resume {args.resume}: cannot read it ({reason})",
+                               "the run folder is damaged; it cannot be continued") from None
     if not isinstance(saved, dict):
-        raise ConfigError(f"--resume {args.resume}: {path} is not a run configuration")
+        raise DamagedFileError(path, f"--resume {args.resume}: not a run configuration",
+                               "the run folder is damaged; it cannot be continued")
     names = {f.name for f in fields(RunConfig)}
     missing = sorted(names - saved.keys())
     if missing:  # defaults would silently replace them: another federation than the checkpoint's

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fedhier.engines.registry import engine_names
-from fedhier.errors import ConfigError
+from fedhier.errors import ConfigError, DamagedFileError
 
 WEIGHTINGS = ("samples", "uniform")
 ENGINES = engine_names()
@@ -648,8 +648,12 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        raise DamagedFileError(path, f"cannot read config file: {exc.strerror or exc}",
+                               "check the path and its permissions") from exc
+    except UnicodeDecodeError as exc:
+        raise DamagedFileError(path, f"not UTF-8 text (byte {exc.start}); a config file is a "
+                               "TOML text file") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"malformed TOML in {path}: {exc}") from exc
+        raise DamagedFileError(path, f"malformed TOML in the file: {exc}") from exc

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from fedhier.errors import ConfigError  # noqa: E402
+from fedhier.errors import ConfigError, FedhierError  # noqa: E402
 from fedhier.run_folder import read_json, read_metrics, writing  # noqa: E402
 
 #: keys every metrics.jsonl record needs for a curve
@@ -51,7 +51,7 @@ def _label(run_dir: Path) -> str:
         cfg = read_json(run_dir, "config.json")
         return (f"{run_dir.name}: I={cfg['local_period']} G={cfg['global_period']} "
                 f"N={cfg['groups']} {cfg['grouping']}")
-    except (OSError, KeyError, ValueError):
+    except (FedhierError, KeyError, TypeError):  # a damaged config.json: the folder's name
         return run_dir.name
 
 

@@ -29,10 +29,18 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from fedhier.errors import ConfigError, FedhierError
+from fedhier import crash_points
+from fedhier.errors import ConfigError, DamagedFileError, FedhierError
 from fedhier.run_lock import LOCK_NAME, RunLock, busy_error, live_holder
 
 FAILED = "failed.json"
+#: Every file a run writes in its folder: ``--overwrite`` removes them all when it claims the
+#: folder, so that the folder describes one run (never an earlier run's model or curves beside
+#: the new run's failed.json).
+RUN_FILES = ("config.json", "partition.json", "groups.json", "groups.png", "metrics.jsonl",
+             "summary.json", "model_initial.safetensors", "model_final.safetensors",
+             "curves.png", "groups_history.json", "groups_history.png", FAILED, "checkpoint.pt",
+             ".checkpoint.pt.tmp")
 
 
 class WriteError(FedhierError):
@@ -193,7 +201,7 @@ class RunFolder:
             cls.check_target(path, overwrite)  # another run may have filled it meanwhile
             folder._pristine = not _entries(path)
             if overwrite:
-                for name in ("metrics.jsonl", "summary.json", FAILED, "checkpoint.pt"):
+                for name in RUN_FILES:  # the earlier run's files, all of them
                     with writing(path / name):
                         (path / name).unlink(missing_ok=True)
         except BaseException:
@@ -288,8 +296,15 @@ class RunFolder:
     def append_metrics(self, record: Mapping[str, Any]) -> None:
         """Append one JSON line to metrics.jsonl and flush it to disk."""
         path = self.path / "metrics.jsonl"
+        line = json.dumps(_jsonable(record)) + "\n"
         with writing(path), open(path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(_jsonable(record)) + "\n")
+            if crash_points.active():  # a test kills the process halfway through the line
+                handle.write(line[:len(line) // 2])
+                handle.flush()
+                os.fsync(handle.fileno())
+                crash_points.crash_point()
+                line = line[len(line) // 2:]
+            handle.write(line)
             handle.flush()
             os.fsync(handle.fileno())
 
@@ -321,7 +336,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise ConfigError(f"cannot read {path}: {reason}") from exc
+        raise DamagedFileError(path, f"cannot read it: {reason}", _REMEDY) from exc
     lines = text.split("\n")
     records = []
     for number, line in enumerate(lines, start=1):
@@ -332,12 +347,26 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         except ValueError:
             if number == len(lines):  # the torn last line of an interrupted append
                 break
-            raise ConfigError(f"{path} is damaged: line {number} is not JSON") from None
+            raise DamagedFileError(path, f"damaged: line {number} is not JSON",
+                                   _REMEDY) from None
         if not isinstance(record, dict) or not isinstance(record.get("round"), int):
-            raise ConfigError(f"{path} is damaged: line {number} is not a round's record")
+            raise DamagedFileError(path, f"damaged: line {number} is not a round's record",
+                                   _REMEDY)
         records.append(record)
     return records
 
 
+#: What to do about a damaged file of a run folder.
+_REMEDY = "the run folder is damaged; rerun the run (or restore the file from a copy)"
+
+
 def read_json(run_dir: str | Path, name: str) -> Any:
-    return json.loads((Path(run_dir) / name).read_text())
+    """A JSON file of a run folder; a one-line :class:`DamagedFileError` if it cannot be
+    read or is not JSON."""
+    path = Path(run_dir) / name
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # missing, unreadable, not UTF-8, not JSON
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
+            "not UTF-8 JSON text" if isinstance(exc, ValueError) else str(exc)
+        raise DamagedFileError(path, f"cannot read it ({reason})", _REMEDY) from None

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from fedhier.config import RunConfig
+from fedhier.crash_points import crash_point
 from fedhier.diagnostics import label_upward_divergence
 from fedhier.federation import Federation, resolved
 from fedhier.grouping import ClientInfo
@@ -94,6 +95,8 @@ class RunRecorder:
             folder.rewrite_metrics(kept)
             self.last = kept[-1] if kept else {}
             return
+        if folder.resumed:  # a resumed folder without a checkpoint starts again at round 0
+            folder.rewrite_metrics([])
         folder.write_json("config.json", describe(cfg, fed, engine))
         _, y_train = fed.bundle.train_arrays()
         folder.write_json("partition.json", {
@@ -159,6 +162,7 @@ class RunRecorder:
         """Write the final model, summary.json and curves.png; returns the summary."""
         self.close()
         self.folder.save_model("model_final.safetensors", final_state)
+        crash_point()
         last = self.last
         summary = {
             "final_test_accuracy": last["test_accuracy"],

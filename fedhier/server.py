@@ -14,6 +14,7 @@ import torch
 
 from fedhier.checkpoint import Checkpoint, save_checkpoint
 from fedhier.config import RunConfig
+from fedhier.crash_points import crash_point
 from fedhier.errors import ConfigError
 from fedhier.federation import Federation, federation_for
 from fedhier.hsgd import Executor, HierarchicalSGD, HSGDSettings, Params
@@ -104,6 +105,10 @@ def run_recorded(algorithm: HierarchicalSGD, executor: Executor, cfg: RunConfig,
 
     Writes ``checkpoint.pt`` every ``cfg.checkpoint_every`` cloud rounds and, on Ctrl-C,
     after the last completed round before re-raising; ``resume`` continues from one.
+    metrics.jsonl and the checkpoint agree by construction: a record is appended before its
+    round's checkpoint is written, and a resume first cuts metrics.jsonl back to the
+    checkpoint's round (:class:`~fedhier.run_recorder.RunRecorder`), so a run killed at any
+    moment and resumed holds each round's record exactly once.
     """
     folder = recorder.folder
     if resume is None:
@@ -128,11 +133,17 @@ def run_recorded(algorithm: HierarchicalSGD, executor: Executor, cfg: RunConfig,
         if record["round"] == 0:
             assert algorithm.hierarchy is not None and algorithm.info is not None
             recorder.write_groups(algorithm.hierarchy, algorithm.info, cfg.grouping, cfg.seed)
+        crash_point()
         recorder.record_round(record)
+        crash_point()
         done.update({"round": record["round"], "params": algorithm.global_params,
                      "state": algorithm.state_dict(), "clients": executor.client_state()})
-        if cfg.checkpoint_every and record["round"] % cfg.checkpoint_every == 0:
+        # No round-0 checkpoint: it would hold nothing a fresh start lacks (a folder without
+        # a checkpoint restarts from round 0 on --resume).
+        if cfg.checkpoint_every and record["round"] > 0 and \
+                record["round"] % cfg.checkpoint_every == 0:
             checkpoint()
+            crash_point()
 
     try:
         final = algorithm.run(executor, initial, cfg.rounds, first_round=done["round"] + 1,

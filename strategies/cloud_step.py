@@ -170,3 +170,23 @@ class ChildrenGrid(Grid):
 
 
 NO_MESSAGES = "ChildrenGrid only lists node ids; it sends no messages"
+
+
+def _register_checkpoint_types() -> None:
+    """Checkpoints (:mod:`fedhier.state_codec`, never pickle) store a cloud step by its
+    attributes: allow the classes and the function a FlowerCloudStep holds, and store an
+    ArrayRecord (FedAvgM's current arrays) as name -> NumPy array."""
+    from flwr.app import Array
+    from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+    from fedhier import state_codec
+
+    for obj in (FlowerCloudStep, FedAvg, FedAvgM, FedAdam, FedYogi, FedAdagrad,
+                aggregate_metricrecords):
+        state_codec.allow(obj)
+    state_codec.adapter("flwr.ArrayRecord", ArrayRecord,
+                        lambda record: {k: a.numpy() for k, a in record.items()},
+                        lambda arrays: ArrayRecord({str(k): Array(v) for k, v in arrays.items()}))
+
+
+_register_checkpoint_types()

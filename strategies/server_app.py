@@ -14,7 +14,7 @@ import os
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedhier.checkpoint import load_checkpoint
+from fedhier.checkpoint import resumed_checkpoint
 from fedhier.config import RunConfig
 from fedhier.engines.grid_run import RESUME_ENV, run_federation
 from fedhier.run_folder import RunFolder, default_run_dir
@@ -31,7 +31,7 @@ def main(grid: Grid, context: Context) -> None:
     resume_dir = os.environ.get(RESUME_ENV)
     if resume_dir:  # checked by fedhier deploy local --resume before anything started
         folder = RunFolder.claim_existing(resume_dir)
-        checkpoint = load_checkpoint(resume_dir)
+        checkpoint = resumed_checkpoint(resume_dir)
     else:
         folder = RunFolder.create(cfg.out or default_run_dir("flwr-run"))
         checkpoint = None

@@ -705,10 +705,31 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(RunRecorder, "record_round", interrupt)
             assert invoke(args).code == 130
-    import torch
-
-    assert torch.load(base / "run" / "checkpoint.pt", weights_only=False)["round"] == 1
+    assert read_state(base / "run" / "checkpoint.pt")["round"] == 1
     return base
+
+
+def read_state(path: Path) -> Any:
+    """A checkpoint's stored state, unchecked (safetensors + JSON, fedhier.checkpoint)."""
+    from safetensors.torch import load
+
+    from fedhier.checkpoint import FORMAT_KEY, _metadata
+    from fedhier.state_codec import decode
+
+    blob = path.read_bytes()
+    return decode(json.loads(_metadata(blob)[FORMAT_KEY])["state"], load(blob))
+
+
+def write_state(path: Path, state: Any) -> None:
+    """Store ``state`` as a checkpoint file without checking it is one."""
+    from safetensors.torch import save
+
+    from fedhier.checkpoint import FORMAT_KEY, FORMAT_VERSION
+    from fedhier.state_codec import encode
+
+    tree, tensors = encode(state)
+    header = json.dumps({"version": FORMAT_VERSION, "state": tree})
+    path.write_bytes(save(tensors, metadata={FORMAT_KEY: header}))
 
 
 RESUME_DAMAGE = ["none", "no-config", "config-garbage", "config-list", "config-bad-type",
@@ -722,8 +743,6 @@ RESUME_DAMAGE = ["none", "no-config", "config-garbage", "config-list", "config-b
 
 
 def damage_run(folder: Path, other: Path, damage: str, rng: np.random.Generator) -> Path:
-    import torch
-
     ckpt = folder / "checkpoint.pt"
     if damage == "no-config":
         (folder / "config.json").unlink()
@@ -754,17 +773,17 @@ def damage_run(folder: Path, other: Path, damage: str, rng: np.random.Generator)
     elif damage == "checkpoint-empty":
         ckpt.write_bytes(b"")
     elif damage == "checkpoint-not-dict":
-        torch.save([1, 2, 3], ckpt)
+        write_state(ckpt, [1, 2, 3])
     elif damage == "checkpoint-missing-keys":
-        data = torch.load(ckpt, weights_only=False)
+        data = read_state(ckpt)
         del data["global_state"]
-        torch.save(data, ckpt)
+        write_state(ckpt, data)
     elif damage == "checkpoint-foreign-model":
         shutil.copy(other / "checkpoint.pt", ckpt)
     elif damage in ("checkpoint-round-beyond", "checkpoint-round-negative"):
-        data = torch.load(ckpt, weights_only=False)
+        data = read_state(ckpt)
         data["round"] = 7 if damage.endswith("beyond") else -3
-        torch.save(data, ckpt)
+        write_state(ckpt, data)
     elif damage == "metrics-garbage":
         (folder / "metrics.jsonl").write_text("{not json\n[1]\n")
     elif damage == "metrics-binary":

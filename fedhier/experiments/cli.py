@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import time
@@ -13,8 +12,8 @@ from typing import Any
 from fedhier.cli_flags import (
     add_config_flags,
     config_from_args,
+    config_values,
     prepare_data,
-    read_config_file,
 )
 from fedhier.config import RunConfig
 from fedhier.engines.registry import engine_names
@@ -55,12 +54,7 @@ def add_parser(sub: Any) -> None:
 
 def base_config(args: argparse.Namespace) -> RunConfig:
     config_from_args(args)  # validates the flags and the config file, one-line errors
-    size = QUICK if args.quick else FULL
-    explicit = {str(k).replace("-", "_"): v
-                for k, v in (read_config_file(args.config) if args.config else {}).items()}
-    explicit.update({f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig)
-                     if getattr(args, f.name) is not None})
-    values = {**size, **explicit}
+    values = config_values(args, QUICK if args.quick else FULL)  # as fedhier run reads them
     values.pop("out", None)
     return RunConfig.from_mapping(values, where="experiment")
 

@@ -1,0 +1,124 @@
+"""checkpoint.pt is safetensors + JSON: reading one runs no code from it.
+
+A pickled checkpoint whose unpickling would create a file is refused in one line (exit 2)
+and the file is not created; a JSON header naming a function or class outside the allow-list
+(``os:system``) is refused as damaged; every kind of value a run's state holds comes back
+exactly (the resume-equality tests in test_faults.py, test_async_edges.py, test_mobility.py
+check whole runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save
+
+from fedhier.checkpoint import FORMAT_KEY, FORMAT_VERSION, read_checkpoint_file
+from fedhier.cli import main
+from fedhier.errors import DamagedFileError
+from fedhier.state_codec import decode, encode
+from fedhier.strategies.cloud_step import FlowerCloudStep, make_cloud_strategy
+from fedhier.topology import Hierarchy
+
+
+class CreatesAFile:
+    """Unpickling this creates ``target`` (what a hostile checkpoint's author could do)."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def __reduce__(self):  # noqa: ANN204
+        return (os.system, (f"touch {self.target}",))
+
+
+@pytest.fixture(scope="module")
+def run_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ckpt") / "run"
+    assert main(["run", "--dataset", "digits", "--clients", "4", "--groups", "2",
+                 "--rounds", "2", "--local-period", "2", "--global-period", "4",
+                 "--checkpoint-every", "1", "--cloud-strategy", "fedadam", "--out", str(out),
+                 "--no-progress"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("how", ["torch.save", "pickle.dump"])
+def test_resume_refuses_a_pickled_checkpoint_and_runs_none_of_it(run_folder, tmp_path, capsys,
+                                                                 how):
+    folder = tmp_path / "run"
+    shutil.copytree(run_folder, folder)
+    target = tmp_path / "created-by-the-checkpoint"
+    payload = {"round": 1, "global_state": CreatesAFile(target)}
+    with open(folder / "checkpoint.pt", "wb") as handle:
+        if how == "torch.save":
+            torch.save(payload, handle)
+        else:
+            pickle.dump(payload, handle)
+    metrics_before = (folder / "metrics.jsonl").read_bytes()
+    assert main(["run", "--resume", str(folder), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(folder / "checkpoint.pt") in err[0], err
+    assert "never unpickles" in err[0]
+    assert not target.exists()
+    assert (folder / "metrics.jsonl").read_bytes() == metrics_before
+
+
+def header_with(tree: object) -> bytes:
+    return save({}, metadata={FORMAT_KEY: json.dumps({"version": FORMAT_VERSION,
+                                                      "state": tree})})
+
+
+@pytest.mark.parametrize("tree", [
+    {"$function": "os:system"},
+    {"round": 1, "global_state": {}, "strategy_state": {"x": {"$object": "os:system",
+                                                              "state": {}}},
+     "wall_seconds": 0.0},
+    {"round": 1, "global_state": {"w": {"$tensor": "missing"}}, "strategy_state": {},
+     "wall_seconds": 0.0},
+    {"$ndarray": "0:x", "dtype": "|O", "shape": [1]},
+    {"$unknown": 1},
+])
+def test_a_header_outside_the_format_is_damaged(tmp_path, tree):
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(header_with(tree))
+    with pytest.raises(DamagedFileError, match=str(path)):
+        read_checkpoint_file(path)
+
+
+def test_every_kind_of_state_value_comes_back_exactly():
+    step = FlowerCloudStep(make_cloud_strategy("fedadam"))
+    step.strategy.m_t = {"w": np.array([1e-300, np.nan, -0.0], dtype=np.float64)}
+    state = {"round": 3, "w": torch.tensor([0.1, float("inf")], dtype=torch.float64),
+             "half": torch.ones(2, 3, dtype=torch.bfloat16), "ints": {0: {"m": torch.arange(3)}},
+             "tuple": (1, 2.5, "x", None, True), "nan": float("nan"), "big": 2 ** 70,
+             "scalar": np.float32(0.1), "step": step,
+             "hierarchy": Hierarchy((2, 4), (np.array([0, 0, 1, 1]),), 2), "$key": b"\x00"}
+    tree, tensors = encode(state)
+    json.dumps(tree, allow_nan=False)  # strict JSON
+    back = decode(json.loads(json.dumps(tree)), tensors)
+    assert back["round"] == 3 and back["big"] == 2 ** 70 and back["$key"] == b"\x00"
+    assert torch.equal(back["w"], state["w"]) and back["w"].dtype == torch.float64
+    assert torch.equal(back["half"], state["half"]) and back["half"].dtype == torch.bfloat16
+    assert torch.equal(back["ints"][0]["m"], torch.arange(3))
+    assert back["tuple"] == (1, 2.5, "x", None, True) and np.isnan(back["nan"])
+    assert back["scalar"] == np.float32(0.1) and type(back["scalar"]) is np.float32
+    m_t = back["step"].strategy.m_t["w"]
+    assert m_t.tobytes() == state["step"].strategy.m_t["w"].tobytes()
+    assert type(back["step"].strategy) is type(step.strategy)
+    assert back["step"].strategy.train_metrics_aggr_fn is step.strategy.train_metrics_aggr_fn
+    assert back["hierarchy"].periods == (2, 4)
+    assert back["hierarchy"].parents[0].tolist() == [0, 0, 1, 1]
+
+
+def test_a_checkpoint_holds_no_pickle(run_folder):
+    blob = (run_folder / "checkpoint.pt").read_bytes()
+    assert blob[:1] != b"\x80" and blob[:2] != b"PK"
+    checkpoint = read_checkpoint_file(run_folder / "checkpoint.pt")
+    assert checkpoint.round == 2
+    assert type(checkpoint.strategy_state["cloud_step"]) is FlowerCloudStep

@@ -1,0 +1,124 @@
+"""Interrupted runs never duplicate or lose a record: a run SIGKILLed at twenty points of its
+first and last rounds (before its first checkpoint, halfway through a metrics line, between a
+record and its checkpoint, while the checkpoint is written, after the final model), then
+resumed with ``fedhier run --resume``, leaves the run folder an uninterrupted run leaves: the
+same records with the same values, the same summary and the same final model bit for bit.
+
+The kill points are deterministic (``FEDHIER_CRASH_AT=N``, :mod:`fedhier.crash_points`): each
+killed run is a forked copy of this process (no interpreter start, no imports), so twenty
+kills and resumes cost about twenty tiny runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fedhier import crash_points
+from fedhier.cli import main
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+
+#: 6 records (rounds 0..5), a checkpoint after rounds 2 and 4: the last round resumes from a
+#: checkpoint two records old.
+ROUNDS, EVERY = 5, 2
+KILLS = 20
+
+
+def run_argv(engine: str, out: Path) -> list[str]:
+    return ["run", "--engine", engine, "--dataset", "digits", "--clients", "4",
+            "--groups", "2", "--rounds", str(ROUNDS), "--local-period", "2",
+            "--global-period", "4", "--checkpoint-every", str(EVERY), "--out", str(out),
+            "--no-progress"]
+
+
+def killed_at(point: int, argv: list[str]) -> None:
+    """Run ``argv`` in a forked child that SIGKILLs itself at crash point ``point``."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns to pytest
+        code = 99
+        try:
+            os.environ[crash_points.ENV] = str(point)
+            crash_points.reset()
+            code = main(argv)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, \
+        f"crash point {point} was never reached (exit status {status})"
+
+
+def folder_contents(path: Path) -> dict[str, Any]:
+    """What must equal between two runs of one configuration (wall-clock seconds left out)."""
+    def records(name: str) -> Any:
+        return [{k: v for k, v in json.loads(line).items() if k != "wall_seconds"}
+                for line in (path / name).read_text().splitlines()]
+
+    summary = json.loads((path / "summary.json").read_text())
+    summary.pop("wall_seconds")
+    config = json.loads((path / "config.json").read_text())
+    config.pop("out")  # the folder's own name
+    return {"metrics": records("metrics.jsonl"), "summary": summary, "config": config,
+            **{name: (path / name).read_bytes() for name in (
+                "model_final.safetensors", "model_initial.safetensors", "partition.json",
+                "groups.json")},
+            "failed": (path / "failed.json").exists()}
+
+
+@pytest.mark.parametrize("engine", ["inprocess", "vectorized"])
+def test_twenty_kills_then_resume_equal_the_uninterrupted_run(engine, tmp_path, monkeypatch,
+                                                               one_torch_thread):
+    monkeypatch.chdir(tmp_path)
+    for name in ("plot_runs", "plot_groups"):  # PNGs are not what is compared; 60% of a run
+        monkeypatch.setattr(f"fedhier.plots.{name}", lambda *args, **kwargs: None)
+    monkeypatch.setenv(crash_points.ENV, "0")  # count the points, kill at none
+    crash_points.reset()
+    assert main(run_argv(engine, tmp_path / "whole")) == 0
+    points = crash_points.passed()
+    monkeypatch.delenv(crash_points.ENV)
+    # 3 per record (before it, halfway through its line, after it) + 2 per checkpoint
+    # (its temporary file written, in place) + 1 after the final model
+    assert points == 3 * (ROUNDS + 1) + 2 * (ROUNDS // EVERY) + 1
+    reference = folder_contents(tmp_path / "whole")
+    assert [r["round"] for r in reference["metrics"]] == list(range(ROUNDS + 1))
+    # every point but round 3's three: rounds 0-2 (points 1-9 lie before the first
+    # checkpoint, 10-11 write it) and rounds 4-5 (19-22 lie after a checkpoint of round 4,
+    # 23 after the final model)
+    chosen = [p for p in range(1, points + 1) if p not in (12, 13, 14)]
+    assert len(chosen) == KILLS
+    for point in chosen:
+        out = tmp_path / f"killed-{point}"
+        killed_at(point, run_argv(engine, out))
+        assert not (out / "summary.json").exists()
+        assert main(["run", "--resume", str(out), "--no-progress"]) == 0, point
+        assert folder_contents(out) == reference, f"killed at crash point {point}"
+        shutil.rmtree(out)
+
+
+def test_a_failed_overwrite_leaves_no_file_of_the_earlier_run(tmp_path, monkeypatch, capsys):
+    """``--overwrite`` of a finished run folder by a run that then fails (exit 3): the folder
+    describes the new run only (its config.json and failed.json), never the earlier run's
+    model_final.safetensors, curves.png or summary.json beside them."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    argv = run_argv("inprocess", out)
+    assert main(argv) == 0
+    assert {"model_final.safetensors", "curves.png", "summary.json"} <= \
+        {p.name for p in out.iterdir()}
+    assert main([*argv, "--overwrite", "--lr", "1e30"]) == 3
+    assert "failed.json" in capsys.readouterr().err
+    names = {p.name for p in out.iterdir()}
+    assert not names & {"model_final.safetensors", "curves.png", "summary.json",
+                        "checkpoint.pt"}, names
+    assert json.loads((out / "config.json").read_text())["lr"] == 1e30
+    failed = json.loads((out / "failed.json").read_text())
+    assert failed["exit_code"] == 3 and failed["last_completed_round"] == 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    rounds = [json.loads(line)["round"] for line in lines]
+    assert rounds == [0]
