@@ -97,7 +97,13 @@ class InProcessGrid(Grid):
             worker = threading.Thread(target=lambda m=msg, h=holder: h.append(self._call(m)),
                                       daemon=True, name=f"fedhier-node-{node}")
             worker.start()
-            worker.join(timeout)
+            try:
+                worker.join(timeout)
+            except BaseException:
+                # Ctrl-C while a client trains: let that call end before unwinding (a second
+                # Ctrl-C stops waiting). A thread still in torch at exit can abort Python.
+                worker.join()
+                raise
             if worker.is_alive() or not holder:
                 self._busy[node] = worker  # late: whatever it replies is never read
             else:
