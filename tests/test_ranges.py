@@ -1,0 +1,80 @@
+"""Every numeric setting has one declared range (fedhier/ranges.py), and both ways in
+honour it: a value at each end runs, the nearest value across an end is refused with one
+line naming the setting (RunConfig and `fedhier run`, exit code 2)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from dataclasses import fields
+
+import pytest
+
+from fedhier.cli import main
+from fedhier.config import RunConfig
+from fedhier.errors import ConfigError
+from fedhier.ranges import RANGES
+
+NUMERIC = {f.name: f.type in (int, "int") for f in fields(RunConfig)
+           if f.type in (int, float, "int", "float")}
+#: settings a boundary value needs company for (relations checked elsewhere in validate)
+COMPANY = {"clients": {"groups": 1}, "global_period": {"local_period": 1},
+           "local_period": {"global_period": 20}, "async_buffer": {"groups": 4}}
+
+
+def test_every_numeric_setting_has_a_range():
+    assert set(NUMERIC) == set(RANGES)
+
+
+def cases(side: int) -> list[tuple[str, float]]:
+    return [(name, value) for name, valid in RANGES.items()
+            for value in valid.examples(NUMERIC[name])[side]]
+
+
+def as_value(name: str, value: float) -> float | int:
+    return int(value) if NUMERIC[name] and float(value).is_integer() else value
+
+
+@pytest.mark.parametrize("name,value", cases(0))
+def test_values_at_the_ends_are_accepted(name, value):
+    cfg = RunConfig.from_mapping({**COMPANY.get(name, {}), name: as_value(name, value)})
+    assert getattr(cfg, name) == value
+
+
+@pytest.mark.parametrize("name,value", cases(1))
+def test_values_across_an_end_are_refused_naming_the_setting(name, value):
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_mapping({**COMPANY.get(name, {}), name: as_value(name, value)})
+    message = str(info.value)
+    assert name in message and "\n" not in message
+
+
+@pytest.mark.parametrize("name,value", cases(1))
+def test_cli_refuses_out_of_range_values_with_exit_2(tmp_path, name, value):
+    argv = ["run", "--out", str(tmp_path / "run"), "--no-progress"]
+    for key, v in {**COMPANY.get(name, {}), name: as_value(name, value)}.items():
+        argv += ["--" + key.replace("_", "-"), str(v)]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(argv)
+    lines = err.getvalue().splitlines()
+    assert code == 2, err.getvalue()
+    assert len(lines) == 1 and lines[0].startswith("fedhier")
+    assert name in lines[0] or name.replace("_", "-") in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+# -- the control characters hypothesis found (issue #31): one line, escaped ----------------
+@pytest.mark.parametrize("key", ["grouping", "weighting", "lr_schedule", "handoff", "engine"])
+@pytest.mark.parametrize("text", ["\n", "a\nb", "\x1b[31m", "\r", "\u2028", "\t"])
+def test_errors_do_not_echo_control_characters(key, text):
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_mapping({key: text})
+    message = str(info.value)
+    assert len(message.splitlines()) == 1 and message.isprintable(), repr(message)
+    assert key in message
+
+
+def test_grouping_newline_example():  # the exact case the issue reports
+    with pytest.raises(ConfigError, match=r"unknown grouping '\\n'"):
+        RunConfig.from_mapping({"grouping": "\n"})
