@@ -13,7 +13,7 @@ import pytest
 from fedhier.cli import main
 from fedhier.config import RunConfig
 from fedhier.errors import ConfigError
-from fedhier.ranges import RANGES
+from fedhier.ranges import RANGES, choices
 
 NUMERIC = {f.name: f.type in (int, "int") for f in fields(RunConfig)
            if f.type in (int, float, "int", "float")}
@@ -49,10 +49,12 @@ def test_values_across_an_end_are_refused_naming_the_setting(name, value):
     assert name in message and "\n" not in message
 
 
-@pytest.mark.parametrize("name,value", cases(1))
+@pytest.mark.parametrize("name,value", [*cases(1), *((name, "global") for name in choices())])
 def test_cli_refuses_out_of_range_values_with_exit_2(tmp_path, name, value):
+    """Numbers across an end, and a name outside each closed set (--optimizer-state global)."""
+    value = as_value(name, value) if name in NUMERIC else value
     argv = ["run", "--out", str(tmp_path / "run"), "--no-progress"]
-    for key, v in {**COMPANY.get(name, {}), name: as_value(name, value)}.items():
+    for key, v in {**COMPANY.get(name, {}), name: value}.items():
         argv += ["--" + key.replace("_", "-"), str(v)]
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
