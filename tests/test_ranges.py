@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +26,37 @@ COMPANY = {"clients": {"groups": 1}, "global_period": {"local_period": 1},
 
 def test_every_numeric_setting_has_a_range():
     assert set(NUMERIC) == set(RANGES)
+
+
+def documented() -> tuple[dict[str, str], set[str]]:
+    """The ranges and name-set settings docs/cli.md ("Valid values") publishes."""
+    text = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    section = text.split("### Valid values", 1)[1]
+    rows = dict(re.findall(r"^\| `(\w+)` \| (.+?) \|$", section, flags=re.MULTILINE))
+    names = section.split("fixed set of names", 1)[1].split("; the grouping", 1)[0]
+    return rows, set(re.findall(r"`(\w+)`", names)) - {"choices"}
+
+
+def test_the_code_checks_the_documented_ranges():
+    """The docs are the contract: a range changed in fedhier/ranges.py alone (an upper bound
+    dropped, a name set no longer checked) fails here, not only in the derived cases."""
+    rows, names = documented()
+    assert {name: valid.describe() for name, valid in RANGES.items()} == rows
+    assert set(choices()) == names
+
+
+@pytest.mark.parametrize("flag,value", [("--straggler-fraction", "1.5"),
+                                        ("--optimizer-state", "global"),
+                                        ("--participation", "0"), ("--fail-rate", "1"),
+                                        ("--mobility-rate", "1.5"), ("--momentum", "1"),
+                                        ("--client-holdout", "1"), ("--alpha", "0")])
+def test_the_issue_cases_are_refused(tmp_path, flag, value):
+    """Independent of the table: values the docs call invalid (issue #31 put two back)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["run", flag, value, "--out", str(tmp_path / "run"), "--no-progress"])
+    assert code == 2 and flag[2:].replace("-", "_") in err.getvalue(), err.getvalue()
+    assert not (tmp_path / "run").exists()
 
 
 def cases(side: int) -> list[tuple[str, float]]:
