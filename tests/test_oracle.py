@@ -322,3 +322,19 @@ def test_async_staleness_weighting(data, engine):
     assert [sorted(rec["async_reports"]) for rec in records] == staleness
     assert max(s for pairs in staleness for _, s in pairs) >= 1  # some reports are stale
     assert gap(r, want) <= TOL
+
+
+# --------------------------------------------------------------------------- the schedule
+@pytest.mark.parametrize("periods,edge_periods", [((2, 4), ()), ((1, 2, 4), ()),
+                                                  ((2, 6, 12), ()), ((1, 4), (1, 2, 4, 2)),
+                                                  ((2, 8, 16), (2, 4, 8, 8))])
+def test_the_schedule_is_the_documented_one(periods, edge_periods):
+    """fedhier.topology's schedule (every engine's) against the oracle's reading of the
+    docs, step by step: a level off by one fails here with the step that differs."""
+    from fedhier.topology import edge_levels_after
+
+    p = oracle.Problem(xs=[], ys=[], edge_of=np.arange(4), periods=periods)
+    for step in range(3 * periods[-1]):
+        want = [p.level_after(step + 1, edge_periods[i] if edge_periods else None)
+                for i in range(4)]
+        assert edge_levels_after(step, periods, edge_periods, 4).tolist() == want, step
