@@ -34,6 +34,11 @@ fuzz-long: $(STAMP)
 	HYPOTHESIS_PROFILE=explore FEDHIER_FUZZ_PROFILE=long $(VENV)/bin/pytest -q -s \
 		tests/test_fuzz_cli.py tests/test_faults.py -k "fuzz or random"
 
+## mutation: mutmut over the core modules with their tests, 1 worker (slow; not in CI)
+mutation: $(STAMP)
+	$(PY) -m pip install -q "mutmut>=3.8,<4"
+	$(PY) scripts/mutation.py
+
 ## bench: engines side by side on workload W1 (writes benchmarks/results/engines.json)
 bench: $(STAMP)
 	$(PY) benchmarks/engines.py

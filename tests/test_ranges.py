@@ -113,3 +113,24 @@ def test_errors_do_not_echo_control_characters(key, text):
 def test_grouping_newline_example():  # the exact case the issue reports
     with pytest.raises(ConfigError, match=r"unknown grouping '\\n'"):
         RunConfig.from_mapping({"grouping": "\n"})
+
+
+def test_range_examples_and_wording():
+    """The derived cases themselves (computed at collection, where mutation testing cannot
+    see them): each end and its neighbour across, in the words the docs use."""
+    from fedhier.ranges import AT_LEAST_1, POSITIVE, UNIT, UNIT_OPEN_TOP, Range
+
+    assert UNIT.examples(False) == ([0, 1], [-0.5, 1.5])
+    assert UNIT_OPEN_TOP.examples(False) == ([0, 0.75], [-0.5, 1])
+    assert POSITIVE.examples(False) == ([0.25], [0])
+    assert POSITIVE.examples(True) == ([1], [0])
+    assert AT_LEAST_1.examples(True) == ([1], [0])
+    assert RANGES["participation"].examples(False) == ([0.25, 3], [0, 1.5])
+    assert Range(high=5, high_open=True).examples(True) == ([4], [5])
+    assert Range().examples(False) == ([1], [])
+    assert [r.describe() for r in (Range(high=2), Range(high=2.5, high_open=True), Range(),
+                                   Range(0.5, 1.5, low_open=True))] == [
+        "<= 2", "< 2.5", "any number", "in (0.5, 1.5]"]
+    assert Range(0, 1, low_open=True, high_open=True).contains(0.5)
+    assert not Range(0, 1, low_open=True, high_open=True).contains(1)
+    assert not Range(0, whole_above_one=True).contains(float("nan"))
