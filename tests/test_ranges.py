@@ -128,7 +128,7 @@ def test_range_examples_and_wording():
     assert RANGES["participation"].examples(False) == ([0.25, 3], [0, 1.5])
     assert Range(high=5, high_open=True).examples(True) == ([4], [5])
     assert Range().examples(False) == ([1], [])
-    assert [r.describe() for r in (Range(high=2), Range(high=2.5, high_open=True), Range(),
+    assert [r.describe() for r in (Range(high=2.0), Range(high=2.5, high_open=True), Range(),
                                    Range(0.5, 1.5, low_open=True))] == [
         "<= 2", "< 2.5", "any number", "in (0.5, 1.5]"]
     assert Range(0, 1, low_open=True, high_open=True).contains(0.5)
