@@ -63,15 +63,16 @@ COPY = ["fedhier", "strategies", "clients", "datasets_cfg", "examples", "tests",
 
 
 def pyproject(module: str, tests: list[str], extra: list[str]) -> str:
+    """The project's pyproject.toml (tests read it) plus a ``[tool.mutmut]`` table."""
     listed = ", ".join(json.dumps(t) for t in tests)
     args = ", ".join(json.dumps(a) for a in ["-x", "-q", "-p", "no:cacheprovider", *extra])
-    return (f'[tool.mutmut]\nsource_paths = ["fedhier"]\nonly_mutate = ["{module}"]\n'
+    return ((ROOT / "pyproject.toml").read_text()
+            + f'\n[tool.mutmut]\nsource_paths = ["fedhier"]\nonly_mutate = ["{module}"]\n'
             f"tests_dir = [{listed}]\npytest_add_cli_args = [{args}]\n"
             'also_copy = ["strategies", "clients", "datasets_cfg", "examples", "docs", '
             '"fedhier_clientapp.py", "fedhier_serverapp.py"]\n'
-            "use_git_change_detection = false\ntimeout_multiplier = 5.0\n"
-            '\n[tool.pytest.ini_options]\ntestpaths = ["tests"]\n'
-            'filterwarnings = ["ignore::DeprecationWarning:typer"]\n')
+            "use_git_change_detection = false\ntimeout_multiplier = 10.0\n"
+            "timeout_constant = 15.0\n")
 
 
 def run_module(module: str, workers: int) -> dict:
