@@ -5,7 +5,7 @@ PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.fedhier-installed
 RUN_ARGS   ?=
 
-.PHONY: run test test-fast lint bench experiments deploy-demo wheel clean
+.PHONY: run test test-fast fuzz-long mutation lint bench experiments deploy-demo wheel clean
 
 $(STAMP): pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
@@ -28,6 +28,16 @@ test: $(STAMP)
 ## test-fast: everything except the slow Ray / flwr run tests
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow"
+
+## fuzz-long: hypothesis exploring fresh cases (CI runs the derandomized profile; docs/testing.md)
+fuzz-long: $(STAMP)
+	HYPOTHESIS_PROFILE=explore FEDHIER_FUZZ_PROFILE=long $(VENV)/bin/pytest -q -s \
+		tests/test_fuzz_cli.py tests/test_faults.py -k "fuzz or random"
+
+## mutation: mutmut over the core modules with their tests, 1 worker (slow; not in CI)
+mutation: $(STAMP)
+	$(PY) -m pip install -q "mutmut>=3.8,<4"
+	$(PY) scripts/mutation.py
 
 ## bench: engines side by side on workload W1 (writes benchmarks/results/engines.json)
 bench: $(STAMP)

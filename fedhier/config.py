@@ -24,8 +24,8 @@ from typing import Any
 
 from fedhier.engines.registry import engine_names
 from fedhier.errors import ConfigError, DamagedFileError
+from fedhier.ranges import check_ranges, choices
 
-WEIGHTINGS = ("samples", "uniform")
 ENGINES = engine_names()
 DEVICES = ("cpu", "cuda", "mps", "auto")  # and cuda:N (fedhier.devices)
 
@@ -367,28 +367,16 @@ class RunConfig:
 
     # -- validation -----------------------------------------------------------------------
     def validate(self) -> None:
-        from fedhier.models import MODELS  # local: keep config import-light
-
         _check_ranges(self)  # first: huge or non-finite numbers reach no other check
-
-        _one_of("weighting", self.weighting, WEIGHTINGS)
-        _one_of("engine", self.engine, ENGINES)
-        _one_of("model", self.model, MODELS)
+        check_ranges(self)  # every numeric setting against its one declared range
+        for key, allowed in choices().items():  # every closed set of names
+            _one_of(key, getattr(self, key), allowed)
         from fedhier.devices import check_device_name
 
         check_device_name(self.device)
-        from fedhier.strategies.cloud_step import CLOUD_STRATEGIES
-
-        _one_of("cloud_strategy", self.cloud_strategy, CLOUD_STRATEGIES)
         from fedhier.aggregate import check_aggregators
 
         check_aggregators(self.aggregator_names, len(self.periods) or 2)
-        if self.server_lr < 0 or not 0 <= self.server_momentum < 1:
-            raise ConfigError("server_lr must be >= 0 and server_momentum in [0, 1)")
-        _one_of("partition", self.partition,
-                ("dirichlet", "iid", "shards", "natural", "sorted"))
-        if self.clients < 1:
-            raise ConfigError(f"clients must be at least 1, got {self.clients}")
         below, below_name = self.clients, "clients"
         for level, count in enumerate(self.groups, start=1):
             if count < 1:
@@ -403,21 +391,12 @@ class RunConfig:
                 f"{len(self.groups)} group level(s) {list(self.groups)} need "
                 f"{len(self.groups) + 1} periods (edge ... cloud), got {list(self.periods)}; "
                 "set --periods")
-        if self.alpha <= 0:
-            raise ConfigError(f"alpha must be > 0, got {self.alpha}")
-        if self.min_partition_size < 0:
-            raise ConfigError(
-                f"min_partition_size must be >= 0 (0 = auto), got {self.min_partition_size}")
-        if self.classes_per_client < 1:
-            raise ConfigError(f"classes_per_client must be >= 1, got {self.classes_per_client}")
         from fedhier.topology import validate_edge_periods
 
         validate_edge_periods(self.edge_period_list, self.periods, self.num_edges)
         if self.normalize_updates and len(set(self.edge_period_list)) > 1:
             raise ConfigError("normalize_updates (FedNova) is not supported with unequal "
                               "edge_periods")
-        if self.local_period < 1 or self.global_period < 1:
-            raise ConfigError("local_period and global_period must be positive integers")
         if len(self.periods) == 2 and self.global_period % self.local_period != 0:
             raise ConfigError(
                 f"global_period G={self.global_period} must be a multiple of local_period "
@@ -425,61 +404,13 @@ class RunConfig:
         from fedhier.topology import validate_periods
 
         validate_periods(self.periods)
-        from fedhier.lr_schedules import LR_SCHEDULES
-        from fedhier.optim import OPTIMIZER_STATES
-
-        _one_of("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        from fedhier.mobility import HANDOFFS
-
-        _one_of("handoff", self.handoff, HANDOFFS)
-        if not 0 <= self.mobility_rate <= 1:
-            raise ConfigError(f"mobility_rate must be in [0, 1], got {self.mobility_rate}")
         if self.mobility_rate > 0 and self.mobility_trace:
             raise ConfigError("give mobility_rate or mobility_trace, not both")
         if self.reachability and self.num_edges < 2:
             raise ConfigError("a reachability matrix needs at least 2 edges")
-        _one_of("optimizer_state", self.optimizer_state, OPTIMIZER_STATES)
-        fraction_ok = 0 < self.participation <= 1
-        count_ok = self.participation > 1 and float(self.participation).is_integer()
-        if not (fraction_ok or count_ok):
-            raise ConfigError(f"participation must be a fraction in (0, 1] or a whole number of "
-                              f"clients, got {self.participation}")
-        if not 0 <= self.straggler_fraction <= 1:
-            raise ConfigError(f"straggler_fraction must be in [0, 1], got "
-                              f"{self.straggler_fraction}")
-        if self.straggler_min_steps < 1:
-            raise ConfigError("straggler_min_steps must be at least 1")
-        if not 0 <= self.momentum < 1 or self.weight_decay < 0 or self.clip_norm < 0:
-            raise ConfigError("need 0 <= momentum < 1, weight_decay >= 0 and clip_norm >= 0")
-        if not 0 < self.lr_decay <= 1 or self.lr_step_every < 1:
-            raise ConfigError("need 0 < lr_decay <= 1 and lr_step_every >= 1")
-        if not 0 <= self.client_holdout < 1:
-            raise ConfigError(f"client_holdout must be in [0, 1), got {self.client_holdout}")
-        _one_of("on_nan", self.on_nan, ("stop", "skip-client"))
-        _one_of("on_bad_reply", self.on_bad_reply, ("auto", "stop", "drop"))
-        if self.exclude_after < 0 or not (self.max_weight_ratio >= 0
-                                          and self.max_update_ratio >= 0):
-            raise ConfigError("need exclude_after >= 0, max_weight_ratio >= 0 and "
-                              "max_update_ratio >= 0")
-        if not 0 <= self.fail_rate < 1 or not 0 <= self.dropout_fraction <= 1:
-            raise ConfigError("need 0 <= fail_rate < 1 and 0 <= dropout_fraction <= 1")
         from fedhier.faults import parse_span
 
         parse_span(self.dropout_rounds)
-        if self.round_timeout <= 0 or self.min_clients_per_edge < 0 or self.checkpoint_every < 0:
-            raise ConfigError(
-                "need round_timeout > 0, min_clients_per_edge >= 0 and checkpoint_every >= 0")
-        if min(self.regroup_every, self.diagnostics_every, self.diagnostics_max_samples) < 0:
-            raise ConfigError("regroup_every, diagnostics_every and diagnostics_max_samples "
-                              "must be >= 0")
-        if self.client_chunk < 0:
-            raise ConfigError(f"client_chunk must be >= 0 (0 = auto), got {self.client_chunk}")
-        if self.rounds < 1:
-            raise ConfigError(f"rounds must be at least 1, got {self.rounds}")
-        if self.batch_size < 0:
-            raise ConfigError(f"batch_size must be >= 0 (0 = full batch), got {self.batch_size}")
-        if not self.lr > 0:
-            raise ConfigError(f"lr must be > 0, got {self.lr}")
         if not self.dataset:
             raise ConfigError("dataset must not be empty")
         from fedhier.grouping import BUILTIN_GROUPINGS, GRADIENT_GROUPING, available_groupings
@@ -521,16 +452,11 @@ class RunConfig:
 
 #: Largest finite float32: models, learning rates and optimiser state are float32 tensors.
 FLOAT32_MAX = 3.4028234663852886e38
-#: The seeds every library the data layer calls accepts (scikit-learn's random_state).
-SEED_RANGE = (0, 2**32 - 1)
 
 
 def _check_ranges(cfg: RunConfig) -> None:
-    """Limits of the libraries below: a seed outside 0..2**32-1 reaches scikit-learn, step
-    counters and row indices are int64, and numbers become float32 tensors."""
-    low, high = SEED_RANGE
-    if not low <= cfg.seed <= high:
-        raise ConfigError(f"seed must be in {low}..{high}, got {cfg.seed}")
+    """Limits of the libraries below: step counters and row indices are int64, and numbers
+    become float32 tensors (each setting's own range: :mod:`fedhier.ranges`)."""
     for f in fields(RunConfig):
         value = getattr(cfg, f.name)
         for item in value if isinstance(value, tuple) else (value,):

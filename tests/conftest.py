@@ -1,7 +1,27 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and hypothesis profiles.
+
+Hypothesis runs the ``ci`` profile unless ``HYPOTHESIS_PROFILE`` names another: derandomized
+(the same cases on every run of the same code, so CI never fails at random) and without an
+example database. ``explore`` (``make fuzz-long``) draws fresh cases, 20 times as many; a
+failure it finds becomes an explicit ``@example`` in the test.
+"""
+
+import os
 
 import pytest
 import torch
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, database=None, deadline=None,
+                          print_blob=True)
+settings.register_profile("explore", derandomize=False, deadline=None, print_blob=True,
+                          max_examples=2000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def examples(count: int) -> int:
+    """A test's example count: ``count`` in CI, 20x while exploring."""
+    return count * 20 if settings.default.derandomize is False else count
 
 
 @pytest.fixture(scope="module")

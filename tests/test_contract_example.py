@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
 from fedhier.clients.app import app as fedhier_client_app
 from fedhier.config import RunConfig
@@ -109,15 +109,46 @@ def test_example_runs_hierarchically_in_process(example, tmp_path):
     assert time.time() - start < 60
 
 
+class RecordingGrid(InProcessGrid):
+    """The in-process grid, keeping every train reply it delivers."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.train_replies: list[list[Message]] = []
+
+    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> Any:
+        replies = list(super().send_and_receive(messages, timeout=timeout))
+        train = [r for r in replies if r.metadata.message_type == MessageType.TRAIN]
+        if train:
+            self.train_replies.append(train)
+        return replies
+
+
 def test_flat_version_runs_with_fedavg(example, tmp_path):
-    """The 'before' of the diff is a working flat FedAvg app."""
+    """The 'before' of the diff is a working flat FedAvg app: its saved model is the
+    example-weighted average of every client's trained reply, and it learned."""
     flat_server = importlib.import_module("flat.server_app")
     flat_client = importlib.import_module("flat.client_app")
     config = app_config(**{"final-model": str(tmp_path / "flat.pt"), "num-server-rounds": 1})
-    grid = InProcessGrid(flat_client.app, NUM_NODES, run_config=config)
+    grid = RecordingGrid(flat_client.app, NUM_NODES, run_config=config)
     flat_server.main(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
                                    run_config=config))
-    assert (tmp_path / "flat.pt").exists()
+    final = torch.load(tmp_path / "flat.pt")
+    assert len(grid.train_replies) == 1 and len(grid.train_replies[0]) == NUM_NODES
+    models = [r.content["arrays"].to_torch_state_dict() for r in grid.train_replies[0]]
+    sizes = [float(r.content["metrics"]["num-examples"]) for r in grid.train_replies[0]]
+    fedavg = {k: sum(n * m[k].double() for n, m in zip(sizes, models, strict=True)) / sum(sizes)
+              for k in final}
+    assert max_abs_diff(final, {k: v.float() for k, v in fedavg.items()}) < 1e-6
+    torch.manual_seed(config["seed"])  # the flat ServerApp's own initial model
+    initial = example["task"].Net().state_dict()
+    assert max_abs_diff(final, initial) > 1e-3  # it trained
+    task = example["task"]
+    before, after = task.Net(), task.Net()
+    before.load_state_dict(initial)
+    after.load_state_dict(final)
+    test = task.load_centralized_dataset()
+    assert task.test(after, test)[0] < task.test(before, test)[0]  # central loss fell
 
 
 def example_federation(task) -> Federation:

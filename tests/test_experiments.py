@@ -45,7 +45,26 @@ def test_diversity_claims_on_digits(tmp_path):
 def test_periods_and_levels_write_their_outputs(tmp_path):
     out, results = run_suite(tmp_path, "periods", "--seeds", "1", "--iterations", "32",
                              "--local-period", "2", "--global-period", "16")
-    assert (out / "periods_heatmap.png").exists() and results["grid"]["final_test_accuracy"]
+    assert (out / "periods_heatmap.png").exists()
+    grid = results["grid"]
+    cells = grid["final_test_accuracy"]
+    assert len(cells) == len(grid["local_periods"]) and len(grid["global_periods"]) >= 2
+    for i, row in zip(grid["local_periods"], cells, strict=True):
+        assert len(row) == len(grid["global_periods"])
+        for g, cell in zip(grid["global_periods"], row, strict=True):
+            run = out / "runs" / f"I{i}-G{g}" / "seed0"
+            if g % i:  # no such arm: an empty cell
+                assert cell is None or cell != cell and not run.exists()
+                continue
+            # each cell is its own arm's run, which ran its (I, G) for the asked iterations
+            config = json.loads((run / "config.json").read_text())
+            summary = json.loads((run / "summary.json").read_text())
+            assert (config["local_period"], config["global_period"]) == (i, g)
+            assert config["rounds"] == max(1, 32 // g)
+            assert cell == summary["final_test_accuracy"]
+            assert cell == results["arms"][f"I{i}-G{g}"]["final"]["test_accuracy"]["mean"]
+    values = [c for row in cells for c in row if c is not None]
+    assert len(set(values)) > len(values) // 2  # the periods change the outcome
     out, results = run_suite(tmp_path, "levels", "--seeds", "1", "--iterations", "32")
     assert {"two-level", "three-level", "local-G"} == set(results["arms"])
     three = results["arms"]["three-level"]["config"]

@@ -49,6 +49,7 @@ from hypothesis import strategies as st
 
 from fedhier.cli import main
 from fedhier.config import RunConfig
+from fedhier.ranges import RANGES, choices
 
 PROFILE = os.environ.get("FEDHIER_FUZZ_PROFILE", "fast")
 LONG = PROFILE == "long"
@@ -167,11 +168,37 @@ def assert_valid_run_folder(path: Path) -> None:
     assert [r["round"] for r in records] == list(range(config["rounds"] + 1)), records
     summary = json.loads((path / "summary.json").read_text())
     assert summary["rounds"] == config["rounds"]
+    outside = {k: config[k] for k, valid in RANGES.items() if not valid.contains(config[k])}
+    outside |= {k: config[k] for k, names in choices().items() if config[k] not in names}
+    assert not outside, f"a run went ahead with values outside their range: {outside}"
     assert config["device_used"] in ("cpu", "mps") or config["device_used"].startswith("cuda")
 
 
-def check(case: Case, result: Outcome, workdir: Path) -> None:
-    """The rule (module docstring); raises AssertionError describing the broken case."""
+def out_of_range(values: dict[str, Any]) -> set[str]:
+    """The settings in ``values`` (flag values as typed) that parse as numbers outside their
+    declared range, or are not one of their setting's names (fedhier/ranges.py); unparsable
+    numbers are the type checks' business."""
+    numeric = {f.name: f.type in (int, "int") for f in fields(RunConfig)}
+    names = choices()
+    outside = {name for name, text in values.items() if name in names and text not in names[name]}
+    for name, text in values.items():
+        if name not in RANGES or text is None:
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            continue
+        if numeric[name] and not value.is_integer():
+            continue
+        if not RANGES[name].contains(value):
+            outside.add(name)
+    return outside
+
+
+def check(case: Case, result: Outcome, workdir: Path,
+          refused: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    """The rule (module docstring); raises AssertionError describing the broken case.
+    ``refused``: settings the case gave outside their range; it must then exit 2."""
     where = f"{case.surface}: fedhier {' '.join(case.argv)}\nexit {result.code}\n{result.err}"
     COUNTS[f"{case.surface}:exit {result.code}"] += 1
     COUNTS["cases"] += 1
@@ -179,6 +206,11 @@ def check(case: Case, result: Outcome, workdir: Path) -> None:
         assert result.code != -1, "hang: " + where
         assert "Traceback" not in result.err + result.out, "traceback: " + where
         assert result.code in (0, 2, 3, 5), "exit code: " + where
+        if refused:
+            COUNTS["out of range"] += 1
+            # (the line may name another bad value of the case that was checked first;
+            # tests/test_ranges.py checks that each setting alone is named)
+            assert result.code == 2, f"out of range {sorted(refused)} not refused: " + where
         if result.code == 0:
             if case.out is not None:
                 assert_valid_run_folder(case.out)
@@ -308,6 +340,10 @@ FLAG_VALUES: dict[str, list[str]] = {
     "round_timeout": ["3600", "0.001", "1", *FLOAT_NOISE],
     "min_clients_per_edge": ["0", "1", "2", "100", *INT_NOISE],
     "on_nan": ["stop", "skip-client", "ignore"],
+    "on_bad_reply": ["auto", "stop", "drop", "ignore", ""],
+    "exclude_after": ["3", "0", "1", *INT_NOISE],
+    "max_weight_ratio": ["10", "0", "1.5", *FLOAT_NOISE],
+    "max_update_ratio": ["1000", "0", "2", *FLOAT_NOISE],
     "checkpoint_every": ["0", "1", *INT_NOISE],
     "async_buffer": ["0", "0", "1", "2", "3", *INT_NOISE],
     "max_staleness": ["4", "0", "1", *INT_NOISE],
@@ -383,12 +419,13 @@ def place(kind: str, workdir: Path, case_dir: Path) -> Path | str:
 
 
 def run_case(surface: str, argv: list[str], names: set[str], workdir: Path,
-             out: Path | None, stubbed: bool = False) -> Outcome:
+             out: Path | None, stubbed: bool = False,
+             refused: set[str] = frozenset()) -> Outcome:  # type: ignore[assignment]
     existed = out is not None and out.exists()
     before = snapshot(out) if existed and out is not None and out.is_dir() else None
     case = Case(surface, argv, names, out, existed, before)
     result = invoke_stubbed(argv) if stubbed else invoke(argv)
-    check(case, result, workdir)
+    check(case, result, workdir, refused)
     return result
 
 
@@ -441,7 +478,7 @@ def test_fuzz_run_flags_every_engine(workdir, values, overwrite):
         argv.append("--overwrite")
         names.add("--overwrite")
     names |= {"partition", "data", "device", "checkpoint", "clients"}
-    run_case("run", argv, names, workdir, out)
+    run_case("run", argv, names, workdir, out, refused=out_of_range(values))
     tidy(workdir)
 
 

@@ -1,0 +1,142 @@
+"""`make mutation`: mutmut over fedhier's core modules, each with the tests that cover it.
+
+For every module in :data:`MODULES` this copies the source tree into a scratch folder with a
+``[tool.mutmut]`` table naming that module and its tests, runs ``mutmut run`` there (one
+worker by default: the machine is shared) and collects the counts into
+``benchmarks/results/mutation.json`` (killed, survived, no tests, timeouts, kill rate) and the
+survivors' diffs into ``benchmarks/results/mutation_survivors.txt``. docs/testing.md
+publishes the table and judges each survivor.
+
+Usage::
+
+    python scripts/mutation.py                     # every module, 1 worker
+    python scripts/mutation.py topology ranges     # modules whose path contains these words
+    MUTATION_WORKERS=2 python scripts/mutation.py
+
+Why mutmut and not cosmic-ray: mutmut 3 compiles every mutant of a file into one copy
+(a trampoline picks the live one), runs the test suite once to learn which tests reach each
+function, then forks the warm interpreter per mutant and runs only those tests. fedhier's
+tests import torch and Flower (seconds per fresh process on this machine); cosmic-ray
+starts the test command afresh for every mutant. Not in CI: it takes minutes per module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+#: module -> (tests that cover it, extra pytest arguments narrowing them). Per mutant mutmut
+#: runs the selected tests that reach the mutated function, so the selection favours unit
+#: tests and the oracle's cheapest (vectorized) runs: a case through the inprocess engine
+#: costs seconds per mutant.
+MODULES: dict[str, tuple[list[str], list[str]]] = {
+    "fedhier/ranges.py": (["tests/test_ranges.py"], []),
+    "fedhier/topology.py": (["tests/test_topology.py", "tests/test_topology_exact.py",
+                             "tests/test_oracle.py", "tests/test_grouping.py",
+                             "tests/test_config.py"],
+                            ["-k", "(test_topology or schedule or test_grouping or test_config) "
+                             "and not edge_tag"]),
+    "fedhier/staleness.py": (["tests/test_oracle.py", "tests/test_async_edges.py"],
+                             ["-k", "(async_staleness and vectorized) or stale_reports_enter or "
+                              "reject_a_buffer or bad_async"]),
+    "fedhier/plan.py": (["tests/test_oracle.py", "tests/test_knobs.py"],
+                        ["-k", "((participation or stragglers_and) and vectorized) or "
+                         "sample_clients or straggler_plan"]),
+    "fedhier/aggregate.py": (["tests/test_aggregate.py", "tests/test_knobs.py",
+                              "tests/test_oracle.py"],
+                             ["-k", "test_aggregate or presence_weights or ((median or "
+                              "two_levels or participation) and vectorized)"]),
+    "fedhier/sim_clock.py": (["tests/test_sim_clock.py"],
+                             ["-k", "transfer or waits or queues or share or pay_only or "
+                              "bad_edge_slowdown"]),
+}
+COPY = ["fedhier", "strategies", "clients", "datasets_cfg", "examples", "tests", "docs",
+        "fedhier_clientapp.py", "fedhier_serverapp.py", "setup.py"]
+
+
+def pyproject(module: str, tests: list[str], extra: list[str]) -> str:
+    """The project's pyproject.toml (tests read it) plus a ``[tool.mutmut]`` table."""
+    listed = ", ".join(json.dumps(t) for t in tests)
+    args = ", ".join(json.dumps(a) for a in ["-x", "-q", "-p", "no:cacheprovider", *extra])
+    return ((ROOT / "pyproject.toml").read_text()
+            + f'\n[tool.mutmut]\nsource_paths = ["fedhier"]\nonly_mutate = ["{module}"]\n'
+            f"tests_dir = [{listed}]\npytest_add_cli_args = [{args}]\n"
+            'also_copy = ["strategies", "clients", "datasets_cfg", "examples", "docs", '
+            '"fedhier_clientapp.py", "fedhier_serverapp.py"]\n'
+            "use_git_change_detection = false\ntimeout_multiplier = 10.0\n"
+            "timeout_constant = 15.0\n")
+
+
+def run_module(module: str, workers: int) -> dict:
+    tests, extra = MODULES[module]
+    scratch = Path(tempfile.mkdtemp(prefix="fedhier-mutation-"))
+    try:
+        for name in COPY:
+            source = ROOT / name
+            if source.is_dir():
+                shutil.copytree(source, scratch / name,
+                                ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            elif source.exists():
+                shutil.copy(source, scratch / name)
+        (scratch / "pyproject.toml").write_text(pyproject(module, tests, extra))
+        env = {**os.environ, "PYTHONPATH": "", "MPLBACKEND": "Agg"}
+        t0 = time.time()
+        run = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children",
+                              str(workers)], cwd=scratch, env=env, capture_output=True,
+                             text=True)
+        seconds = time.time() - t0
+        subprocess.run([sys.executable, "-m", "mutmut", "export-cicd-stats"], cwd=scratch,
+                       env=env, capture_output=True, text=True)
+        stats_file = scratch / "mutants" / "mutmut-cicd-stats.json"
+        if not stats_file.exists():
+            return {"module": module, "error": (run.stdout + run.stderr)[-2000:]}
+        stats = json.loads(stats_file.read_text())
+        listing = subprocess.run([sys.executable, "-m", "mutmut", "results"], cwd=scratch,
+                                 env=env, capture_output=True, text=True).stdout
+        survivors = []
+        for line in listing.splitlines():
+            name, _, status = line.strip().partition(":")
+            if status.strip() in ("survived", "no tests"):
+                diff = subprocess.run([sys.executable, "-m", "mutmut", "show", name],
+                                      cwd=scratch, env=env, capture_output=True,
+                                      text=True).stdout
+                survivors.append({"mutant": name, "status": status.strip(), "diff": diff})
+        tested = stats.get("total", 0) - stats.get("skipped", 0) - stats.get("no_tests", 0)
+        killed = stats.get("killed", 0) + stats.get("timeout", 0)
+        return {"module": module, "tests": tests, "pytest_args": extra, **stats,
+                "kill_rate": round(killed / tested, 4) if tested else None,
+                "seconds": round(seconds), "survivors": survivors}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def main(words: list[str]) -> int:
+    workers = int(os.environ.get("MUTATION_WORKERS", "1"))
+    chosen = [m for m in MODULES if not words or any(w in m for w in words)]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / "mutation.json"
+    report = json.loads(out.read_text()) if out.exists() else {}
+    for module in chosen:
+        print(f"mutating {module} ...", flush=True)
+        result = run_module(module, workers)
+        report[module] = {**result, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        print(json.dumps({k: v for k, v in result.items() if k != "survivors"}), flush=True)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+    lines = []
+    for module, result in report.items():
+        for s in result.get("survivors", []):
+            lines += [f"== {module} {s['mutant']} ({s['status']})", s["diff"].rstrip(), ""]
+    (RESULTS / "mutation_survivors.txt").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

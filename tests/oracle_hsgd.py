@@ -1,0 +1,316 @@
+"""An independent reference implementation of H-SGD's arithmetic (the test oracle).
+
+Written from docs/hsgd.md and the reference maths (algorithms.md §1-2), in plain float64
+numpy, for a multinomial logistic regression (``logreg``: logits = x Wᵀ + b, mean
+cross-entropy) trained with full-batch gradient descent at a constant learning rate. It
+imports nothing from fedhier: who trains, for how many steps and where is handed in as plain
+functions (the tests derive them from the documented rules and draws), and everything that
+turns those facts into numbers is computed here:
+
+- client weights (``samples``: rows, ``uniform``: 1), presence weights under participation
+  (renormalised within the edge, each edge keeping its full weight above the edges);
+- the aggregation schedule: after global step t the highest level l with (t+1) % P_l == 0
+  aggregates its subtree; per-edge periods replace P_1 by the edge's own I_i;
+- stragglers' fewer steps and FedNova's rescale w_start + (τ_eff/τ_j)(w_j - w_start);
+- mobility: a moved client starts from its new edge's model (``fresh``) or keeps its own
+  (``carry``) and aggregates at the new edge;
+- the coordinate-wise median, level by level;
+- a cloud step computed by a Flower strategy (any callable over the cloud's children);
+- asynchronous edges: jobs from the model version they started at, FedBuff's 1/sqrt(1+s).
+
+Models are dicts {"linear.weight": [C, D], "linear.bias": [C]}, float64.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+Model = dict[str, np.ndarray]
+WEIGHT, BIAS = "linear.weight", "linear.bias"
+
+
+# --------------------------------------------------------------------------- the local step
+def gradient(model: Model, x: np.ndarray, y: np.ndarray) -> Model:
+    """∇ of the mean cross-entropy of softmax(x Wᵀ + b) on the rows (x [m, D], y [m])."""
+    logits = x @ model[WEIGHT].T + model[BIAS]
+    logits -= logits.max(axis=1, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(axis=1, keepdims=True)
+    p[np.arange(len(y)), y] -= 1.0
+    p /= len(y)
+    return {WEIGHT: p.T @ x, BIAS: p.sum(axis=0)}
+
+
+def gd_steps(model: Model, x: np.ndarray, y: np.ndarray, lr: float, steps: int) -> Model:
+    """``steps`` full-batch gradient-descent steps from ``model``."""
+    w = {k: v.copy() for k, v in model.items()}
+    for _ in range(steps):
+        g = gradient(w, x, y)
+        w = {k: w[k] - lr * g[k] for k in w}
+    return w
+
+
+def combine(models: Sequence[Model], coefficients: Sequence[float]) -> Model:
+    """Σ c_i model_i."""
+    return {k: sum(c * m[k] for c, m in zip(coefficients, models, strict=True))
+            for k in models[0]}
+
+
+def mean(models: Sequence[Model], weights: Sequence[float]) -> Model:
+    total = float(sum(weights))
+    return combine(models, [w / total for w in weights])
+
+
+def median(models: Sequence[Model]) -> Model:
+    return {k: np.median(np.stack([m[k] for m in models]), axis=0) for k in models[0]}
+
+
+# --------------------------------------------------------------------------- the problem
+@dataclass
+class Problem:
+    """Client data, the tree and the periods of one run."""
+
+    xs: list[np.ndarray]  # client j's features [m_j, D]
+    ys: list[np.ndarray]  # client j's labels [m_j]
+    edge_of: np.ndarray  # client -> edge at the start of the run
+    parents: list[np.ndarray] = field(default_factory=list)  # level l -> l+1 map, for l >= 1
+    periods: tuple[int, ...] = (2, 4)  # P_1 .. P_L, in local steps
+    lr: float = 0.1
+    weighting: str = "samples"
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.xs)
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.edge_of.max()) + 1 if not self.parents else len(self.parents[0])
+
+    @property
+    def levels(self) -> int:
+        return len(self.periods)
+
+    def weights(self) -> np.ndarray:
+        if self.weighting == "uniform":
+            return np.ones(self.num_clients)
+        return np.array([len(y) for y in self.ys], dtype=np.float64)
+
+    def node_of_edge(self, level: int) -> np.ndarray:
+        """edge -> its level-``level`` ancestor (level 1: itself; the top level: 0)."""
+        node = np.arange(self.num_edges)
+        for up in range(1, level):
+            node = (self.parents[up - 1][node] if up - 1 < len(self.parents)
+                    else np.zeros_like(node))
+        return node
+
+    def level_after(self, step_end: int, edge_period: int | None = None) -> int:
+        """The level aggregating after ``step_end`` local steps (0 = none)."""
+        periods = list(self.periods)
+        if edge_period is not None:
+            periods[0] = edge_period
+        for level in range(self.levels, 0, -1):
+            if step_end % periods[level - 1] == 0:
+                return level
+        return 0
+
+
+# --------------------------------------------------------------------------- synchronous H-SGD
+Participants = Callable[[int, int, np.ndarray], np.ndarray]  # (edge round, edge, members)
+Steps = Callable[[int, int], int]  # (edge round, client) -> τ_j
+EdgeMap = Callable[[int], np.ndarray]  # edge round -> client -> edge
+CloudStep = Callable[[int, Model, list[Model], list[float]], Model]
+
+
+def hsgd(problem: Problem, initial: Model, rounds: int, *,
+         edge_periods: Sequence[int] | None = None,
+         participants: Participants | None = None,
+         steps: Steps | None = None,
+         fednova: bool = False,
+         edge_map: EdgeMap | None = None,
+         handoff: str = "fresh",
+         aggregator: str = "mean",
+         cloud_step: CloudStep | None = None) -> Model:
+    """The global model after ``rounds`` cloud rounds (of P_L steps each).
+
+    The run advances in edge rounds of g steps (g = P_1, or gcd of the per-edge periods).
+    Every client holds a model; a client that trains starts from its own model, which after
+    an aggregation is its node's aggregate. A moved client under ``fresh`` first takes its new
+    edge's model. ``steps(r, j)`` = local steps of client j in its edge's current period
+    (per-edge periods: spread over the period, at most g per edge round).
+    """
+    p = problem
+    n, num_edges = p.num_clients, p.num_edges
+    omega = p.weights()
+    g = math.gcd(*edge_periods) if edge_periods else p.periods[0]
+    e_period = list(edge_periods) if edge_periods else [p.periods[0]] * num_edges
+    clients = [{k: v.copy() for k, v in initial.items()} for _ in range(n)]
+    edges = [{k: v.copy() for k, v in initial.items()} for _ in range(num_edges)]
+    edge_of = p.edge_of.copy()
+    top = p.levels
+    rounds_per_cloud = p.periods[-1] // g
+    remaining = np.zeros(n, dtype=np.int64)  # steps left in the client's edge period
+    period_start: list[Model] = [clients[j] for j in range(n)]  # FedNova's w_start
+    trained = np.zeros(n, dtype=bool)  # took part since its edge last aggregated
+    tau = np.zeros(n)  # τ_j: steps planned for the client's current period
+    global_model = initial
+    for r in range(1, rounds * rounds_per_cloud + 1):
+        start_step = (r - 1) * g
+        new_map = edge_map(r) if edge_map else edge_of
+        moved = np.flatnonzero(new_map != edge_of)
+        edge_of = np.asarray(new_map).copy()
+        for j in moved:
+            if handoff == "fresh":
+                clients[j] = {k: v.copy() for k, v in edges[edge_of[j]].items()}
+                trained[j] = False
+        for i in range(num_edges):  # edges whose period starts plan it
+            if start_step % e_period[i]:
+                continue
+            members = np.flatnonzero(edge_of == i)
+            chosen = participants(r, i, members) if participants else members
+            remaining[members] = 0
+            for j in chosen:
+                remaining[j] = steps(r, j) if steps else e_period[i]
+                period_start[j] = {k: v.copy() for k, v in clients[j].items()}
+            tau[members] = remaining[members]
+        for j in range(n):
+            k = min(int(remaining[j]), g)
+            if k:
+                clients[j] = gd_steps(clients[j], p.xs[j], p.ys[j], p.lr, k)
+                remaining[j] -= k
+                trained[j] = True
+        step_end = r * g
+        level = [p.level_after(step_end, e_period[i]) for i in range(num_edges)]
+        if not any(level):
+            continue
+        # members aggregating now, per edge, and their presence weights
+        present = [np.flatnonzero((edge_of == i) & trained) for i in range(num_edges)]
+        if fednova:
+            for i in range(num_edges):
+                if level[i] == 0 or not len(present[i]):
+                    continue
+                pj = omega[present[i]] / omega[present[i]].sum()
+                tau_eff = float(np.dot(pj, tau[present[i]]))
+                for j in present[i]:
+                    s = tau_eff / tau[j]
+                    clients[j] = {k: period_start[j][k] + s * (clients[j][k] - period_start[j][k])
+                                  for k in clients[j]}
+        full = np.array([omega[edge_of == i].sum() for i in range(num_edges)])
+        presence = np.zeros(n)
+        for i in range(num_edges):
+            if len(present[i]):
+                presence[present[i]] = full[i] * omega[present[i]] / omega[present[i]].sum()
+        lvl = max(level)
+        node = p.node_of_edge(lvl)
+        # edge aggregates (level 1), then upwards level by level (for the median)
+        edge_agg: dict[int, Model] = {}
+        for i in range(num_edges):
+            if level[i] and len(present[i]):
+                members = [clients[j] for j in present[i]]
+                edge_agg[i] = (median(members) if aggregator == "median"
+                               else mean(members, presence[present[i]]))
+        result: dict[int, Model] = {}
+        if lvl == 1:
+            result = {i: edge_agg[i] for i in edge_agg}
+            targets = {i: [i] for i in edge_agg}
+        else:
+            targets = {}
+            for a in sorted(set(node.tolist())):
+                under = [i for i in range(num_edges) if node[i] == a and i in edge_agg]
+                if not under:
+                    continue
+                targets[a] = [i for i in range(num_edges) if node[i] == a]
+                if aggregator == "median":  # median of medians, level by level
+                    level_models = {i: edge_agg[i] for i in under}
+                    for lv in range(2, lvl + 1):
+                        below, up = p.node_of_edge(lv - 1), p.node_of_edge(lv)
+                        children: dict[int, list[Model]] = {}
+                        for i in under:  # one model per level-(l-1) node
+                            if int(below[i]) in level_models and i == min(
+                                    e for e in under if below[e] == below[i]):
+                                children.setdefault(int(up[i]), []).append(
+                                    level_models[int(below[i])])
+                        level_models = {u: median(ms) for u, ms in children.items()}
+                    result[a] = level_models[a]
+                elif lvl == top and cloud_step is not None:
+                    below = p.node_of_edge(top - 1)
+                    kids = sorted({int(below[i]) for i in under})
+                    kid_models = [mean([edge_agg[i] for i in under if below[i] == c],
+                                       [presence[present[i]].sum() for i in under
+                                        if below[i] == c]) for c in kids]
+                    kid_weights = [float(sum(presence[present[i]].sum() for i in under
+                                             if below[i] == c)) for c in kids]
+                    result[a] = cloud_step(r // rounds_per_cloud, global_model, kid_models,
+                                           kid_weights)
+                else:
+                    js = np.concatenate([present[i] for i in under])
+                    result[a] = mean([clients[j] for j in js], presence[js])
+        for a, model in result.items():
+            for i in targets[a]:
+                edges[i] = {k: v.copy() for k, v in model.items()}
+                for j in np.flatnonzero(edge_of == i):
+                    clients[j] = {k: v.copy() for k, v in model.items()}
+                    trained[j] = False
+        if lvl == top:
+            global_model = result[0]
+    return global_model
+
+
+def local_sgd(problem: Problem, initial: Model, period: int, aggregations: int) -> Model:
+    """Closed form of the flat special case: every client does ``period`` steps from the
+    global model, which becomes their weighted average; ``aggregations`` times."""
+    w = initial
+    omega = problem.weights()
+    for _ in range(aggregations):
+        w = mean([gd_steps(w, x, y, problem.lr, period)
+                  for x, y in zip(problem.xs, problem.ys, strict=True)], omega)
+    return w
+
+
+# --------------------------------------------------------------------------- asynchronous edges
+def async_hsgd(problem: Problem, initial: Model, reports: Sequence[Sequence[int]]) -> tuple[
+        Model, list[list[int]]]:
+    """Asynchronous two-level H-SGD: aggregation r takes the reports of edges ``reports[r]``.
+
+    Every edge runs jobs: from the global model of version v, P_2 steps with edge
+    aggregation every P_1, then it reports. A report from version v at aggregation r
+    (versions count aggregations, so r - 1 >= v) is stale by s = r - 1 - v. The new model is
+    Σ_j a_j x_j / Σ_j a_j + Σ_e A_e (w - w_base(e)) / Σ_e A_e with a_j = w̃_j / sqrt(1 + s),
+    A_e = Σ_{j in e} a_j. Returns the final model and, per aggregation, [edge, s] pairs.
+    """
+    p = problem
+    omega = p.weights()
+    versions = [initial]  # global model after v aggregations
+    version_of_edge = np.zeros(p.num_edges, dtype=np.int64)
+    stalenesses: list[list[int]] = []
+    for r, edges in enumerate(reports, start=1):
+        w = versions[-1]
+        xs, a, bases, big_a = [], [], [], []
+        pairs = []
+        for e in sorted(edges):
+            s = r - 1 - int(version_of_edge[e])
+            pairs.append([int(e), s])
+            base = versions[version_of_edge[e]]
+            members = np.flatnonzero(p.edge_of == e)
+            models = [base] * len(members)
+            for step_end in range(p.periods[0], p.periods[-1] + 1, p.periods[0]):
+                models = [gd_steps(m, p.xs[j], p.ys[j], p.lr, p.periods[0])
+                          for m, j in zip(models, members, strict=True)]
+                if step_end < p.periods[-1]:  # edge aggregation inside the job
+                    avg = mean(models, omega[members])
+                    models = [avg] * len(members)
+            decay = 1.0 / math.sqrt(1.0 + s)
+            xs += models
+            a += list(omega[members] * decay)
+            bases.append(base)
+            big_a.append(float(omega[members].sum() * decay))
+        first = mean(xs, a)
+        drift = mean([{k: w[k] - b[k] for k in w} for b in bases], big_a)
+        versions.append({k: first[k] + drift[k] for k in w})
+        for e in edges:
+            version_of_edge[e] = r
+        stalenesses.append(pairs)
+    return versions[-1], stalenesses
