@@ -121,7 +121,8 @@ def train_together(jobs: Sequence[LocalJob]) -> list[torch.Tensor]:
 
 def pool_offsets(executors: Sequence[BatchedExecutor]) -> list[int]:
     """Where each executor's pool of rows starts in the joint pool (0 when shared)."""
-    out, at, seen = [], 0, {}
+    out: list[int] = []
+    at, seen = 0, dict[int, int]()
     for ex in executors:
         if id(ex.data.x) in seen:
             out.append(seen[id(ex.data.x)])
@@ -136,6 +137,7 @@ def joint_executor(executors: Sequence[SeedExecutor]) -> BatchedExecutor:
     """A :class:`BatchedExecutor` over the clients of ``executors`` end to end (its pool the
     distinct pools of rows one after another), kept for the lockstep's life."""
     lockstep = executors[0].lockstep
+    assert lockstep is not None
     key = tuple(id(ex) for ex in executors)
     if key in lockstep.joints:
         return lockstep.joints[key]
@@ -268,10 +270,22 @@ def check_seeds(cfg: RunConfig, seeds: Sequence[int]) -> None:
         raise ConfigError(f"--seeds batches seeds on the vectorized engine; engine "
                           f"'{cfg.engine}' runs one seed per run (fedhier run --seed S, or "
                           "fedhier sweep)")
-    if len(set(seeds)) != len(seeds) or not seeds:
-        raise ConfigError(f"--seeds needs distinct seeds, got {list(seeds)}")
     if getattr(cfg, "edge_servers", False):
         raise ConfigError("--seeds: edge_servers is for fedhier deploy local; leave it off")
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds 0,1,2`` (or ``0-4``, both ends included) as a list of distinct seeds."""
+    seeds: list[int] = []
+    try:
+        for part in filter(None, (p.strip() for p in str(text).split(","))):
+            lo, sep, hi = part.partition("-") if not part.startswith("-") else (part, "", "")
+            seeds.extend(range(int(lo), int(hi) + 1) if sep else [int(part)])
+    except ValueError:
+        raise ConfigError(f"--seeds {text}: give seeds as 0,1,2 or 0-4") from None
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds {text}: give distinct seeds >= 0, as 0,1,2 or 0-4")
+    return seeds
 
 
 def seed_folder(out: str | Path, seed: int) -> Path:
@@ -283,7 +297,7 @@ def seed_folder(out: str | Path, seed: int) -> Path:
 def run_seeds(cfgs: Sequence[RunConfig], folders: Sequence[RunFolder], progress: bool = True,
               *, wrap: Callable[[int, Callable[[], dict[str, Any]]], Any] | None = None,
               federations: Sequence[Federation] | None = None,
-              ) -> list[tuple[Any, BaseException | None]]:
+              lockstep: SeedLockstep | None = None) -> list[tuple[Any, BaseException | None]]:
     """Run ``cfgs`` (one configuration, one seed each) as one batched computation, each into
     its folder as ``run_vectorized`` would; returns each seed's (summary, error).
 
@@ -291,8 +305,9 @@ def run_seeds(cfgs: Sequence[RunConfig], folders: Sequence[RunFolder], progress:
         progress: show seed 0's progress bar (the seeds advance together).
         wrap: ``wrap(i, run)`` runs seed i's ``run`` (e.g. inside its trackers); default: run.
         federations: the seeds' data instead of ``prepare(cfg)`` (benchmarks).
+        lockstep: the lockstep to run on (its ``batch_sizes`` tell how jobs were batched).
     """
-    lockstep = SeedLockstep()
+    lockstep = lockstep if lockstep is not None else SeedLockstep()
 
     def executor_for(cfg: RunConfig, fed: Federation, model: Any, device: Any) -> SeedExecutor:
         base = BatchedExecutor.build(cfg, fed, model, device)
