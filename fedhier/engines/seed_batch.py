@@ -96,27 +96,52 @@ def train_jobs(jobs: Sequence[LocalJob]) -> tuple[list[torch.Tensor], list[int]]
 
 def train_together(jobs: Sequence[LocalJob]) -> list[torch.Tensor]:
     """Jobs of one key as one :meth:`BatchedExecutor.local_training` over their clients
-    laid end to end; each job's params and its executor's kept momentum are set to its slice."""
-    first = jobs[0].executor
-    joint = joint_executor([job.executor for job in jobs])
-    offsets = np.cumsum([0] + [job.executor.data.num_clients for job in jobs])
-    pool = pool_offsets([job.executor for job in jobs])
-    params = {k: torch.cat([job.params[k] for job in jobs]) for k in jobs[0].params}
+    laid end to end; each job's params and its executor's kept momentum are set to its slice.
+
+    After the first edge round each seed's start-model buffers and momentum are views into
+    the joint tensors (slices of the flat client axis), so later edge rounds copy nothing;
+    a seed whose tensors are not those views (first round, a resumed seed) is concatenated.
+    """
+    executors = [job.executor for job in jobs]
+    joint = joint_executor(executors)
+    offsets = np.cumsum([0] + [ex.data.num_clients for ex in executors])
+    slices = list(zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True))
+    params = joined(joint.buffers, [job.params for job in jobs], slices)
+    in_place = params is joint.buffers  # the seeds' buffers are its slices: results land there
+    joint.buffers = params
+    joint.momentum = joined(joint.momentum, [ex.momentum for ex in executors], slices)
+    pool = pool_offsets(executors)
     rows = torch.cat([job.rows + int(base) for job, base in zip(jobs, pool, strict=True)],
                      dim=1)
-    joint.momentum = ({k: torch.cat([job.executor.momentum[k] for job in jobs])
-                       for k in first.momentum} if first.momentum else {})
     losses = joint.local_training(params, rows, jobs[0].rates,
                                   np.concatenate([job.trains for job in jobs]),
                                   np.concatenate([job.steps for job in jobs]))
-    out = []
-    for job, lo, hi in zip(jobs, offsets[:-1], offsets[1:], strict=True):
-        for key, value in job.params.items():
-            value.copy_(params[key][lo:hi])
+    for job, (lo, hi) in zip(jobs, slices, strict=True):
+        if not in_place:
+            for key, value in job.params.items():
+                value.copy_(params[key][lo:hi])
+            job.executor.buffers = {k: v[lo:hi] for k, v in params.items()}  # next: in place
         job.executor.momentum = {k: v[lo:hi] for k, v in joint.momentum.items()}
-        out.append(losses[lo:hi])
-    joint.momentum = {}
-    return out
+    return [losses[lo:hi] for lo, hi in slices]
+
+
+def views_of(joint: Params, own: Params, key: str, lo: int, hi: int) -> torch.Tensor | None:
+    """``own[key]`` when it is a view of rows lo..hi-1 of ``joint[key]`` (else None)."""
+    value, whole = own.get(key), joint.get(key)
+    if value is None or whole is None or value._base is not whole or hi - lo != len(value):
+        return None
+    return value if value.data_ptr() == whole[lo:hi].data_ptr() else None
+
+
+def joined(joint: Params, parts: Sequence[Params], slices: list[tuple[int, int]]) -> Params:
+    """name -> [N, *shape]: ``joint`` itself when every part is its slice (nothing copied),
+    else the parts concatenated ({} when the parts are empty)."""
+    if not parts[0]:
+        return {}
+    if joint and all(views_of(joint, part, k, lo, hi) is part[k]
+                     for part, (lo, hi) in zip(parts, slices, strict=True) for k in part):
+        return joint
+    return {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
 
 
 def pool_offsets(executors: Sequence[BatchedExecutor]) -> list[int]:
