@@ -117,3 +117,23 @@ def test_parse_seeds() -> None:
     for bad in ("", "a", "1,1", "-1", "2-0x"):
         with pytest.raises(ConfigError, match="--seeds"):
             parse_seeds(bad)
+
+
+def test_sweep_batch_seeds_writes_the_trials_own_folders(tmp_path: Path) -> None:
+    """``fedhier sweep --batch-seeds``: the new seeds of a vectorized arm are one unit (one
+    fedhier run --seeds), whose folders equal the trials run one by one; then all done."""
+    from fedhier.sweep.spec import build
+    from fedhier.sweep.trials import run_trial, run_unit, trial_state, trial_units, trials_of
+
+    table = {"base": {"clients": 6, "groups": 2, "rounds": 2, "local_period": 2,
+                      "global_period": 4, "engine": "vectorized", "min_partition_size": 2},
+             "seeds": [3, 4], "grid": {"grouping": ["contiguous"]}}
+    batched, alone = (trials_of(build(table, "t"), tmp_path / name) for name in ("b", "a"))
+    states = {t.name: trial_state(t) for t in batched}
+    units = trial_units(batched, states, batch_seeds=True)
+    assert units == [tuple(batched)] and trial_units(batched, states, False) == batched
+    run_unit(units[0])
+    for b, a in zip(batched, alone, strict=True):
+        assert trial_state(b) == "done"
+        run_trial(a)
+        same_run(b.run_dir, a.run_dir)
