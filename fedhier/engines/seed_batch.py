@@ -214,6 +214,7 @@ class SeedLockstep:
         self._back = threading.Semaphore(0)
         self._local = threading.local()
         self._tasks: list[_Task] = []
+        self._running: _Task | None = None  # the seed whose turn it is
 
     def submit(self, job: LocalJob) -> torch.Tensor:
         """Called from a seed's thread: wait until the batch has trained ``job``."""
@@ -239,8 +240,7 @@ class SeedLockstep:
             while True:
                 for task in self._tasks:  # each until it waits for training or ends
                     if not task.done:
-                        task.go.release()
-                        self._back.acquire()
+                        self._turn(task)
                 waiting = [t for t in self._tasks if not t.done and t.job is not None]
                 if not waiting:
                     break
@@ -250,16 +250,25 @@ class SeedLockstep:
                     task.job, task.result = None, loss
         except KeyboardInterrupt:
             interrupted = True
+            if self._running is not None:  # let the seed on its turn reach its next wait
+                self._back.acquire()
+                self._running = None
             for task in self._tasks:
                 if not task.done:
                     task.interrupt = True
-                    task.go.release()
-                    self._back.acquire()
+                    self._turn(task)
         for task in self._tasks:
             task.thread.join()
         if interrupted:
             raise KeyboardInterrupt
         return [(t.value, t.error) for t in self._tasks]
+
+    def _turn(self, task: _Task) -> None:
+        """Let ``task`` run until it waits for training or ends (one release, one wait)."""
+        self._running = task
+        task.go.release()
+        self._back.acquire()
+        self._running = None
 
 
 class _Task:
