@@ -165,7 +165,7 @@ def cmd_run_seeds(args: argparse.Namespace) -> int:
     resolve_device(base.device)
     for cfg in cfgs:
         RunFolder.check_target(cfg.out, overwrite=args.overwrite)
-        prepare_data(cfg)
+    feds = [prepare_data(cfg) for cfg in cfgs]  # kept: S federations outgrow prepare's cache
     folders: list[RunFolder] = []
     try:
         for cfg in cfgs:
@@ -180,7 +180,8 @@ def cmd_run_seeds(args: argparse.Namespace) -> int:
             return run()
 
     try:
-        results = run_seeds(cfgs, folders, not args.no_progress, wrap=tracked)
+        results = run_seeds(cfgs, folders, not args.no_progress, wrap=tracked,
+                            federations=feds)
     except KeyboardInterrupt:
         for folder in folders:
             folder.fail("interrupted (Ctrl-C)", EXIT_INTERRUPTED, interrupted=True)
