@@ -341,6 +341,8 @@ def run_seeds(cfgs: Sequence[RunConfig], folders: Sequence[RunFolder], progress:
         federations: the seeds' data instead of ``prepare(cfg)`` (benchmarks).
         lockstep: the lockstep to run on (its ``batch_sizes`` tell how jobs were batched).
     """
+    if len({c.replace(seed=0, out="") for c in cfgs}) > 1:
+        raise ConfigError("seeds batched together must share every setting but seed and out")
     lockstep = lockstep if lockstep is not None else SeedLockstep()
 
     def executor_for(cfg: RunConfig, fed: Federation, model: Any, device: Any) -> SeedExecutor:
@@ -362,8 +364,10 @@ def run_seeds(cfgs: Sequence[RunConfig], folders: Sequence[RunFolder], progress:
 
 
 def share_pool(executor: BatchedExecutor, lockstep: SeedLockstep) -> None:
-    """Let seeds whose pools of rows are equal (the usual case: the partition, not the
-    dataset, depends on the seed) share one copy, so the joint pool is not S copies."""
+    """Let seeds whose pools of rows are equal (a dataset with a fixed training split: only
+    the partition depends on the seed) share one copy, so the joint pool is not S copies.
+    Pools that differ (digits' split is seeded) are laid end to end in the joint pool, which
+    then holds a second copy of them."""
     data = executor.data
     for other in lockstep.pools:
         if (other.x.shape == data.x.shape and other.x.dtype == data.x.dtype
