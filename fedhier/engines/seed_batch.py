@@ -65,8 +65,10 @@ class LocalJob:
 
     def key(self) -> tuple[Any, ...]:
         """Jobs batch together only when these agree (see the module docstring)."""
+        alone = id(self.executor) if self.executor.data.num_clients < 2 else 0  # a batch of
+        # one client runs another kernel than a batch of more (docs/engines.md, --client-chunk)
         return (self.executor.data.width, tuple(np.unique(self.steps).tolist()), self.rates,
-                bool(self.executor.momentum), self.grad)
+                bool(self.executor.momentum), self.grad, alone)
 
 
 def train_jobs(jobs: Sequence[LocalJob]) -> tuple[list[torch.Tensor], list[int]]:
