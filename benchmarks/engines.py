@@ -46,6 +46,10 @@ per example are counted from the model's Conv2d and Linear layers (:func:`model_
 takes 10-20 minutes on 2 cores, so it is not part of the default run (results:
 benchmarks/results/engines_w2.json). ``benchmarks/profile_cnn.py`` profiles one W2 step.
 
+``--batched-seeds 5``: only K seeds of W1 batched into one computation against K separate
+runs, interleaved pairs, each in a fresh process (benchmarks/batched_seeds.py; results:
+benchmarks/results/engines_seeds.json).
+
 ``--scale 1000,10000,100000``: only the vectorized engine on W1 replicated to each client
 count (``--client-chunk``, default 0 = the engine's automatic chunk), each in a fresh
 process: steps/s, peak RSS (``ru_maxrss``) and bytes per client (results:
@@ -74,6 +78,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "engines.json"
 ENGINES = ("plain", *engine_names())  # plain: the baseline loop below, not a fedhier engine
 PROFILED = ("inprocess", "vectorized")
+SEED_MODES = ("seeds-batched", "seeds-separate")  # workers of --batched-seeds
 W1: dict[str, Any] = dict(
     dataset="digits", clients=100, groups=(10,), partition="dirichlet", alpha=0.5,
     min_partition_size=3, model="mlp", local_period=5, global_period=20, batch_size=16, lr=0.1,
@@ -768,7 +773,10 @@ def main(argv: list[str] | None = None) -> int:
                              "benchmarks/results/engines_w2.json)")
     parser.add_argument("--device", default="cpu",
                         help="torch device of the fedhier engines (cpu, cuda, auto)")
-    parser.add_argument("--worker", choices=(*ENGINES, "matmul", "scaling"),
+    parser.add_argument("--batched-seeds", type=int, default=0, metavar="K",
+                        help="only K seeds of W1 batched into one computation vs K separate "
+                             "runs on the vectorized engine (benchmarks/batched_seeds.py)")
+    parser.add_argument("--worker", choices=(*ENGINES, "matmul", "scaling", *SEED_MODES),
                         help=argparse.SUPPRESS)
     parser.add_argument("--clients", type=int, default=100, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -782,6 +790,17 @@ def main(argv: list[str] | None = None) -> int:
         "rounds"])
     args.repeats = args.repeats or (1 if args.quick or w2 else 3)
     args.scale = [int(n.replace("_", "")) for n in args.scale.split(",") if n]
+    if args.worker in SEED_MODES or args.batched_seeds:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from batched_seeds import parent_seeds, print_seeds, seeds_worker
+
+        if args.worker:
+            print("RESULT " + json.dumps(seeds_worker(args, w1_config)), flush=True)
+            return 0
+        report = {"machine": machine(), **parent_seeds(args, spawn)}
+        print_seeds(report)
+        write_report(report, args.out or RESULTS.with_name("engines_seeds.json"))
+        return 0
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return 0

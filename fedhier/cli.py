@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     run.add_argument("--tracker", choices=TRACKERS,
                      help="also log to tensorboard, mlflow or wandb (optional extras)")
+    run.add_argument("--seeds", metavar="S1,S2,...",
+                     help="vectorized engine: these seeds as one batched computation, one run "
+                     "folder each (OUT/seed<S>, each equal to its one-seed run)")
     run.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     add_config_flags(run)
 
@@ -93,6 +96,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fedhier.run_folder import RunFolder, default_run_dir
     from fedhier.train import resolve_device
 
+    if getattr(args, "seeds", None) is not None:
+        return cmd_run_seeds(args)
     trackers = make_trackers(getattr(args, "tracker", None))  # a missing extra: nothing written
     resume = None
     if args.resume:
@@ -133,6 +138,72 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"({summary['rounds']} cloud rounds) in {summary['wall_seconds']:.1f} s "
           f"[{summary['engine']}, {summary['weighting']} weighting]")
     print(f"run folder: {folder.path}")
+    return 0
+
+
+def cmd_run_seeds(args: argparse.Namespace) -> int:
+    """``fedhier run --seeds``: every seed validated and its folder (OUT/seed<S>) claimed
+    before any runs; then one batched computation (:mod:`fedhier.engines.seed_batch`). A
+    seed that fails is reported (and its folder marked) as a one-seed run's would be; the
+    other seeds' folders are kept."""
+    from fedhier.engines.seed_batch import check_seeds, parse_seeds, run_seeds, seed_folder
+    from fedhier.run_folder import RunFolder, default_run_dir
+    from fedhier.train import resolve_device
+
+    if args.resume:
+        raise FedhierError("--seeds starts new runs; resume a seed on its own: fedhier run "
+                           "--resume OUT/seed<S>")
+    if args.seed is not None:
+        raise FedhierError("give --seed or --seeds, not both")
+    seeds = parse_seeds(args.seeds)
+    make_trackers(args.tracker)  # a missing extra: one line, nothing written
+    base = config_from_args(args)
+    check_seeds(base, seeds)
+    out = Path(base.out) if base.out else default_run_dir(
+        f"{base.dataset.replace('/', '-')}-{base.engine}-seeds")
+    cfgs = [base.replace(seed=s, out=str(seed_folder(out, s))) for s in seeds]
+    resolve_device(base.device)
+    for cfg in cfgs:
+        RunFolder.check_target(cfg.out, overwrite=args.overwrite)
+    feds = [prepare_data(cfg) for cfg in cfgs]  # kept: S federations outgrow prepare's cache
+    folders: list[RunFolder] = []
+    try:
+        for cfg in cfgs:
+            folders.append(RunFolder.claim(cfg.out, overwrite=args.overwrite))
+    except BaseException:
+        for folder in folders:
+            folder.fail("another seed's folder could not be claimed", EXIT_BAD_INPUT)
+        raise
+
+    def tracked(_: int, run: Any) -> Any:
+        with attached(make_trackers(args.tracker)):
+            return run()
+
+    try:
+        results = run_seeds(cfgs, folders, not args.no_progress, wrap=tracked,
+                            federations=feds)
+    except KeyboardInterrupt:
+        for folder in folders:
+            folder.fail("interrupted (Ctrl-C)", EXIT_INTERRUPTED, interrupted=True)
+        print(f"fedhier: interrupted; resume each seed with: fedhier run --resume "
+              f"{out}/seed<S>", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    errors: list[BaseException] = []
+    for seed, folder, (summary, error) in zip(seeds, folders, results, strict=True):
+        if error is None:
+            folder.succeed()
+            print(f"seed {seed}: final test accuracy {summary['final_test_accuracy']:.4f}, "
+                  f"test loss {summary['final_test_loss']:.4f} after {summary['iterations']} "
+                  f"iterations in {summary['wall_seconds']:.1f} s: {folder.path}")
+        else:
+            error.add_note(f"seed {seed}")
+            error.add_note(folder.fail(error_text(error), exit_code_for(error)))
+            errors.append(error)
+    if errors:
+        for error in errors[1:]:
+            print(f"fedhier: {error_text(error)}", file=sys.stderr)
+        raise errors[0]
+    print(f"{len(seeds)} seeds batched [vectorized]: {out}")
     return 0
 
 

@@ -15,7 +15,7 @@ screen) and once per cloud round for the metrics.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,8 @@ from fedhier.train import (
 )
 
 Params = dict[str, torch.Tensor]
+#: (cfg, federation, model, device) -> the executor of a vectorized run.
+ExecutorFactory = Callable[[RunConfig, Federation, nn.Module, torch.device], "BatchedExecutor"]
 
 #: Largest minibatch-index block precomputed at once (entries, int32: 2**22 = 16 MiB); one
 #: cloud round is always computed whole ([G, n, width]: 128 MiB for W1 at 100,000 clients).
@@ -391,7 +393,8 @@ class BatchedExecutor:
 
 def run_vectorized(cfg: RunConfig, folder: RunFolder, progress: bool = True, *,
                    federation: Federation | None = None,
-                   resume: Checkpoint | None = None) -> dict[str, Any]:
+                   resume: Checkpoint | None = None,
+                   make_executor: ExecutorFactory | None = None) -> dict[str, Any]:
     """Run ``cfg`` with every client batched; writes the same run folder as ``inprocess``.
 
     Args:
@@ -401,6 +404,8 @@ def run_vectorized(cfg: RunConfig, folder: RunFolder, progress: bool = True, *,
         federation: the data to use instead of ``prepare(cfg)`` (benchmarks use it to build
             federations the partitioners cannot, e.g. replicated clients).
         resume: a checkpoint of this run to continue from.
+        make_executor: builds the executor instead of ``BatchedExecutor.build`` (seeds
+            batched together: :mod:`fedhier.engines.seed_batch`).
 
     Returns:
         summary.json's dict.
@@ -416,6 +421,6 @@ def run_vectorized(cfg: RunConfig, folder: RunFolder, progress: bool = True, *,
                            elapsed=resume.wall_seconds if resume else 0.0)
     algorithm = algorithm_for(settings_for(cfg), as_cloud_step(make_cloud_strategy(
         cfg.cloud_strategy, cfg.server_lr, cfg.server_momentum)))
-    executor = BatchedExecutor.build(cfg, fed, model, device)
+    executor = (make_executor or BatchedExecutor.build)(cfg, fed, model, device)
     return run_recorded(algorithm, executor, cfg, recorder, params_of(model),
                         central_evaluation(cfg, fed, model, device), resume=resume)

@@ -41,6 +41,9 @@ def add_parser(sub: Any) -> None:
                         help="run the trials on this existing Ray cluster (e.g. auto)")
     parser.add_argument("--tracker", choices=TRACKERS,
                         help="also log every run to this tracker (an optional extra)")
+    parser.add_argument("--batch-seeds", action="store_true",
+                        help="run the seeds of each vectorized arm as one batched computation "
+                        "(fedhier run --seeds: one Tune trial per arm; same run folders)")
     parser.add_argument("--config", type=Path, metavar="FILE.toml",
                         help="base configuration keys (under the spec's [base])")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -80,7 +83,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from fedhier.run_folder import write_json
     from fedhier.sweep.report import write_report
     from fedhier.sweep.spec import build
-    from fedhier.sweep.trials import load_records, trial_state, trials_of
+    from fedhier.sweep.trials import load_records, trial_state, trial_units, trials_of
     from fedhier.trackers import check_tracker
 
     if args.jobs < 0:
@@ -110,8 +113,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if pending:
         from fedhier.sweep.tune_runner import run_on_tune
 
-        jobs = min(args.jobs or os.cpu_count() or 1, len(pending))
-        errors = run_on_tune(pending, folder, jobs, args.ray_address, args.tracker, paths)
+        units = trial_units(pending, states, args.batch_seeds)
+        jobs = min(args.jobs or os.cpu_count() or 1, len(units))
+        errors = run_on_tune(units, folder, jobs, args.ray_address, args.tracker, paths)
         if errors:
             print(f"fedhier: run stopped: {len(errors)} of {len(pending)} runs failed; first: "
                   f"{errors[0]}; rerun the same command to retry them", file=sys.stderr)

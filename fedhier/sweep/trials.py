@@ -127,6 +127,16 @@ class TrialFailedError(RuntimeError):
 def run_trial(trial: Trial, tracker: str | None = None) -> dict[str, Any]:
     """Run (or resume, or restart) one trial through :func:`fedhier.cli.main`; returns its
     summary. A finished trial is not run again."""
+    state = trial_state(trial)
+    if state != "done":
+        trial.run_dir.parent.mkdir(parents=True, exist_ok=True)
+        _run_main(run_argv(trial, state, tracker), trial.name)
+    return json.loads((trial.run_dir / "summary.json").read_text())
+
+
+def _run_main(argv: list[str], name: str) -> None:
+    """``fedhier run ARGV`` in this process, at one torch thread (one trial per core, as
+    fedhier experiment does); TrialFailedError with its last error line if it fails."""
     import importlib
 
     import torch
@@ -134,18 +144,68 @@ def run_trial(trial: Trial, tracker: str | None = None) -> dict[str, Any]:
     # the console script's entry point, fedhier.cli:main, resolved as the registry resolves
     # engines: fedhier.cli registers this subcommand, so a plain import would be a cycle
     main = importlib.import_module("fedhier.cli").main
-    state = trial_state(trial)
-    if state != "done":
-        torch.set_num_threads(1)  # one trial per core, as fedhier experiment does
-        trial.run_dir.parent.mkdir(parents=True, exist_ok=True)
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            code = main(run_argv(trial, state, tracker))
-        if code != 0:
-            lines = err.getvalue().strip().splitlines()
-            raise TrialFailedError(f"{trial.name}: exit code {code}: "
-                              f"{lines[-1] if lines else 'no message'}")
-    return json.loads((trial.run_dir / "summary.json").read_text())
+    torch.set_num_threads(1)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(argv)
+    if code != 0:
+        lines = err.getvalue().strip().splitlines()
+        raise TrialFailedError(f"{name}: exit code {code}: "
+                               f"{lines[-1] if lines else 'no message'}")
+
+
+#: What a sweep runs as one Tune trial: a trial, or (``--batch-seeds``) the seeds of one arm
+#: and tuned value as one ``fedhier run --seeds`` batch.
+Unit = Trial | tuple[Trial, ...]
+
+
+def trial_units(pending: Sequence[Trial], states: Mapping[str, str],
+                batch_seeds: bool) -> list[Unit]:
+    """The pending trials as Tune's units of work. With ``batch_seeds``, the new or cut-off
+    (restart) trials of one arm and tuned value on the vectorized engine form one batch
+    (two or more seeds); trials to resume from a checkpoint, and other engines, stay alone."""
+    if not batch_seeds:
+        return list(pending)
+    units: list[Unit] = []
+    groups: dict[tuple[str, str], list[Trial]] = {}
+    for trial in pending:
+        if trial.config.engine == "vectorized" and states[trial.name] in ("new", "restart"):
+            groups.setdefault((trial.arm, arm_key(trial.tuned)), []).append(trial)
+        else:
+            units.append(trial)
+    for group in groups.values():
+        units.append(tuple(group) if len(group) > 1 else group[0])
+    return units
+
+
+def arm_key(tuned: Mapping[str, Any]) -> str:
+    return json.dumps(tuned, sort_keys=True, default=str)
+
+
+def seeds_argv(trials: Sequence[Trial], states: Mapping[str, str],
+               tracker: str | None = None) -> list[str]:
+    """The ``fedhier run --seeds`` command line of one batch (every trial's config file
+    written: a rerun checks each finished folder against its own, as for a lone trial)."""
+    for trial in trials:
+        atomic_write_bytes(trial.config_file, toml_text(config_values(trial)).encode())
+    argv = ["run", "--config", str(trials[0].config_file), "--seeds",
+            ",".join(str(t.seed) for t in trials), "--out", str(trials[0].run_dir.parent),
+            "--no-progress", *(["--tracker", tracker] if tracker else [])]
+    return argv + (["--overwrite"] if any(states[t.name] == "restart" for t in trials) else [])
+
+
+def run_unit(unit: Unit, tracker: str | None = None) -> list[dict[str, Any]]:
+    """Run a trial (:func:`run_trial`) or a batch of seeds; returns the summaries."""
+    if isinstance(unit, Trial):
+        return [run_trial(unit, tracker)]
+    states = {t.name: trial_state(t) for t in unit}
+    todo = [t for t in unit if states[t.name] in ("new", "restart")]
+    for trial in unit:
+        if trial not in todo and states[trial.name] != "done":
+            run_trial(trial, tracker)  # checkpointed since the sweep looked: resumed alone
+    if todo:
+        _run_main(seeds_argv(todo, states, tracker), ", ".join(t.name for t in todo))
+    return [json.loads((t.run_dir / "summary.json").read_text()) for t in unit]
 
 
 def load_records(trials: Sequence[Trial]) -> dict[str, list[dict[str, Any]]]:

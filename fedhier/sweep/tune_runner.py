@@ -17,23 +17,25 @@ from pathlib import Path
 from typing import Any
 
 from fedhier.errors import FedhierError
-from fedhier.sweep.trials import Trial, run_trial
+from fedhier.sweep.trials import Unit, run_unit
 
 
 def _tune_trial(config: dict[str, Any]) -> None:
-    """Tune's function: run one fedhier trial, report its final numbers to Tune."""
+    """Tune's function: run one fedhier trial (or a batch of seeds), report its final
+    numbers (a batch: its first seed's) to Tune."""
     from ray import tune
 
-    trial: Trial = config["trial"]
-    summary = run_trial(trial, config.get("tracker"))
+    unit: Unit = config["trial"]
+    summary = run_unit(unit, config.get("tracker"))[0]
     tune.report({"final_test_accuracy": summary["final_test_accuracy"],
                  "final_test_loss": summary["final_test_loss"]})
 
 
-def run_on_tune(trials: Sequence[Trial], folder: Path, jobs: int, address: str | None,
+def run_on_tune(trials: Sequence[Unit], folder: Path, jobs: int, address: str | None,
                 tracker: str | None, paths: Sequence[str] = ()) -> list[str]:
-    """Run ``trials`` on Ray Tune; returns the one-line errors of those that failed.
-    ``paths`` join the local workers' PYTHONPATH (where a spec's own plugin module lies)."""
+    """Run ``trials`` (trials, or batches of seeds) on Ray Tune; returns the one-line errors
+    of those that failed. ``paths`` join the local workers' PYTHONPATH (where a spec's own
+    plugin module lies)."""
     import ray
     from ray import tune
 
