@@ -16,6 +16,7 @@ before this format (a torch pickle) is refused in one line, never unpickled.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -122,6 +123,13 @@ def read_checkpoint_file(path: Path) -> Checkpoint:
             not isinstance(state["wall_seconds"], int | float) or \
             not isinstance(state.get("client_states", {}), dict):
         raise DamagedFileError(path, "damaged: no cloud round or global model in it", remedy)
+    if not math.isfinite(state["wall_seconds"]) or state["wall_seconds"] < 0:
+        raise DamagedFileError(path, "damaged: its elapsed seconds are not a duration", remedy)
+    if any(v.is_floating_point() and not bool(torch.isfinite(v).all())
+           for v in state["global_state"].values()):
+        # a run never records such a model (non-finite updates stop it or are skipped)
+        raise DamagedFileError(path, "damaged: its global model holds non-finite values",
+                               remedy)
     if not _client_states_form(state.get("client_states", {})):
         raise DamagedFileError(path, "damaged: its clients' kept state is not tensors by "
                                "client and name", remedy)

@@ -140,9 +140,15 @@ def _global_to_int8(state: dict, tensors: dict) -> None:
         tensors[entry["$tensor"]] = tensors[entry["$tensor"]].to(torch.int8)
 
 
+def _global_to_nan(state: dict, tensors: dict) -> None:
+    for entry in state["global_state"].values():
+        tensors[entry["$tensor"]] = torch.full_like(tensors[entry["$tensor"]], float("nan"))
+
+
 #: Crafted checkpoints (the review's repros): each must be refused in one line naming the
 #: file, exit 2, before anything of the run folder changes (not exit 4, nor exit 3 blaming
-#: the clients for a model of the wrong dtype).
+#: the clients for a model of the wrong dtype or a non-finite one, nor a run that finishes
+#: with a NaN duration).
 CRAFTED = {
     "communication not a table": _set("strategy_state/communication", "x"),
     "communication extra key": _set("strategy_state/communication/bogus", 1),
@@ -157,6 +163,8 @@ CRAFTED = {
     "cloud step missing": _set("strategy_state/cloud_step", None),
     "clients' state malformed": _set("client_states", {"$dict": [[0, "x"]]}),
     "global model int8": lambda st, t: _global_to_int8(st, t),
+    "global model nan": lambda st, t: _global_to_nan(st, t),
+    "elapsed seconds nan": _set("wall_seconds", {"$float": "nan"}),
 }
 
 
