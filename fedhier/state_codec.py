@@ -143,7 +143,8 @@ def decode(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
         nonlocal allowed
         allowed = allowed if allowed is not None else _allowed()
         if not isinstance(name, str) or name not in allowed:
-            raise StateFormatError(f"names {str(name)[:80]!r}, which fedhier does not store")
+            raise StateFormatError(f"names {str(name)[:80]!r}, not on the allow-list of "
+                                   "classes checkpoints may hold (fedhier.state_codec.allow)")
         return allowed[name]
 
     def tensor(key: Any) -> torch.Tensor:

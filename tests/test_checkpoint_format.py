@@ -14,6 +14,8 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +29,8 @@ from fedhier.errors import DamagedFileError
 from fedhier.state_codec import decode, encode
 from fedhier.strategies.cloud_step import FlowerCloudStep, make_cloud_strategy
 from fedhier.topology import Hierarchy
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class CreatesAFile:
@@ -185,3 +189,17 @@ def test_a_crafted_checkpoint_is_one_line_exit_2(run_folder, tmp_path, capsys, c
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(folder / "checkpoint.pt") in err[0], err
     assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
+
+
+def test_the_reader_imports_no_strategy_layer_and_refuses_unregistered_classes(run_folder):
+    """fedhier.state_codec imports nothing of the strategy layer: in a process that has not
+    imported it, a checkpoint holding a Flower cloud strategy names an unregistered class and
+    is refused in one line (the CLI imports the layer first: the resume tests above)."""
+    code = ("import sys\nfrom fedhier.checkpoint import read_checkpoint_file\n"
+            "from fedhier.errors import DamagedFileError\n"
+            f"try:\n    read_checkpoint_file({str(run_folder / 'checkpoint.pt')!r})\n"
+            "except DamagedFileError as exc:\n    print(exc)\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('flwr', 'fedhier.strat'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True).stdout
+    assert "FlowerCloudStep', not on the allow-list" in out and out.endswith("[]\n"), out
