@@ -16,6 +16,7 @@ before this format (a torch pickle) is refused in one line, never unpickled.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 
 from fedhier.crash_points import crash_point
-from fedhier.errors import ConfigError, DamagedFileError, os_reason
+from fedhier.errors import ConfigError, DamagedFileError, FedhierError, os_reason
 from fedhier.run_folder import writing
 
 CHECKPOINT = "checkpoint.pt"
@@ -122,7 +123,30 @@ def read_checkpoint_file(path: Path) -> Checkpoint:
             not isinstance(state["wall_seconds"], int | float) or \
             not isinstance(state.get("client_states", {}), dict):
         raise DamagedFileError(path, "damaged: no cloud round or global model in it", remedy)
+    if not math.isfinite(state["wall_seconds"]) or state["wall_seconds"] < 0:
+        raise DamagedFileError(path, "damaged: its elapsed seconds are not a duration", remedy)
+    if any(v.is_floating_point() and not bool(torch.isfinite(v).all())
+           for v in state["global_state"].values()):
+        # a run never records such a model (non-finite updates stop it or are skipped)
+        raise DamagedFileError(path, "damaged: its global model holds non-finite values",
+                               remedy)
+    if not _client_states_form(state.get("client_states", {})):
+        raise DamagedFileError(path, "damaged: its clients' kept state is not tensors by "
+                               "client and name", remedy)
     return Checkpoint(**state)
+
+
+def _client_states_form(states: dict[Any, Any]) -> bool:
+    """Whether ``states`` has one of the two forms engines write: name -> tensor [n, *shape]
+    (the vectorized engine) or client id -> state name -> tensor name -> tensor (Flower)."""
+    def tensors(value: Any) -> bool:
+        return isinstance(value, dict) and all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
+
+    return tensors(states) or all(
+        isinstance(client, int) and not isinstance(client, bool) and isinstance(kept, dict)
+        and all(isinstance(name, str) and tensors(value) for name, value in kept.items())
+        for client, kept in states.items())
 
 
 def _metadata(data: bytes) -> dict[str, str]:
@@ -161,6 +185,84 @@ def check_model(checkpoint: Checkpoint, state: dict[str, torch.Tensor], path: Pa
     """A one-line ConfigError unless the checkpoint's global model has the names and shapes
     of ``state`` (the run's model): a checkpoint of another run must not be resumed here."""
     saved = checkpoint.global_state
-    if saved.keys() != state.keys() or any(saved[k].shape != state[k].shape for k in state):
+    if saved.keys() != state.keys() or any(saved[k].shape != state[k].shape or
+                                           saved[k].dtype != state[k].dtype for k in state):
         raise ConfigError(f"{path / CHECKPOINT} holds another model than this run folder's "
                           "config.json describes; it does not belong to this run")
+
+
+#: What restoring a state that does not fit the algorithm raises (a damaged or crafted file).
+RESTORE_ERRORS = (TypeError, KeyError, AttributeError, ValueError, IndexError)
+
+
+def restore_state(algorithm: Any, checkpoint: Checkpoint, run_dir: Path,
+                  num_clients: int) -> None:
+    """``algorithm.load_state_dict(checkpoint.strategy_state)``, after checking the parts the
+    algorithm uses only later (the grouping, the simulated clock, the cloud step) fit a run of
+    ``num_clients`` clients with ``algorithm``'s settings and cloud step. A damaged or crafted
+    state is one :class:`DamagedFileError` naming checkpoint.pt, never a traceback.
+
+    The one place a checkpoint's strategy state enters an algorithm: the CLI rehearses it on
+    a fresh algorithm before the run starts (:func:`fedhier.cli_flags.resumable_checkpoint`),
+    the engine does it for real (:func:`fedhier.server.run_recorded`)."""
+    state = checkpoint.strategy_state
+    try:
+        _check_hierarchy_and_clock(state, algorithm.settings.groups,
+                                   len(algorithm.settings.periods), num_clients)
+        _check_same_kind(state.get("cloud_step"), algorithm.cloud_step)
+        algorithm.load_state_dict(state)
+    except FedhierError:
+        raise
+    except RESTORE_ERRORS as exc:
+        raise DamagedFileError(Path(run_dir) / CHECKPOINT,
+                               f"damaged: its strategy state does not fit this run "
+                               f"({type(exc).__name__}: {' '.join(str(exc).split())[:100]})",
+                               "it cannot be resumed; rerun the run from the start") from None
+
+
+def _check_hierarchy_and_clock(state: dict[str, Any], groups: tuple[int, ...], levels: int,
+                               num_clients: int) -> None:
+    """ValueError/TypeError unless the saved grouping is a valid tree of ``num_clients``
+    clients in ``groups`` nodes per level over ``levels`` levels, and the saved clock holds
+    one finite time per edge."""
+    import numpy as np
+
+    from fedhier.topology import Hierarchy
+
+    hierarchy = state.get("hierarchy")
+    edges = groups[0] if groups else 1
+    if hierarchy is not None:
+        if type(hierarchy) is not Hierarchy:
+            raise TypeError(f"the grouping is a {type(hierarchy).__name__}")
+        parents = tuple(hierarchy.parents)
+        if not all(isinstance(p, np.ndarray) and p.dtype == np.int64 and p.ndim == 1
+                   for p in parents):
+            raise TypeError("the grouping's parents are not int64 vectors")
+        tree = Hierarchy(tuple(int(p) for p in hierarchy.periods), parents,
+                         int(hierarchy.num_edges))  # its own consistency checks
+        sizes = [tree.num_nodes(level) for level in range(levels)]
+        if sizes != [num_clients, *groups][:levels]:
+            raise ValueError(f"a grouping of {sizes} nodes per level where this run has "
+                             f"{[num_clients, *groups][:levels]}")
+        edges = tree.num_nodes(1)
+    clock = state.get("clock")
+    if clock is not None:
+        times = np.asarray(clock["edge_time"], dtype=np.float64)
+        if times.shape != (edges,) or not np.isfinite(times).all():
+            raise ValueError(f"a clock of shape {times.shape} for {edges} edge(s)")
+
+
+def _check_same_kind(saved: Any, fresh: Any) -> None:
+    """TypeError unless the saved cloud step is of the run's kind (None, or the same class
+    holding the same class of Flower strategy, with at least a fresh one's attributes)."""
+    if fresh is None or saved is None:
+        if saved is not fresh:
+            raise TypeError("the cloud step does not match the run's cloud strategy")
+        return
+    for a, b in ((saved, fresh), (getattr(saved, "strategy", None),
+                                  getattr(fresh, "strategy", None))):
+        if a is None and b is None:  # a cloud step without a Flower strategy inside
+            continue
+        if type(a) is not type(b) or not vars(b).keys() <= vars(a).keys():
+            raise TypeError(f"the cloud step holds a {type(a).__name__} where this run has "
+                            f"a {type(b).__name__}")

@@ -218,9 +218,14 @@ def resumable_checkpoint(path: Path, cfg: RunConfig) -> Checkpoint | None:
     None when the run stopped before its first checkpoint (no checkpoint.pt, no summary.json):
     the resumed run starts again at round 0 in the same folder. A round-0 checkpoint is the
     same as none (it holds nothing a fresh start lacks)."""
-    from fedhier.checkpoint import CHECKPOINT, check_model, load_checkpoint
+    from fedhier.async_edges import algorithm_for
+    from fedhier.checkpoint import CHECKPOINT, check_model, load_checkpoint, restore_state
     from fedhier.run_folder import read_metrics
-    from fedhier.server import initial_model
+    from fedhier.server import initial_model, settings_for
+
+    # the strategy layer registers the Flower cloud strategies' classes with the checkpoint
+    # reader (fedhier.state_codec.allow) when imported: before the file is read
+    from fedhier.strategies.cloud_step import as_cloud_step, make_cloud_strategy
     from fedhier.train import resolve_device
 
     resume: Checkpoint | None = None
@@ -238,6 +243,11 @@ def resumable_checkpoint(path: Path, cfg: RunConfig) -> Checkpoint | None:
     fed = prepare_data(cfg)
     if resume is not None:
         check_model(resume, initial_model(cfg, fed).state_dict(), path)
+        # rehearse the restore on a fresh algorithm: a state that does not fit is one line
+        # now, before the run folder is touched, not an error in the middle of the run
+        restore_state(algorithm_for(settings_for(cfg), as_cloud_step(make_cloud_strategy(
+            cfg.cloud_strategy, cfg.server_lr, cfg.server_momentum))), resume, path,
+            cfg.clients)
     return resume if resume is not None and resume.round > 0 else None
 
 

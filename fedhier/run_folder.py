@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from fedhier import crash_points
 from fedhier.errors import ConfigError, DamagedFileError, FedhierError
 from fedhier.run_lock import LOCK_NAME, RunLock, busy_error, live_holder
+from fedhier.trackers import OUTPUT_FOLDERS
 
 FAILED = "failed.json"
 #: Every file a run writes in its folder: ``--overwrite`` removes them all when it claims the
@@ -204,6 +205,10 @@ class RunFolder:
                 for name in RUN_FILES:  # the earlier run's files, all of them
                     with writing(path / name):
                         (path / name).unlink(missing_ok=True)
+                for name in OUTPUT_FOLDERS:  # and its trackers' (their rounds are not ours)
+                    if (path / name).is_dir():
+                        with writing(path / name):
+                            shutil.rmtree(path / name)
         except BaseException:
             folder.lock.release()
             folder._remove_created()

@@ -87,11 +87,15 @@ class RunRecorder:
         from fedhier.trackers import current
 
         self.callbacks = current()  # trackers attached by the command line (--tracker)
+        kept = ([r for r in read_metrics(folder.path) if r["round"] <= resume_round]
+                if resume_round is not None else [])
+        # a continued folder: the trackers replace what was logged after the last kept round
+        purge_from = int(kept[-1]["iteration"]) + 1 if kept else \
+            (0 if resume_round is not None or folder.resumed else None)
         for callback in self.callbacks:
             callback.on_start(folder.path, {**cfg.to_dict(), "engine": engine},
-                              resumed=resume_round is not None)
+                              resumed=resume_round is not None, purge_from=purge_from)
         if resume_round is not None:
-            kept = [r for r in read_metrics(folder.path) if r["round"] <= resume_round]
             folder.rewrite_metrics(kept)
             self.last = kept[-1] if kept else {}
             return

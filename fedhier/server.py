@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fedhier.checkpoint import Checkpoint, save_checkpoint
+from fedhier.checkpoint import Checkpoint, restore_state, save_checkpoint
 from fedhier.config import RunConfig
 from fedhier.crash_points import crash_point
 from fedhier.errors import ConfigError
@@ -116,7 +116,7 @@ def run_recorded(algorithm: HierarchicalSGD, executor: Executor, cfg: RunConfig,
     else:  # on the device the executor works on
         device = next(iter(initial.values())).device
         initial = {k: v.to(device) for k, v in resume.global_state.items()}
-        algorithm.load_state_dict(resume.strategy_state)
+        restore_state(algorithm, resume, folder.path, cfg.clients)
     # The last fully recorded cloud round, its model and states, replaced in one update so
     # that a Ctrl-C at any moment checkpoints a consistent set.
     done: dict[str, Any] = {"round": resume.round if resume else 0, "params": None,

@@ -11,8 +11,11 @@ its saved attributes, and a function only by name from the same list; a register
 adapter. Anything else in a file is refused as damaged; anything else in a state being saved
 is a :class:`TypeError` (a programming error: register the type first with :func:`allow`).
 
-This module imports no Flower: the layers that create Flower objects register them
-(``fedhier.strategies.cloud_step``), and are imported by name when a file names them.
+This module imports no Flower and nothing of the strategy layer: the layers that create
+Flower objects register them when imported (``fedhier.strategies.cloud_step`` calls
+:func:`allow` and :func:`adapter`), and whoever reads a checkpoint that may hold them imports
+that layer first (:func:`fedhier.cli_flags.resumable_checkpoint`, the engines). A file naming
+a class nobody registered is refused as damaged.
 """
 
 from __future__ import annotations
@@ -38,9 +41,6 @@ _BUILTIN = (
     ("fedhier.topology", ("Hierarchy",)),
     ("fedhier.async_edges", ("EdgeJob",)),
 )
-#: Modules that register the types they put into a run's state (:func:`allow`,
-#: :func:`adapter`) when imported; imported before a file is decoded.
-_PROVIDERS = ("fedhier.strategies.cloud_step",)
 
 
 class StateFormatError(ValueError):
@@ -67,8 +67,6 @@ def adapter(name: str, cls: type, to_plain: Callable[[Any], Any],
 def _allowed() -> dict[str, Any]:
     global _ALLOWED
     if _ALLOWED is None:
-        for module in _PROVIDERS:
-            importlib.import_module(module)
         table = {}
         for module, names in _BUILTIN:
             loaded = importlib.import_module(module)
@@ -145,7 +143,8 @@ def decode(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
         nonlocal allowed
         allowed = allowed if allowed is not None else _allowed()
         if not isinstance(name, str) or name not in allowed:
-            raise StateFormatError(f"names {str(name)[:80]!r}, which fedhier does not store")
+            raise StateFormatError(f"names {str(name)[:80]!r}, not on the allow-list of "
+                                   "classes checkpoints may hold (fedhier.state_codec.allow)")
         return allowed[name]
 
     def tensor(key: Any) -> torch.Tensor:
@@ -185,7 +184,6 @@ def decode(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
             if marker == "$dict":
                 return {_key(dec(k)): dec(x) for k, x in v["$dict"]}
             if marker == "$adapter":
-                _allowed()  # the providers register their adapters
                 if v["$adapter"] not in _ADAPTERS:
                     raise StateFormatError(f"names an adapter {str(v['$adapter'])[:40]!r} "
                                            "fedhier does not have")

@@ -27,13 +27,19 @@ from fedhier.errors import ConfigError
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 #: tracker -> (module it needs, the fedhier extra that installs it)
 MODULES = {"tensorboard": "tensorboardX", "mlflow": "mlflow", "wandb": "wandb"}
+#: The folders the trackers write in the run folder (``--overwrite`` removes them).
+OUTPUT_FOLDERS = ("tensorboard", "mlruns", "wandb")
 
 
 class RunCallback:
     """Hooks of one run's recorder; every method does nothing unless overridden."""
 
-    def on_start(self, run_dir: Path, config: Mapping[str, Any], resumed: bool) -> None:
-        """The run starts (or continues, ``resumed``) in ``run_dir`` with ``config``."""
+    def on_start(self, run_dir: Path, config: Mapping[str, Any], resumed: bool,
+                 purge_from: int | None = None) -> None:
+        """The run starts (or continues, ``resumed``) in ``run_dir`` with ``config``.
+        ``purge_from``: in a folder that already holds tracker output, the first iteration
+        this run logs again (what was logged from it on belongs to the interrupted run and is
+        replaced); None in a fresh folder."""
 
     def on_round(self, record: Mapping[str, Any]) -> None:
         """A cloud round's metrics.jsonl record was written."""
@@ -67,10 +73,14 @@ class TensorBoardTracker(RunCallback):
         self.writer: Any = None
         self.config: dict[str, Any] = {}
 
-    def on_start(self, run_dir: Path, config: Mapping[str, Any], resumed: bool) -> None:
+    def on_start(self, run_dir: Path, config: Mapping[str, Any], resumed: bool,
+                 purge_from: int | None = None) -> None:
         from tensorboardX import SummaryWriter
 
-        self.writer = SummaryWriter(logdir=str(Path(run_dir) / "tensorboard"))
+        # purge_step: TensorBoard drops the earlier events from that step on, so a resumed
+        # run's rounds after its checkpoint are not shown twice
+        self.writer = SummaryWriter(logdir=str(Path(run_dir) / "tensorboard"),
+                                    purge_step=purge_from)
         self.config = hyperparameters(config)
         if not resumed:
             self.writer.add_text("config", "```\n" + json.dumps(self.config, indent=1) + "\n```")
@@ -100,7 +110,8 @@ class MLflowTracker(RunCallback):
     def __init__(self) -> None:
         self.run: Any = None
 
-    def on_start(self, run_dir: Path, config: Mapping[str, Any], resumed: bool) -> None:
+    def on_start(self, run_dir: Path, config: Mapping[str, Any], resumed: bool,
+                 purge_from: int | None = None) -> None:
         import mlflow
 
         mlflow.set_tracking_uri((Path(run_dir).resolve() / "mlruns").as_uri())
@@ -135,7 +146,8 @@ class WandbTracker(RunCallback):
     def __init__(self) -> None:
         self.run: Any = None
 
-    def on_start(self, run_dir: Path, config: Mapping[str, Any], resumed: bool) -> None:
+    def on_start(self, run_dir: Path, config: Mapping[str, Any], resumed: bool,
+                 purge_from: int | None = None) -> None:
         import wandb
 
         self.run = wandb.init(mode="offline", dir=str(run_dir), project="fedhier",
@@ -204,8 +216,10 @@ def current() -> tuple[RunCallback, ...]:
 
 def read_tensorboard_scalars(logdir: str | Path) -> dict[str, list[tuple[int, float]]]:
     """Tag -> [(step, value)] of the scalar events in ``logdir``'s event files (not its
-    subfolders): TFRecord framing (8-byte length, 4-byte CRC, the Event, 4-byte CRC) read
-    with tensorboardX's protobuf classes. Values are float32, as TensorBoard stores them."""
+    subfolders), as TensorBoard shows them: a session start at step s (a writer's
+    ``purge_step``) drops the values logged before it at steps >= s. TFRecord framing (8-byte
+    length, 4-byte CRC, the Event, 4-byte CRC) read with tensorboardX's protobuf classes.
+    Values are float32, as TensorBoard stores them."""
     import struct
 
     from tensorboardX.proto import event_pb2
@@ -218,6 +232,10 @@ def read_tensorboard_scalars(logdir: str | Path) -> dict[str, list[tuple[int, fl
             (length,) = struct.unpack("<Q", data[pos:pos + 8])
             event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
             pos += 12 + length + 4
+            if event.HasField("session_log") and \
+                    event.session_log.status == event_pb2.SessionLog.START:
+                out = {tag: [(step, v) for step, v in values if step < event.step]
+                       for tag, values in out.items()}
             for value in event.summary.value:
                 if value.HasField("simple_value"):
                     out.setdefault(value.tag, []).append((int(event.step), value.simple_value))

@@ -9,16 +9,19 @@ check whole runs).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save
+from safetensors.torch import load, save
 
 from fedhier.checkpoint import FORMAT_KEY, FORMAT_VERSION, read_checkpoint_file
 from fedhier.cli import main
@@ -26,6 +29,8 @@ from fedhier.errors import DamagedFileError
 from fedhier.state_codec import decode, encode
 from fedhier.strategies.cloud_step import FlowerCloudStep, make_cloud_strategy
 from fedhier.topology import Hierarchy
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class CreatesAFile:
@@ -122,3 +127,79 @@ def test_a_checkpoint_holds_no_pickle(run_folder):
     checkpoint = read_checkpoint_file(run_folder / "checkpoint.pt")
     assert checkpoint.round == 2
     assert type(checkpoint.strategy_state["cloud_step"]) is FlowerCloudStep
+
+
+def _set(path: str, value: object):
+    """A mutation of the checkpoint's state tree: the entry at ``a/b/c`` set to ``value``."""
+    def mutate(state: dict, tensors: dict) -> None:
+        *parents, last = path.split("/")
+        for key in parents:
+            state = state[key]
+        state[last] = value(state, tensors) if callable(value) else value
+    return mutate
+
+
+def _global_to_int8(state: dict, tensors: dict) -> None:
+    for entry in state["global_state"].values():
+        tensors[entry["$tensor"]] = tensors[entry["$tensor"]].to(torch.int8)
+
+
+def _global_to_nan(state: dict, tensors: dict) -> None:
+    for entry in state["global_state"].values():
+        tensors[entry["$tensor"]] = torch.full_like(tensors[entry["$tensor"]], float("nan"))
+
+
+#: Crafted checkpoints (the review's repros): each must be refused in one line naming the
+#: file, exit 2, before anything of the run folder changes (not exit 4, nor exit 3 blaming
+#: the clients for a model of the wrong dtype or a non-finite one, nor a run that finishes
+#: with a NaN duration).
+CRAFTED = {
+    "communication not a table": _set("strategy_state/communication", "x"),
+    "communication extra key": _set("strategy_state/communication/bogus", 1),
+    "strategy state empty": _set("strategy_state", {}),
+    "grouping parents a string": _set("strategy_state/hierarchy/state/parents", "abc"),
+    "grouping without attributes": _set("strategy_state/hierarchy/state", {}),
+    "grouping of other edges": _set("strategy_state/hierarchy/state/num_edges", 5),
+    "clock of strings": _set("strategy_state/clock", {"edge_time": "zz"}),
+    "clock too short": _set("strategy_state/clock", {"edge_time": [1.0]}),
+    "cloud step a grouping": _set("strategy_state/cloud_step",
+                                  lambda st, t: copy.deepcopy(st["hierarchy"])),
+    "cloud step missing": _set("strategy_state/cloud_step", None),
+    "clients' state malformed": _set("client_states", {"$dict": [[0, "x"]]}),
+    "global model int8": lambda st, t: _global_to_int8(st, t),
+    "global model nan": lambda st, t: _global_to_nan(st, t),
+    "elapsed seconds nan": _set("wall_seconds", {"$float": "nan"}),
+}
+
+
+@pytest.mark.parametrize("case", CRAFTED)
+def test_a_crafted_checkpoint_is_one_line_exit_2(run_folder, tmp_path, capsys, case):
+    folder = tmp_path / "run"
+    shutil.copytree(run_folder, folder)
+    data = (folder / "checkpoint.pt").read_bytes()
+    tensors = load(data)
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(json.loads(data[8:8 + size])["__metadata__"][FORMAT_KEY])
+    header["state"]["round"] = 1  # a round still to run: every restored part would be used
+    CRAFTED[case](header["state"], tensors)
+    (folder / "checkpoint.pt").write_bytes(save(tensors, metadata={FORMAT_KEY:
+                                                                    json.dumps(header)}))
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    assert main(["run", "--resume", str(folder), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(folder / "checkpoint.pt") in err[0], err
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
+
+
+def test_the_reader_imports_no_strategy_layer_and_refuses_unregistered_classes(run_folder):
+    """fedhier.state_codec imports nothing of the strategy layer: in a process that has not
+    imported it, a checkpoint holding a Flower cloud strategy names an unregistered class and
+    is refused in one line (the CLI imports the layer first: the resume tests above)."""
+    code = ("import sys\nfrom fedhier.checkpoint import read_checkpoint_file\n"
+            "from fedhier.errors import DamagedFileError\n"
+            f"try:\n    read_checkpoint_file({str(run_folder / 'checkpoint.pt')!r})\n"
+            "except DamagedFileError as exc:\n    print(exc)\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('flwr', 'fedhier.strat'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True).stdout
+    assert "FlowerCloudStep', not on the allow-list" in out and out.endswith("[]\n"), out

@@ -227,6 +227,44 @@ def test_the_flower_allow_list_is_not_stale():
             f"{name} no longer imports flwr: drop it from FLOWER_ALLOWED"
 
 
+#: The layers above the core (Flower's app components); core modules must not reach them,
+#: not even by a module name in a string for ``importlib`` (hidden from the graph above).
+UPPER_LAYERS = ("fedhier.strategies", "fedhier.clients")
+
+
+def upper_layer_strings(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of each string constant in ``path`` that names a module of the upper
+    layers (``fedhier.strategies.x`` or ``fedhier.strategies.x:function``); docstrings, which
+    mention modules in prose, are whole sentences and never match."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            name = node.value.split(":")[0]
+            if any(name == layer or name.startswith(layer + ".") for layer in UPPER_LAYERS) \
+                    and name.replace(".", "").replace("_", "").isalnum():
+                found.append((node.lineno, node.value))
+    return found
+
+
+def test_upper_layer_strings_are_found(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text('"""See fedhier.strategies.cloud_step for more."""\nimport importlib\n'
+                    'importlib.import_module("fedhier.strategies.cloud_step")\n'
+                    'X = ("fedhier.clients.app:app", "fedhier.topology")\n')
+    assert upper_layer_strings(path) == [(3, "fedhier.strategies.cloud_step"),
+                                         (4, "fedhier.clients.app:app")]
+
+
+def test_the_core_names_no_upper_layer_module_in_a_string():
+    """The checkpoint reader (fedhier.state_codec) once imported the strategy layer by name;
+    the strategy layer now registers its classes itself."""
+    offenders = {name: upper_layer_strings(path) for name, path in modules().items()
+                 if not name.startswith((*UPPER_LAYERS, "fedhier.engines"))}
+    offenders = {name: found for name, found in offenders.items() if found}
+    assert not offenders, f"core modules naming upper-layer modules: {offenders}"
+    assert not upper_layer_strings(modules()["fedhier.state_codec"])
+
+
 if __name__ == "__main__":  # python tests/test_import_graph.py: print the cycles
     g = import_graph()
     for c in find_cycles(g):

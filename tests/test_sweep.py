@@ -5,6 +5,7 @@ The one Ray Tune sweep is in tests/test_sweep_tune.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import tomllib
@@ -18,7 +19,14 @@ from fedhier.errors import ConfigError
 from fedhier.sweep.report import summarize
 from fedhier.sweep.spec import build, parse_grid
 from fedhier.sweep.stats import paired, run_numbers, t_interval
-from fedhier.sweep.trials import Trial, run_trial, toml_text, trial_state, trials_of
+from fedhier.sweep.trials import (
+    Trial,
+    run_argv,
+    run_trial,
+    toml_text,
+    trial_state,
+    trials_of,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"clients": 6, "groups": 2, "rounds": 3, "local_period": 2, "global_period": 4,
@@ -171,6 +179,10 @@ def test_trial_new_done_restart_and_equal_to_fedhier_run(tmp_path, capsys):
     (trial.run_dir / "summary.json").rename(trial.run_dir / "s.json")
     (trial.run_dir / "checkpoint.pt").write_bytes(b"")
     assert trial_state(trial) == "resume"
+    # ... unless the spec changed since: its checkpoint is of another run, restarted
+    changed = dataclasses.replace(trial, config=trial.config.replace(lr=trial.config.lr / 2))
+    assert trial_state(changed) == "restart"
+    assert "--resume" not in run_argv(changed, trial_state(changed))
 
 
 def test_a_finished_folder_of_another_configuration_is_refused(tmp_path):

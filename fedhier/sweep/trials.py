@@ -3,7 +3,8 @@
 A trial is run by ``fedhier run``'s own code (:func:`fedhier.cli.main`), so its folder is the
 one ``fedhier run`` writes. Before running, :func:`trial_state` decides from the folder alone:
 ``done`` (summary.json: skipped), ``resume`` (a checkpoint.pt: ``fedhier run --resume``),
-``restart`` (cut off without a checkpoint: run again with ``--overwrite``) or ``new``.
+``restart`` (cut off without a checkpoint, or with one of a configuration the spec no longer
+gives: run again with ``--overwrite``) or ``new``.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def trial_state(trial: Trial) -> str:
             raise ConfigError(f"{path} holds a finished run of another configuration; give "
                               "the changed sweep another out, or remove that folder")
         return "done"
-    if (path / "checkpoint.pt").is_file():
-        return "resume"
+    if (path / "checkpoint.pt").is_file():  # a killed trial: resumed if the spec is unchanged
+        return "resume" if same_config(trial) else "restart"
     if path.exists():
         return "restart"
     return "new"
