@@ -93,7 +93,7 @@ def mobility_noniid(base: RunConfig, seeds: Sequence[int], out: Path, engine: st
         per_seed = [label_divergences(out / "runs" / arm.name / f"seed{s}", results[arm.name][s])
                     for s in seeds]
         div[arm.name] = {"final": _mean_std([d[-1] for d in per_seed]),
-                         "mean_over_rounds": _mean_std([np.mean(d[1:]) for d in per_seed])}
+                         "mean_over_rounds": _mean_std([float(np.mean(d[1:])) for d in per_seed])}
         summary[arm.name]["label_upward_divergence"] = div[arm.name]
     acc = {name: summary[name]["final"]["test_accuracy"] for name in summary}
     moving = [r for r in rates if r > 0]
