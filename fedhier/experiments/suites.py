@@ -449,22 +449,7 @@ def mobility(base: RunConfig, seeds: Sequence[int], out: Path, engine: str, jobs
                    "claims": claims}, "\n".join(md), claims)
 
 
-def hierfavg(*args: Any, **kwargs: Any) -> Report:
-    """The ``hierfavg`` suite (:mod:`fedhier.experiments.hierfavg_suite`)."""
-    from fedhier.experiments.hierfavg_suite import hierfavg as suite
-
-    return suite(*args, **kwargs)
-
-
-def mobility_noniid(*args: Any, **kwargs: Any) -> Report:
-    """The ``mobility-noniid`` suite (:mod:`fedhier.experiments.mobility_noniid`)."""
-    from fedhier.experiments.mobility_noniid import mobility_noniid as suite
-
-    return suite(*args, **kwargs)
-
-
 SUITES: dict[str, Callable[..., Report]] = {
     "sandwich": sandwich, "grouping": grouping, "periods": periods, "levels": levels,
-    "time": time_to_accuracy, "mobility": mobility, "hierfavg": hierfavg,
-    "mobility-noniid": mobility_noniid,
+    "time": time_to_accuracy, "mobility": mobility,
 }
