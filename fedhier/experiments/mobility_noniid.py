@@ -5,10 +5,9 @@ Arms, over the mobility suite's move rates (Markov moves, ``fresh`` handoff):
 
 - ``iid-rate*``: edges start label-balanced (``min-divergence`` grouping), never regrouped;
 - ``noniid-rate*``: edges start label-pure (``max-divergence``), never regrouped;
-- ``noniid-admit-rate*``: as ``noniid``, moving clients admitted by ``min-divergence``;
-- ``random-rate*`` / ``mindiv-rate*`` / ``mindiv-admit-rate*`` (rates > 0): the mobility
-  suite's comparison (random vs min-divergence grouping, regrouped every ``max(1, R/5)``
-  cloud rounds), the last with ``--handoff fresh:min-divergence``.
+- ``random-rate*`` / ``mindiv-admit-rate*`` (rates > 0): the mobility suite's comparison
+  (random vs min-divergence grouping, regrouped every ``max(1, R/5)`` cloud rounds), the
+  min-divergence arm with ``--handoff fresh:min-divergence``.
 
 The edges' divergence is the label upward divergence (:func:`fedhier.diagnostics.
 label_upward_divergence`, from each run's partition.json and its recorded client -> edge
@@ -50,14 +49,10 @@ def _arms(base: RunConfig, total: int, rates: Sequence[float]) -> list[Arm]:
             for kind, grouping, label in (("iid", "min-divergence", "edge-IID start"),
                                           ("noniid", "max-divergence", "edge-non-IID start"))
             for r in rates]
-    arms += [_arm(f"noniid-admit-rate{r:g}", f"edge-non-IID start, admission, rate {r:g}",
-                  base, total, grouping="max-divergence", mobility_rate=r, handoff=ADMIT)
-             for r in moving]
     arms += [_arm(f"{kind}-rate{r:g}", f"{label}, rate {r:g}", base, total, grouping=grouping,
                   mobility_rate=r, regroup_every=every, handoff=handoff)
              for kind, grouping, handoff, label in (
                  ("random", "random", "fresh", f"random, regroup every {every}"),
-                 ("mindiv", "min-divergence", "fresh", f"min-divergence, regroup every {every}"),
                  ("mindiv-admit", "min-divergence", ADMIT,
                   f"min-divergence + admission, regroup every {every}"))
              for r in moving]
@@ -133,9 +128,7 @@ def mobility_noniid(base: RunConfig, seeds: Sequence[int], out: Path, engine: st
 def _plot(rates: Sequence[float], acc: dict[str, Any], div: dict[str, Any], out: Path) -> None:
     fig, (ax_acc, ax_div) = plt.subplots(1, 2, figsize=(11, 4))
     lines = {"iid": ("edge-IID start", rates), "noniid": ("edge-non-IID start", rates),
-             "noniid-admit": ("edge-non-IID start + admission", [r for r in rates if r > 0]),
              "random": ("random, regrouped", [r for r in rates if r > 0]),
-             "mindiv": ("min-divergence, regrouped", [r for r in rates if r > 0]),
              "mindiv-admit": ("min-divergence + admission, regrouped",
                               [r for r in rates if r > 0])}
     for kind, (label, rs) in lines.items():
