@@ -36,16 +36,19 @@ from fedhier.admission import ADMISSIONS, Move, get_admission
 from fedhier.errors import ConfigError
 from fedhier.rng import generator
 
-HANDOFFS = ("fresh", "carry")
+#: How the model travels with a moved client.
+HANDOFF_MODELS = ("fresh", "carry")
+#: Every accepted ``handoff`` value: MODEL or MODEL:ADMISSION.
+HANDOFFS = (*HANDOFF_MODELS, *(f"{m}:{a}" for m in HANDOFF_MODELS for a in ADMISSIONS))
 
 
 def parse_handoff(text: str) -> tuple[str, str]:
     """``MODEL[:ADMISSION]`` (e.g. ``fresh``, ``carry:min-divergence``) -> (handoff,
     admission); one-line errors. The admission defaults to ``random``."""
     model, _, admission = str(text).partition(":")
-    if model not in HANDOFFS:
+    if model not in HANDOFF_MODELS:
         raise ConfigError(f"unknown handoff '{model}' in '{text}'; choose one of "
-                          f"{', '.join(HANDOFFS)}, optionally followed by :ADMISSION "
+                          f"{', '.join(HANDOFF_MODELS)}, optionally followed by :ADMISSION "
                           f"({', '.join(ADMISSIONS)})")
     if admission and admission not in ADMISSIONS:
         raise ConfigError(f"unknown admission '{admission}' in handoff '{text}'; choose one "
