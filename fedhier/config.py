@@ -81,7 +81,9 @@ class RunConfig:
         "CSV or .npy edge x edge 0/1 matrix: edge i may send a client to edge j (mobility "
         "and regrouping respect it)"))
     handoff: str = field(default="fresh", metadata=_help(
-        "a moved client starts from its new edge's model (fresh) or brings its own (carry)"))
+        "a moved client starts from its new edge's model (fresh) or brings its own (carry); "
+        "MODEL:ADMISSION also says which reachable edge it joins: random (default) or "
+        "min-divergence, e.g. fresh:min-divergence"))
     diagnostics_every: int = field(default=0, metadata=_help(
         "record divergences and gradient diversity at the initial model and every K cloud "
         "rounds (0 = off)"))
@@ -312,14 +314,14 @@ class RunConfig:
 
     def mobility(self) -> Any:
         """The :class:`fedhier.mobility.Mobility` model of this run (reads its files)."""
-        from fedhier.mobility import Mobility, read_reachability, read_trace
+        from fedhier.mobility import Mobility, parse_handoff, read_reachability, read_trace
 
         reach = read_reachability(self.reachability, self.num_edges) if self.reachability \
             else None
         trace = read_trace(self.mobility_trace, self.clients, self.num_edges, self.rounds,
                            self.global_period // self.local_period) \
             if self.mobility_trace else ()
-        return Mobility(self.mobility_rate, reach, trace, self.handoff)
+        return Mobility(self.mobility_rate, reach, trace, *parse_handoff(self.handoff))
 
     def time_model(self) -> Any:
         """The :class:`fedhier.sim_clock.TimeModel` of this run's simulated clock."""
@@ -369,6 +371,9 @@ class RunConfig:
     def validate(self) -> None:
         _check_ranges(self)  # first: huge or non-finite numbers reach no other check
         check_ranges(self)  # every numeric setting against its one declared range
+        from fedhier.mobility import parse_handoff
+
+        parse_handoff(self.handoff)  # names the bad half of MODEL:ADMISSION
         for key, allowed in choices().items():  # every closed set of names
             _one_of(key, getattr(self, key), allowed)
         from fedhier.devices import check_device_name

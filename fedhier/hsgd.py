@@ -403,7 +403,8 @@ class HierarchicalSGD:
         if mobility.active:
             self._maps = mobility.maps(self.settings.seed, cloud_round,
                                        self.settings.edge_rounds_per_cloud_round,
-                                       hierarchy.edge_of_client(), num_edges)
+                                       hierarchy.edge_of_client(), num_edges,
+                                       self._info().label_histograms)
         self.edge_models = {k: v.unsqueeze(0).repeat(num_edges, *([1] * v.dim()))
                             for k, v in self.global_params.items()}
         self._node_models = {}

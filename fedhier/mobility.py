@@ -17,6 +17,11 @@ region -> cloud) stay fixed. Two models:
 ``handoff`` says which model a moved client starts its first edge round at the new edge from:
 ``fresh`` = the new edge's model, ``carry`` = the model it ended its last edge round with (its
 old edge's model, which every member of that edge was given at the last edge aggregation).
+``admission`` says which edge a moving client joins (:mod:`fedhier.admission`): ``random``
+(the draw above; a traced move: the trace's edge) or ``min-divergence`` (among the same
+candidates, the edge that leaves the label upward divergence lowest; a traced move's
+candidates are the trace's edge and the edges it reaches). Where a client goes and which model
+it brings are independent settings.
 """
 
 from __future__ import annotations
@@ -27,10 +32,28 @@ from pathlib import Path
 
 import numpy as np
 
+from fedhier.admission import ADMISSIONS, Move, get_admission
 from fedhier.errors import ConfigError
 from fedhier.rng import generator
 
-HANDOFFS = ("fresh", "carry")
+#: How the model travels with a moved client.
+HANDOFF_MODELS = ("fresh", "carry")
+#: Every accepted ``handoff`` value: MODEL or MODEL:ADMISSION.
+HANDOFFS = (*HANDOFF_MODELS, *(f"{m}:{a}" for m in HANDOFF_MODELS for a in ADMISSIONS))
+
+
+def parse_handoff(text: str) -> tuple[str, str]:
+    """``MODEL[:ADMISSION]`` (e.g. ``fresh``, ``carry:min-divergence``) -> (handoff,
+    admission); one-line errors. The admission defaults to ``random``."""
+    model, _, admission = str(text).partition(":")
+    if model not in HANDOFF_MODELS:
+        raise ConfigError(f"unknown handoff '{model}' in '{text}'; choose one of "
+                          f"{', '.join(HANDOFF_MODELS)}, optionally followed by :ADMISSION "
+                          f"({', '.join(ADMISSIONS)})")
+    if admission and admission not in ADMISSIONS:
+        raise ConfigError(f"unknown admission '{admission}' in handoff '{text}'; choose one "
+                          f"of {', '.join(ADMISSIONS)}")
+    return model, admission or "random"
 
 
 @dataclass(frozen=True)
@@ -43,13 +66,15 @@ class Mobility:
             (the diagonal is ignored); None = every edge reaches every other.
         trace: ``(edge_round, client, edge)`` moves, sorted (edge rounds are 1-based over
             the run).
-        handoff: ``fresh`` or ``carry``.
+        handoff: ``fresh`` or ``carry`` (which model a moved client brings).
+        admission: which edge a moving client joins (:data:`fedhier.admission.ADMISSIONS`).
     """
 
     rate: float = 0.0
     reachability: tuple[tuple[bool, ...], ...] | None = None
     trace: tuple[tuple[int, int, int], ...] = ()
     handoff: str = "fresh"
+    admission: str = "random"
 
     @property
     def active(self) -> bool:
@@ -67,33 +92,45 @@ class Mobility:
         return matrix
 
     def maps(self, seed: int, cloud_round: int, edge_rounds: int,
-             start: np.ndarray, num_edges: int) -> np.ndarray:
+             start: np.ndarray, num_edges: int,
+             histograms: np.ndarray | None = None) -> np.ndarray:
         """int64 [E, n]: the client -> edge map of each of cloud round ``cloud_round``'s
-        E = ``edge_rounds`` edge rounds, starting from the map ``start`` [n]."""
+        E = ``edge_rounds`` edge rounds, starting from the map ``start`` [n].
+
+        Each move's edge is its admission policy's choice (:mod:`fedhier.admission`) given
+        the map in force when it takes effect; moves are admitted in (edge round, client)
+        order. ``histograms`` [n, C]: the clients' label histograms (``min-divergence``)."""
         maps = np.repeat(np.asarray(start, dtype=np.int64)[None], edge_rounds, axis=0)
+        reach = self.reaches(num_edges)
+        moves: list[tuple[int, int, Move]] = []  # (edge round k, client, move)
         if self.rate > 0:
-            reach = self.reaches(num_edges)
             for client in range(len(start)):
                 draw = generator(seed, "mobility", cloud_round, client)
-                moves, when, which = draw.random(), int(draw.integers(1, edge_rounds + 1)), \
+                moved, when, which = draw.random(), int(draw.integers(1, edge_rounds + 1)), \
                     draw.random()
                 options = np.flatnonzero(reach[start[client]])
-                if moves < self.rate and len(options):
-                    maps[when - 1:, client] = options[int(which * len(options))]
+                if moved < self.rate and len(options):
+                    moves.append((when, client, Move(client, options, draw=which)))
         first = (cloud_round - 1) * edge_rounds + 1
         for edge_round, client, edge in self.trace:
             if first <= edge_round < first + edge_rounds:
-                maps[edge_round - first:, client] = edge
+                options = np.flatnonzero(reach[edge] | (np.arange(num_edges) == edge))
+                moves.append((edge_round - first + 1, client,
+                              Move(client, options, preferred=edge)))
+        admit = get_admission(self.admission)
+        for when, client, move in sorted(moves, key=lambda m: (m[0], m[1])):
+            maps[when - 1:, client] = admit(move, maps[when - 1], histograms, num_edges)
         return maps
 
     def edge_of_client(self, edge_round: int, initial: np.ndarray, seed: int,
-                       edge_rounds: int, num_edges: int) -> np.ndarray:
+                       edge_rounds: int, num_edges: int,
+                       histograms: np.ndarray | None = None) -> np.ndarray:
         """int64 [n]: the map in force in ``edge_round`` (1-based) of a run that starts from
         ``initial`` and never regroups."""
         cloud_round = (edge_round - 1) // edge_rounds + 1
         current = np.asarray(initial, dtype=np.int64)
         for r in range(1, cloud_round + 1):
-            maps = self.maps(seed, r, edge_rounds, current, num_edges)
+            maps = self.maps(seed, r, edge_rounds, current, num_edges, histograms)
             if r == cloud_round:
                 return maps[edge_round - (r - 1) * edge_rounds - 1].copy()
             current = maps[-1]

@@ -46,6 +46,11 @@ RUNS: list[tuple[str, list[str]]] = [
                           "--alpha", "0.5", "--iterations", "400"]),
     ("mobility-fmnist-a0.5", ["experiment", "mobility", "--dataset", "fashion-mnist",
                               "--alpha", "0.5", "--iterations", "400"]),
+    ("hierfavg-fmnist", ["experiment", "hierfavg", "--dataset", "fashion-mnist"]),
+    ("mobility-noniid-fmnist-c1", ["experiment", "mobility-noniid", "--dataset",
+                                   "fashion-mnist", "--partition", "shards",
+                                   "--classes-per-client", "1", "--iterations", "400",
+                                   "--seeds", "2"]),
 ]
 
 
