@@ -33,3 +33,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+#: Test files whose tests start real SuperLinks and SuperNodes (``fedhier deploy``): they
+#: mostly wait on Flower's polling, so ``make test`` runs them beside the rest (marker
+#: ``deployment``). They start no Ray; the one test that starts a Ray cluster (``ray start``)
+#: stays with the rest, since ``ray.init()`` joins a local cluster that ``ray start`` made.
+DEPLOYMENT_FILES = ("test_deploy.py", "test_deploy_edges.py")
+STARTS_RAY = ("test_simulation_engine_joins_an_existing_ray_cluster",)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in DEPLOYMENT_FILES and item.originalname not in STARTS_RAY:
+            item.add_marker(pytest.mark.deployment)
