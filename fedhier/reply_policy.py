@@ -73,12 +73,14 @@ class ReplyGuard:
     excluded: dict[int, str] = field(default_factory=dict)  # client -> why
     dropped_now: set[int] = field(default_factory=set)
 
-    def bad(self, error: FedhierError, client: int | None) -> None:
-        """A reply that breaks the contract: raise ``error`` (stop) or log it (drop)."""
+    def bad(self, error: FedhierError, client: int | None, *, training: bool = True) -> None:
+        """A reply that breaks the contract: raise ``error`` (stop) or log it (drop). Only a
+        dropped train reply (``training``) counts toward the client's streak: a bad
+        evaluate, profile or gradient reply is dropped, never a bad training round."""
         if self.policy.on_bad_reply == "stop":
             raise error
         log.warning("dropped a bad reply: %s", error)
-        if client is not None:
+        if client is not None and training:
             self.dropped_now.add(client)
 
     def end_round(self) -> list[int]:

@@ -309,7 +309,7 @@ class GridExecutor:
                 log.warning("evaluate: %s", exc)
                 continue
             except ContractError as exc:
-                self.guard.bad(exc, client)
+                self.guard.bad(exc, client, training=False)
                 continue
             if numbers is None:
                 silent.append(client)
@@ -347,7 +347,9 @@ class GridExecutor:
         grads: dict[int, torch.Tensor] = {}
         replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
         self._missing("gradient query", [m.metadata.dst_node_id for m in messages], replies)
-        size = None
+        # P: the model's floating-point entries (what flat_gradient differentiates), never
+        # the length of whichever reply came first (a hostile first reply would fail the rest)
+        size = sum(v.numel() for v in params.values() if v.is_floating_point())
         for reply in replies:
             if reply.has_error() or "gradient" not in reply.content.array_records:
                 continue
@@ -355,9 +357,8 @@ class GridExecutor:
             try:
                 grads[client] = read_gradient_reply(reply, client, size)
             except ContractError as exc:
-                self.guard.bad(exc, client)
+                self.guard.bad(exc, client, training=False)
                 continue
-            size = len(grads[client])
         if len(grads) != len(self.node_ids):
             log.warning("gradient query: %d of %d clients answered (a client needs a "
                         "query.gradient handler: docs/contract.md)", len(grads),

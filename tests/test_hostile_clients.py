@@ -47,8 +47,8 @@ def no_plots():
         yield
 
 
-def hostile_app(kind: str, corrupt, **more) -> ClientApp:
-    """fedhier's ClientApp, except that partition HOSTILE passes its ``kind`` replies
+def hostile_app(kind: str, corrupt, *, hostile: int = HOSTILE, **more) -> ClientApp:
+    """fedhier's ClientApp, except that partition ``hostile`` passes its ``kind`` replies
     (train, evaluate, profile, gradient; more as ``kind=corrupt``) through ``corrupt``
     (reply -> reply)."""
     app = ClientApp()
@@ -58,7 +58,7 @@ def hostile_app(kind: str, corrupt, **more) -> ClientApp:
         def handler(msg: Message, context: Context) -> Message:
             reply = honest(msg, context)
             if (handler_kind in corruptions
-                    and int(context.node_config["partition-id"]) == HOSTILE):
+                    and int(context.node_config["partition-id"]) == hostile):
                 return corruptions[handler_kind](reply)
             return reply
         return handler
@@ -191,6 +191,24 @@ def test_a_bad_reply_is_dropped_and_the_run_finishes(case, tmp_path, reference, 
         assert records[-1]["failed_clients"] == 2  # its two edge rounds
     if kind == "gradient":
         assert all("global_divergence" not in r for r in records)
+
+
+def test_a_hostile_first_gradient_reply_blames_only_its_client(tmp_path, reference):
+    """The expected gradient length is the model's, not the first reply's: a short gradient
+    from client 0 (the first to answer) stops naming client 0, or under ``drop`` (K = 1)
+    is dropped alone; a bad query reply is no bad training round, so nobody is excluded
+    and the model is exactly the honest run's."""
+    short = gradient(lambda g: {"g": g[:-1]})
+    code, text, _, _ = run(hostile_app("gradient", short, hostile=0), tmp_path / "stop",
+                           CFG.replace(diagnostics_every=1))
+    assert code == 2 and "client 0 (node " in text, text
+    cfg = CFG.replace(diagnostics_every=1, on_bad_reply="drop", exclude_after=1)
+    code, text, records, final = run(hostile_app("gradient", short, hostile=0),
+                                     tmp_path / "drop", cfg)
+    assert code == 0, text
+    assert all("excluded_clients" not in r for r in records)
+    honest = reference["honest"][3]
+    assert all(torch.equal(final[k], honest[k]) for k in honest)
 
 
 def test_a_size_claim_gains_nothing(tmp_path):
