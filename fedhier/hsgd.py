@@ -923,13 +923,8 @@ def aggregate_levels(models: dict[str, torch.Tensor], survivors: np.ndarray,
         nodes, compact = occupied_segments(parent, hierarchy.num_nodes(lv))
         w = torch.as_tensor(member_weights, device=device)
         owner = torch.as_tensor(compact, device=device)
-        start = None
-        if rule.needs_reference:
-            if reference is None:
-                raise ConfigError(f"aggregator '{aggregators[min(lv, len(aggregators)) - 1]}'"
-                                  " needs each node's start model, which this path does "
-                                  "not provide")
-            start = reference(lv, nodes)
+        # without a reference, a rule that needs one refuses in Aggregator.apply
+        start = reference(lv, nodes) if rule.needs_reference and reference else None
         values = rule.apply(values, w, owner, len(nodes), start)
         member_weights = np.bincount(compact, weights=member_weights, minlength=len(nodes))
         members = nodes
