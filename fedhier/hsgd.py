@@ -280,6 +280,9 @@ class HierarchicalSGD:
         self._restored_hierarchy: Hierarchy | None = None
         self.clock: SimClock | None = None  # simulated time (fedhier.sim_clock)
         self._restored_clock: dict[str, Any] | None = None
+        self._restored_sizes: list[int] | None = None  # rows learned before a checkpoint
+        self._restored_executor: Any = None  # the executor's state_dict() at a checkpoint
+        self._executor: Executor | None = None
         self._maps: np.ndarray | None = None  # int64 [E, n]: this cloud round's edge maps
         self._moves: list[list[int]] = []  # [edge round, client, from, to] this cloud round
         # Per-edge periods: each client's planned steps left in its edge's period (int64 [n]),
@@ -301,7 +304,13 @@ class HierarchicalSGD:
         force as another process knows them (an edge server: :mod:`fedhier.edge_tier`).
         """
         s = self.settings
+        self._executor = executor
         self.info = executor.profiles() if info is None else info
+        if self._restored_sizes is not None:  # rows learned from replies before a checkpoint
+            self.info = dataclasses.replace(
+                self.info, num_examples=np.array(self._restored_sizes, dtype=np.int64))
+        if self._restored_executor is not None:
+            executor.load_state_dict(self._restored_executor)  # type: ignore[attr-defined]
         self.weights = self._weights_of(self.info.num_examples)
         self.global_params = dict(initial)
         self.model_bytes = executor.model_bytes(initial)
@@ -856,10 +865,16 @@ class HierarchicalSGD:
         return self.global_params
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs besides the global model and the clients' state."""
+        """What a resumed run needs besides the global model and the clients' state: also
+        the rows learned from replies (``num_examples``, ints by client) and the executor's
+        own state when it keeps any (an optional ``state_dict()`` / ``load_state_dict()``
+        pair of plain ints, lists and strings: a GridExecutor's reply guard)."""
+        hook = getattr(self._executor, "state_dict", None)
         return {"communication": self.communication.as_dict(),
                 "cloud_step": copy.deepcopy(self.cloud_step), "hierarchy": self.hierarchy,
-                "clock": self._clock().state_dict()}
+                "clock": self._clock().state_dict(),
+                "num_examples": [int(n) for n in self._info().num_examples],
+                **({"executor": hook()} if hook is not None else {})}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.communication = Communication(**state["communication"])
@@ -869,6 +884,9 @@ class HierarchicalSGD:
         # setup() must not draw a new one.
         self._restored_hierarchy = state.get("hierarchy")
         self._restored_clock = state.get("clock")  # None in checkpoints before sim_seconds
+        # None in checkpoints written before these were kept: the profiles' sizes, a fresh guard
+        self._restored_sizes = state.get("num_examples")
+        self._restored_executor = state.get("executor")
 
     def _hierarchy(self) -> Hierarchy:
         if self.hierarchy is None:

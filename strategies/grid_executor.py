@@ -88,6 +88,18 @@ class GridExecutor:
         self.outcomes = TrainOutcomes()  # who trained, per cloud round (cloud_failure.py)
         self.guard = ReplyGuard(policy or ReplyPolicy())
 
+    def state_dict(self) -> dict[str, Any]:
+        """The reply guard's counts for a checkpoint (a resumed run excludes exactly the
+        clients the uninterrupted run excludes): [client, rounds] and [client, why] pairs."""
+        return {"streak": [[int(c), int(n)] for c, n in sorted(self.guard.streak.items())],
+                "excluded": [[int(c), str(why)] for c, why in
+                             sorted(self.guard.excluded.items())]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned."""
+        self.guard.streak = {int(c): int(n) for c, n in state["streak"]}
+        self.guard.excluded = {int(c): str(why) for c, why in state["excluded"]}
+
     @property
     def excluded_clients(self) -> dict[int, str]:
         """Clients sent nothing more (K bad replies in a row) -> why."""
