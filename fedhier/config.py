@@ -456,11 +456,10 @@ class RunConfig:
         if not 0 <= self.client_holdout < 1:
             raise ConfigError(f"client_holdout must be in [0, 1), got {self.client_holdout}")
         _one_of("on_nan", self.on_nan, ("stop", "skip-client"))
-        _one_of("on_bad_reply", self.on_bad_reply, ("auto", "stop", "drop"))
-        if self.exclude_after < 0 or not (self.max_weight_ratio >= 0
-                                          and self.max_update_ratio >= 0):
-            raise ConfigError("need exclude_after >= 0, max_weight_ratio >= 0 and "
-                              "max_update_ratio >= 0")
+        from fedhier.reply_policy import ON_BAD_REPLY
+
+        _one_of("on_bad_reply", self.on_bad_reply, ON_BAD_REPLY)
+        self.reply_policy()  # its numbers are checked in one place: ReplyPolicy
         if not 0 <= self.fail_rate < 1 or not 0 <= self.dropout_fraction <= 1:
             raise ConfigError("need 0 <= fail_rate < 1 and 0 <= dropout_fraction <= 1")
         from fedhier.faults import parse_span
