@@ -339,9 +339,14 @@ class GridExecutor:
         """The global model after ``cloud_round`` on every client; first, a cloud round in
         which no client trained (and one failed with its own error) stops the run
         (:mod:`fedhier.strategies.cloud_failure`; an edge server's executor leaves that to
-        the cloud)."""
+        the cloud), and so does a run whose every client is excluded."""
         if cloud_round > 0 and self.expected_clients is None:
             self.outcomes.check(cloud_round)
+            if self.node_ids and self.guard.excluded.keys() >= self.node_ids.keys():
+                raise RunFailureError(
+                    f"every client is excluded after cloud round {cloud_round} "
+                    f"({self.guard.policy.exclude_after} bad replies in a row each): no "
+                    "client can train")
         messages = self.evaluate_messages(params, cloud_round)
         replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
         self._missing(f"evaluate (round {cloud_round})",

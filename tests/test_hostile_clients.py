@@ -268,6 +268,22 @@ def test_a_client_dropped_k_rounds_in_a_row_is_excluded(tmp_path):
     assert records[-1]["failed_clients"] == 2  # not sent, counted failed
 
 
+def test_a_run_whose_every_client_is_excluded_stops(tmp_path):
+    """Every train reply bad, K = 1: all six clients are excluded in round 1; the run stops
+    (exit 3) with one line saying why instead of finishing having trained nothing."""
+    bad = metric("num-examples", 0)
+    every = ClientApp()
+    every.train()(lambda msg, context: bad(fedhier_client.train(msg, context)))
+    every.evaluate()(fedhier_client.evaluate_local)
+    every.query()(fedhier_client.profile)
+    cfg = CFG.replace(on_bad_reply="drop", exclude_after=1, rounds=2)
+    code, text, _, _ = run(every, tmp_path / "run", cfg)
+    assert code == 3, text
+    assert text.startswith("every client is excluded after cloud round 1 (1 bad replies in "
+                           "a row each)"), text
+    assert "\n" not in text
+
+
 def test_a_client_with_only_the_train_handler_runs_through_fedhier_run(tmp_path):
     """No profile, evaluate or query handlers: groups.json records no label proxy (None)
     instead of ending in exit 4."""
