@@ -259,6 +259,68 @@ def test_a_late_reply_is_dropped_and_a_silent_client_does_not_hang(tmp_path, ref
     assert time.perf_counter() - start < 30
 
 
+LATE_CLIENT_RUN = """
+import sys, time, torch
+import fedhier.engines.inprocess as engine
+from tests.test_hostile_clients import hostile_app
+
+def busy(reply):  # computes in torch far past the round timeout
+    a, start = torch.randn(200, 200), time.time()
+    while time.time() - start < 120:
+        a = torch.tanh(a @ a)
+    return reply
+
+engine.client_app = hostile_app("train", busy)
+from fedhier.cli import main
+sys.argv = ["fedhier", "run", "--dataset", "digits", "--clients", "4", "--groups", "2",
+            "--rounds", "1", "--round-timeout", "1", "--on-bad-reply", "drop",
+            "--out", sys.argv[1], "--no-progress"]
+sys.exit(main())
+"""
+
+
+def test_a_client_still_computing_after_the_run_does_not_abort_fedhier_run(tmp_path):
+    """``fedhier run`` whose client 2 computes in torch for 120 s (round timeout 1 s): the
+    run finishes with exit 0 and its summary, in seconds (a daemon thread inside torch at
+    interpreter shutdown aborted Python: exit 134)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", LATE_CLIENT_RUN, str(tmp_path / "run")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "run" / "summary.json").exists()
+    assert "still computing a late reply" in done.stderr
+    assert time.perf_counter() - start < 60
+
+
+def test_in_process_grid_close_waits_for_late_calls():
+    """InProcessGrid.close(wait): a late call that ends within the wait leaves no thread; one
+    that does not is named (its node)."""
+    from flwr.app import MessageType, RecordDict
+
+    release = threading.Event()
+    app = ClientApp()
+
+    @app.query()
+    def held(msg, context):
+        release.wait(30)
+        return Message(RecordDict(), reply_to=msg)
+
+    grid = InProcessGrid(app, 1)
+    node = next(iter(grid.get_node_ids()))
+    message = Message(RecordDict(), message_type=MessageType.QUERY, dst_node_id=node)
+    assert list(grid.send_and_receive([message], timeout=0.1)) == []  # late
+    assert grid.close(wait=0.1) == [node]
+    release.set()
+    assert grid.close(wait=10) == []
+
+
 def test_a_client_dropped_k_rounds_in_a_row_is_excluded(tmp_path):
     cfg = CFG.replace(on_bad_reply="drop", exclude_after=1, rounds=2)
     code, _, records, _ = run(hostile_app("train", metric("num-examples", 0)),
