@@ -262,6 +262,8 @@ def test_a_late_reply_is_dropped_and_a_silent_client_does_not_hang(tmp_path, ref
 LATE_CLIENT_RUN = """
 import sys, time, torch
 import fedhier.engines.inprocess as engine
+import fedhier.plots
+fedhier.plots.plot_runs = fedhier.plots.plot_groups = lambda *args, **kwargs: None
 from tests.test_hostile_clients import hostile_app
 
 def busy(reply):  # computes in torch far past the round timeout
@@ -273,7 +275,8 @@ def busy(reply):  # computes in torch far past the round timeout
 engine.client_app = hostile_app("train", busy)
 from fedhier.cli import main
 sys.argv = ["fedhier", "run", "--dataset", "digits", "--clients", "4", "--groups", "2",
-            "--rounds", "1", "--round-timeout", "1", "--on-bad-reply", "drop",
+            "--rounds", "1", "--local-period", "1", "--global-period", "1",
+            "--round-timeout", "1", "--on-bad-reply", "drop",
             "--out", sys.argv[1], "--no-progress"]
 sys.exit(main())
 """
