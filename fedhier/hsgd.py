@@ -307,10 +307,18 @@ class HierarchicalSGD:
         self._executor = executor
         self.info = executor.profiles() if info is None else info
         if self._restored_sizes is not None:  # rows learned from replies before a checkpoint
+            if len(self._restored_sizes) != len(self.info.num_examples):
+                raise ConfigError(f"the checkpoint holds the rows of "
+                                  f"{len(self._restored_sizes)} clients, this run has "
+                                  f"{len(self.info.num_examples)}")
             self.info = dataclasses.replace(
                 self.info, num_examples=np.array(self._restored_sizes, dtype=np.int64))
         if self._restored_executor is not None:
-            executor.load_state_dict(self._restored_executor)  # type: ignore[attr-defined]
+            try:
+                executor.load_state_dict(self._restored_executor)  # type: ignore[attr-defined]
+            except (TypeError, ValueError, KeyError, AttributeError) as exc:
+                raise ConfigError(f"the checkpoint's executor state does not fit this run "
+                                  f"({exc}); rerun the run from the start") from None
         self.weights = self._weights_of(self.info.num_examples)
         self.global_params = dict(initial)
         self.model_bytes = executor.model_bytes(initial)
@@ -885,8 +893,13 @@ class HierarchicalSGD:
         self._restored_hierarchy = state.get("hierarchy")
         self._restored_clock = state.get("clock")  # None in checkpoints before sim_seconds
         # None in checkpoints written before these were kept: the profiles' sizes, a fresh guard
-        self._restored_sizes = state.get("num_examples")
-        self._restored_executor = state.get("executor")
+        sizes, executor_state = state.get("num_examples"), state.get("executor")
+        if sizes is not None and (not isinstance(sizes, list) or not all(
+                type(n) is int and n >= 0 for n in sizes)):
+            raise TypeError("num_examples is not a list of row counts >= 0")
+        if executor_state is not None and not isinstance(executor_state, dict):
+            raise TypeError("the executor state is not a table")
+        self._restored_sizes, self._restored_executor = sizes, executor_state
 
     def _hierarchy(self) -> Hierarchy:
         if self.hierarchy is None:

@@ -90,15 +90,12 @@ class GridExecutor:
 
     def state_dict(self) -> dict[str, Any]:
         """The reply guard's counts for a checkpoint (a resumed run excludes exactly the
-        clients the uninterrupted run excludes): [client, rounds] and [client, why] pairs."""
-        return {"streak": [[int(c), int(n)] for c, n in sorted(self.guard.streak.items())],
-                "excluded": [[int(c), str(why)] for c, why in
-                             sorted(self.guard.excluded.items())]}
+        clients the uninterrupted run excludes)."""
+        return self.guard.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Put back what :meth:`state_dict` returned."""
-        self.guard.streak = {int(c): int(n) for c, n in state["streak"]}
-        self.guard.excluded = {int(c): str(why) for c, why in state["excluded"]}
+        self.guard.load_state_dict(state)
 
     @property
     def excluded_clients(self) -> dict[int, str]:

@@ -401,3 +401,20 @@ def test_an_evaluate_reply_without_metrics_is_named(tmp_path, caplog):
     assert code == 0 and len(records) == 2
     assert any(f"client(s) [{HOSTILE}] replied without loss and accuracy" in r.getMessage()
                for r in caplog.records)
+
+
+def test_the_reply_guard_state_round_trips_and_refuses_a_damaged_one():
+    from fedhier.reply_policy import ReplyGuard
+
+    guard = ReplyGuard(streak={4: 2, 1: 1}, excluded={3: "3 bad replies in a row"})
+    state = guard.state_dict()
+    assert state == {"streak": [[1, 1], [4, 2]], "excluded": [[3, "3 bad replies in a row"]]}
+    fresh = ReplyGuard()
+    fresh.load_state_dict(state)
+    assert (fresh.streak, fresh.excluded) == (guard.streak, guard.excluded)
+    for damaged in ({"streak": "x", "excluded": []}, {"streak": [[1, "2"]], "excluded": []},
+                    {"streak": [], "excluded": [[True, "x"]]}):
+        with pytest.raises(TypeError):
+            ReplyGuard().load_state_dict(damaged)
+    with pytest.raises(KeyError):
+        ReplyGuard().load_state_dict({"streak": []})
