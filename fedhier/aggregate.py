@@ -6,8 +6,9 @@ number or order of summands beyond float64 rounding.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -175,16 +176,21 @@ class Aggregator:
     total weight) equals aggregating all members at once (the mean); a level above the
     edges is then computed directly over the clients of its subtree. ``function`` works
     array by array; ``model_function``, when set, on the whole model (norms, distances);
-    ``needs_reference``: it takes each segment's start model."""
+    ``needs_reference``: it takes each segment's start model (the one place that refuses
+    to run it without one); ``name``: as ``--aggregators`` spells it."""
 
     function: AggregateFn | None
     linear: bool
     model_function: ModelAggregateFn | None = None
     needs_reference: bool = False
+    name: str = ""
 
     def apply(self, values: Params, weights: torch.Tensor, segments: torch.Tensor,
               num_segments: int, reference: Params | None = None) -> Params:
         """The rule on every array of ``values``: name -> [num_segments, *shape]."""
+        if self.needs_reference and reference is None:
+            raise ConfigError(f"aggregator '{self.name}' needs each node's start model, "
+                              "which this path does not provide")
         if self.model_function is not None:
             return self.model_function(values, weights, segments, num_segments, reference)
         assert self.function is not None
@@ -207,9 +213,7 @@ def _clip(arg: str) -> Aggregator:
 
     def rule(values: Params, weights: torch.Tensor, segments: torch.Tensor,
              num_segments: int, reference: Params | None) -> Params:
-        if reference is None:
-            raise ConfigError("the clip aggregator needs each node's start model, which "
-                              "this path does not provide")
+        assert reference is not None  # Aggregator.apply checks it (needs_reference)
         return clipped_mean(values, weights, segments, num_segments, reference, bound,
                             relative)
 
@@ -229,10 +233,14 @@ def _krum(arg: str, multi: bool) -> Aggregator:
 
 
 def _number(rule: str, text: str) -> float:
+    """A rule's parameter: a finite number (nan, inf and 1e400 are refused here, once)."""
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         raise ConfigError(f"aggregator {rule}: '{text}' is not a number") from None
+    if not math.isfinite(value):
+        raise ConfigError(f"aggregator {rule}: '{text}' is not a finite number")
+    return value
 
 
 #: Aggregation rules by name (``--aggregators``): one function plus one line here adds one.
@@ -261,10 +269,10 @@ def aggregator(name: str) -> Aggregator:
         raise ConfigError(f"unknown aggregator '{base}'; choose one of "
                           f"{', '.join(AGGREGATORS)}")
     if not arg:
-        return AGGREGATORS[base]
+        return replace(AGGREGATORS[base], name=name)
     if base not in PARAMETRISED:
         raise ConfigError(f"aggregator '{base}' takes no parameter, got '{name}'")
-    return PARAMETRISED[base](arg)
+    return replace(PARAMETRISED[base](arg), name=name)
 
 
 def check_aggregators(names: tuple[str, ...], num_levels: int) -> None:

@@ -85,7 +85,9 @@ def read_checkpoint_file(path: Path) -> Checkpoint:
     except OSError as exc:
         raise DamagedFileError(path, f"cannot read the checkpoint ({os_reason(exc)})",
                                "check the file's permissions") from None
-    if data[:2] == b"PK" or data[:1] == b"\x80":
+    # A safetensors file opens with its header's length (8 bytes, little-endian) and then
+    # "{"; a length such as 0x580 also starts with 0x80, so the JSON brace decides.
+    if data[8:9] != b"{" and (data[:2] == b"PK" or data[:1] == b"\x80"):
         raise DamagedFileError(path, "a pickled checkpoint (an older fedhier's format, or "
                                "something else's); fedhier never unpickles files",
                                "rerun the run from the start to get a safe checkpoint")

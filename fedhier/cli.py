@@ -316,7 +316,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 "experiment": cmd_experiment, "deploy": cmd_deploy,
                                 "sweep": cmd_sweep}
     args.argv = list(argv if argv is not None else sys.argv[1:])
-    return run_command(handlers[args.command], args)
+    code = run_command(handlers[args.command], args)
+    if argv is None:  # the process's entry point (fedhier, python -m fedhier.cli)
+        leave_if_threads_stuck(code)
+    return code
+
+
+def leave_if_threads_stuck(code: int) -> None:
+    """End the process now with ``code`` when a late ClientApp call of the in-process grid
+    still runs (its daemon thread inside torch would abort Python's shutdown: exit 134
+    after a successful run): flush output and logs, then ``os._exit``. Nothing to do
+    otherwise; library callers close their grid instead (InProcessGrid.close)."""
+    from fedhier.engines.inprocess_grid import stuck_client_threads
+
+    if not stuck_client_threads():
+        return
+    import logging
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 if __name__ == "__main__":
     sys.exit(main())

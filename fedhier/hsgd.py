@@ -280,6 +280,9 @@ class HierarchicalSGD:
         self._restored_hierarchy: Hierarchy | None = None
         self.clock: SimClock | None = None  # simulated time (fedhier.sim_clock)
         self._restored_clock: dict[str, Any] | None = None
+        self._restored_sizes: list[int] | None = None  # rows learned before a checkpoint
+        self._restored_executor: Any = None  # the executor's state_dict() at a checkpoint
+        self._executor: Executor | None = None
         self._maps: np.ndarray | None = None  # int64 [E, n]: this cloud round's edge maps
         self._moves: list[list[int]] = []  # [edge round, client, from, to] this cloud round
         # Per-edge periods: each client's planned steps left in its edge's period (int64 [n]),
@@ -301,7 +304,21 @@ class HierarchicalSGD:
         force as another process knows them (an edge server: :mod:`fedhier.edge_tier`).
         """
         s = self.settings
+        self._executor = executor
         self.info = executor.profiles() if info is None else info
+        if self._restored_sizes is not None:  # rows learned from replies before a checkpoint
+            if len(self._restored_sizes) != len(self.info.num_examples):
+                raise ConfigError(f"the checkpoint holds the rows of "
+                                  f"{len(self._restored_sizes)} clients, this run has "
+                                  f"{len(self.info.num_examples)}")
+            self.info = dataclasses.replace(
+                self.info, num_examples=np.array(self._restored_sizes, dtype=np.int64))
+        if self._restored_executor is not None:
+            try:
+                executor.load_state_dict(self._restored_executor)  # type: ignore[attr-defined]
+            except (TypeError, ValueError, KeyError, AttributeError) as exc:
+                raise ConfigError(f"the checkpoint's executor state does not fit this run "
+                                  f"({exc}); rerun the run from the start") from None
         self.weights = self._weights_of(self.info.num_examples)
         self.global_params = dict(initial)
         self.model_bytes = executor.model_bytes(initial)
@@ -857,10 +874,16 @@ class HierarchicalSGD:
         return self.global_params
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs besides the global model and the clients' state."""
+        """What a resumed run needs besides the global model and the clients' state: also
+        the rows learned from replies (``num_examples``, ints by client) and the executor's
+        own state when it keeps any (an optional ``state_dict()`` / ``load_state_dict()``
+        pair of plain ints, lists and strings: a GridExecutor's reply guard)."""
+        hook = getattr(self._executor, "state_dict", None)
         return {"communication": self.communication.as_dict(),
                 "cloud_step": copy.deepcopy(self.cloud_step), "hierarchy": self.hierarchy,
-                "clock": self._clock().state_dict()}
+                "clock": self._clock().state_dict(),
+                "num_examples": [int(n) for n in self._info().num_examples],
+                **({"executor": hook()} if hook is not None else {})}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.communication = Communication(**state["communication"])
@@ -870,6 +893,14 @@ class HierarchicalSGD:
         # setup() must not draw a new one.
         self._restored_hierarchy = state.get("hierarchy")
         self._restored_clock = state.get("clock")  # None in checkpoints before sim_seconds
+        # None in checkpoints written before these were kept: the profiles' sizes, a fresh guard
+        sizes, executor_state = state.get("num_examples"), state.get("executor")
+        if sizes is not None and (not isinstance(sizes, list) or not all(
+                type(n) is int and n >= 0 for n in sizes)):
+            raise TypeError("num_examples is not a list of row counts >= 0")
+        if executor_state is not None and not isinstance(executor_state, dict):
+            raise TypeError("the executor state is not a table")
+        self._restored_sizes, self._restored_executor = sizes, executor_state
 
     def _hierarchy(self) -> Hierarchy:
         if self.hierarchy is None:
@@ -924,13 +955,8 @@ def aggregate_levels(models: dict[str, torch.Tensor], survivors: np.ndarray,
         nodes, compact = occupied_segments(parent, hierarchy.num_nodes(lv))
         w = torch.as_tensor(member_weights, device=device)
         owner = torch.as_tensor(compact, device=device)
-        start = None
-        if rule.needs_reference:
-            if reference is None:
-                raise ConfigError(f"aggregator '{aggregators[min(lv, len(aggregators)) - 1]}'"
-                                  " needs each node's start model, which this path does "
-                                  "not provide")
-            start = reference(lv, nodes)
+        # without a reference, a rule that needs one refuses in Aggregator.apply
+        start = reference(lv, nodes) if rule.needs_reference and reference else None
         values = rule.apply(values, w, owner, len(nodes), start)
         member_weights = np.bincount(compact, weights=member_weights, minlength=len(nodes))
         members = nodes

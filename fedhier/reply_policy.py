@@ -73,13 +73,34 @@ class ReplyGuard:
     excluded: dict[int, str] = field(default_factory=dict)  # client -> why
     dropped_now: set[int] = field(default_factory=set)
 
-    def bad(self, error: FedhierError, client: int | None) -> None:
-        """A reply that breaks the contract: raise ``error`` (stop) or log it (drop)."""
+    def bad(self, error: FedhierError, client: int | None, *, training: bool = True) -> None:
+        """A reply that breaks the contract: raise ``error`` (stop) or log it (drop). Only a
+        dropped train reply (``training``) counts toward the client's streak: a bad
+        evaluate, profile or gradient reply is dropped, never a bad training round."""
         if self.policy.on_bad_reply == "stop":
             raise error
         log.warning("dropped a bad reply: %s", error)
-        if client is not None:
+        if client is not None and training:
             self.dropped_now.add(client)
+
+    def state_dict(self) -> dict[str, list]:
+        """The streaks and exclusions for a checkpoint: [client, rounds] and [client, why]
+        pairs (plain ints and strings)."""
+        return {"streak": [[int(c), int(n)] for c, n in sorted(self.streak.items())],
+                "excluded": [[int(c), str(why)] for c, why in sorted(self.excluded.items())]}
+
+    def load_state_dict(self, state: dict[str, list]) -> None:
+        """Put back what :meth:`state_dict` returned (TypeError / ValueError if damaged)."""
+        pairs = {key: state[key] for key in ("streak", "excluded")}
+        for key, kind in (("streak", int), ("excluded", str)):
+            if not isinstance(pairs[key], list) or not all(
+                    isinstance(p, list) and len(p) == 2 and type(p[0]) is int and p[0] >= 0
+                    and isinstance(p[1], kind) and not isinstance(p[1], bool)
+                    for p in pairs[key]):
+                raise TypeError(f"the reply guard's '{key}' is not [client, value] pairs")
+        self.streak = {c: n for c, n in pairs["streak"]}
+        self.excluded = {c: why for c, why in pairs["excluded"]}
+        self.dropped_now = set()
 
     def end_round(self) -> list[int]:
         """Close a round of train replies: clients dropped now extend their streak, the

@@ -88,6 +88,15 @@ class GridExecutor:
         self.outcomes = TrainOutcomes()  # who trained, per cloud round (cloud_failure.py)
         self.guard = ReplyGuard(policy or ReplyPolicy())
 
+    def state_dict(self) -> dict[str, Any]:
+        """The reply guard's counts for a checkpoint (a resumed run excludes exactly the
+        clients the uninterrupted run excludes)."""
+        return self.guard.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned."""
+        self.guard.load_state_dict(state)
+
     @property
     def excluded_clients(self) -> dict[int, str]:
         """Clients sent nothing more (K bad replies in a row) -> why."""
@@ -309,7 +318,7 @@ class GridExecutor:
                 log.warning("evaluate: %s", exc)
                 continue
             except ContractError as exc:
-                self.guard.bad(exc, client)
+                self.guard.bad(exc, client, training=False)
                 continue
             if numbers is None:
                 silent.append(client)
@@ -327,9 +336,14 @@ class GridExecutor:
         """The global model after ``cloud_round`` on every client; first, a cloud round in
         which no client trained (and one failed with its own error) stops the run
         (:mod:`fedhier.strategies.cloud_failure`; an edge server's executor leaves that to
-        the cloud)."""
+        the cloud), and so does a run whose every client is excluded."""
         if cloud_round > 0 and self.expected_clients is None:
             self.outcomes.check(cloud_round)
+            if self.node_ids and self.guard.excluded.keys() >= self.node_ids.keys():
+                raise RunFailureError(
+                    f"every client is excluded after cloud round {cloud_round} "
+                    f"({self.guard.policy.exclude_after} bad replies in a row each): no "
+                    "client can train")
         messages = self.evaluate_messages(params, cloud_round)
         replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
         self._missing(f"evaluate (round {cloud_round})",
@@ -347,7 +361,9 @@ class GridExecutor:
         grads: dict[int, torch.Tensor] = {}
         replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
         self._missing("gradient query", [m.metadata.dst_node_id for m in messages], replies)
-        size = None
+        # P: the model's floating-point entries (what flat_gradient differentiates), never
+        # the length of whichever reply came first (a hostile first reply would fail the rest)
+        size = sum(v.numel() for v in params.values() if v.is_floating_point())
         for reply in replies:
             if reply.has_error() or "gradient" not in reply.content.array_records:
                 continue
@@ -355,9 +371,8 @@ class GridExecutor:
             try:
                 grads[client] = read_gradient_reply(reply, client, size)
             except ContractError as exc:
-                self.guard.bad(exc, client)
+                self.guard.bad(exc, client, training=False)
                 continue
-            size = len(grads[client])
         if len(grads) != len(self.node_ids):
             log.warning("gradient query: %d of %d clients answered (a client needs a "
                         "query.gradient handler: docs/contract.md)", len(grads),

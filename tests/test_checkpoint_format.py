@@ -203,3 +203,27 @@ def test_the_reader_imports_no_strategy_layer_and_refuses_unregistered_classes(r
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True).stdout
     assert "FlowerCloudStep', not on the allow-list" in out and out.endswith("[]\n"), out
+
+
+@pytest.mark.parametrize("first_byte", [0x80, ord("P")])
+def test_a_header_length_that_looks_like_a_pickle_is_still_read(tmp_path, first_byte):
+    """A safetensors file opens with its header's length: 0x580 starts with 0x80 like a
+    pickle, 0x4B50 with "PK" like a zip; the JSON brace after it says safetensors."""
+    from fedhier.checkpoint import Checkpoint, checkpoint_bytes
+
+    base = Checkpoint(round=3, global_state={"w": torch.arange(6.0).reshape(2, 3)},
+                      strategy_state={"note": ""}, wall_seconds=1.5)
+    wanted = first_byte if first_byte == 0x80 else 0x4B50
+    for pad in range(0, 0x5000):
+        base.strategy_state["note"] = "x" * pad
+        data = checkpoint_bytes(base)
+        length = int.from_bytes(data[:8], "little")
+        if length % 256 == first_byte and (first_byte == 0x80 or length == wanted):
+            break
+    else:
+        pytest.fail("no padding gives the header length wanted")
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(data)
+    back = read_checkpoint_file(path)
+    assert back.round == 3 and back.strategy_state == base.strategy_state
+    assert torch.equal(back.global_state["w"], base.global_state["w"])

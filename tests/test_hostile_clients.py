@@ -47,8 +47,8 @@ def no_plots():
         yield
 
 
-def hostile_app(kind: str, corrupt, **more) -> ClientApp:
-    """fedhier's ClientApp, except that partition HOSTILE passes its ``kind`` replies
+def hostile_app(kind: str, corrupt, *, hostile: int = HOSTILE, **more) -> ClientApp:
+    """fedhier's ClientApp, except that partition ``hostile`` passes its ``kind`` replies
     (train, evaluate, profile, gradient; more as ``kind=corrupt``) through ``corrupt``
     (reply -> reply)."""
     app = ClientApp()
@@ -58,7 +58,7 @@ def hostile_app(kind: str, corrupt, **more) -> ClientApp:
         def handler(msg: Message, context: Context) -> Message:
             reply = honest(msg, context)
             if (handler_kind in corruptions
-                    and int(context.node_config["partition-id"]) == HOSTILE):
+                    and int(context.node_config["partition-id"]) == hostile):
                 return corruptions[handler_kind](reply)
             return reply
         return handler
@@ -193,6 +193,24 @@ def test_a_bad_reply_is_dropped_and_the_run_finishes(case, tmp_path, reference, 
         assert all("global_divergence" not in r for r in records)
 
 
+def test_a_hostile_first_gradient_reply_blames_only_its_client(tmp_path, reference):
+    """The expected gradient length is the model's, not the first reply's: a short gradient
+    from client 0 (the first to answer) stops naming client 0, or under ``drop`` (K = 1)
+    is dropped alone; a bad query reply is no bad training round, so nobody is excluded
+    and the model is exactly the honest run's."""
+    short = gradient(lambda g: {"g": g[:-1]})
+    code, text, _, _ = run(hostile_app("gradient", short, hostile=0), tmp_path / "stop",
+                           CFG.replace(diagnostics_every=1))
+    assert code == 2 and "client 0 (node " in text, text
+    cfg = CFG.replace(diagnostics_every=1, on_bad_reply="drop", exclude_after=1)
+    code, text, records, final = run(hostile_app("gradient", short, hostile=0),
+                                     tmp_path / "drop", cfg)
+    assert code == 0, text
+    assert all("excluded_clients" not in r for r in records)
+    honest = reference["honest"][3]
+    assert all(torch.equal(final[k], honest[k]) for k in honest)
+
+
 def test_a_size_claim_gains_nothing(tmp_path):
     """The poisoned model (100 x the initial one) with a claim of 10**12 rows moves the
     global model exactly as far as with its honest size: its histogram sums to its rows."""
@@ -241,6 +259,71 @@ def test_a_late_reply_is_dropped_and_a_silent_client_does_not_hang(tmp_path, ref
     assert time.perf_counter() - start < 30
 
 
+LATE_CLIENT_RUN = """
+import sys, time, torch
+import fedhier.engines.inprocess as engine
+import fedhier.plots
+fedhier.plots.plot_runs = fedhier.plots.plot_groups = lambda *args, **kwargs: None
+from tests.test_hostile_clients import hostile_app
+
+def busy(reply):  # computes in torch far past the round timeout
+    a, start = torch.randn(200, 200), time.time()
+    while time.time() - start < 120:
+        a = torch.tanh(a @ a)
+    return reply
+
+engine.client_app = hostile_app("train", busy)
+from fedhier.cli import main
+sys.argv = ["fedhier", "run", "--dataset", "digits", "--clients", "4", "--groups", "2",
+            "--rounds", "1", "--local-period", "1", "--global-period", "1",
+            "--round-timeout", "1", "--on-bad-reply", "drop",
+            "--out", sys.argv[1], "--no-progress"]
+sys.exit(main())
+"""
+
+
+def test_a_client_still_computing_after_the_run_does_not_abort_fedhier_run(tmp_path):
+    """``fedhier run`` whose client 2 computes in torch for 120 s (round timeout 1 s): the
+    run finishes with exit 0 and its summary, in seconds (a daemon thread inside torch at
+    interpreter shutdown aborted Python: exit 134)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", LATE_CLIENT_RUN, str(tmp_path / "run")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "run" / "summary.json").exists()
+    assert "still computing a late reply" in done.stderr
+    assert time.perf_counter() - start < 60
+
+
+def test_in_process_grid_close_waits_for_late_calls():
+    """InProcessGrid.close(wait): a late call that ends within the wait leaves no thread; one
+    that does not is named (its node)."""
+    from flwr.app import MessageType, RecordDict
+
+    release = threading.Event()
+    app = ClientApp()
+
+    @app.query()
+    def held(msg, context):
+        release.wait(30)
+        return Message(RecordDict(), reply_to=msg)
+
+    grid = InProcessGrid(app, 1)
+    node = next(iter(grid.get_node_ids()))
+    message = Message(RecordDict(), message_type=MessageType.QUERY, dst_node_id=node)
+    assert list(grid.send_and_receive([message], timeout=0.1)) == []  # late
+    assert grid.close(wait=0.1) == [node]
+    release.set()
+    assert grid.close(wait=10) == []
+
+
 def test_a_client_dropped_k_rounds_in_a_row_is_excluded(tmp_path):
     cfg = CFG.replace(on_bad_reply="drop", exclude_after=1, rounds=2)
     code, _, records, _ = run(hostile_app("train", metric("num-examples", 0)),
@@ -248,6 +331,22 @@ def test_a_client_dropped_k_rounds_in_a_row_is_excluded(tmp_path):
     assert code == 0
     assert records[-1]["excluded_clients"] == [HOSTILE]
     assert records[-1]["failed_clients"] == 2  # not sent, counted failed
+
+
+def test_a_run_whose_every_client_is_excluded_stops(tmp_path):
+    """Every train reply bad, K = 1: all six clients are excluded in round 1; the run stops
+    (exit 3) with one line saying why instead of finishing having trained nothing."""
+    bad = metric("num-examples", 0)
+    every = ClientApp()
+    every.train()(lambda msg, context: bad(fedhier_client.train(msg, context)))
+    every.evaluate()(fedhier_client.evaluate_local)
+    every.query()(fedhier_client.profile)
+    cfg = CFG.replace(on_bad_reply="drop", exclude_after=1, rounds=2)
+    code, text, _, _ = run(every, tmp_path / "run", cfg)
+    assert code == 3, text
+    assert text.startswith("every client is excluded after cloud round 1 (1 bad replies in "
+                           "a row each)"), text
+    assert "\n" not in text
 
 
 def test_a_client_with_only_the_train_handler_runs_through_fedhier_run(tmp_path):
@@ -302,3 +401,20 @@ def test_an_evaluate_reply_without_metrics_is_named(tmp_path, caplog):
     assert code == 0 and len(records) == 2
     assert any(f"client(s) [{HOSTILE}] replied without loss and accuracy" in r.getMessage()
                for r in caplog.records)
+
+
+def test_the_reply_guard_state_round_trips_and_refuses_a_damaged_one():
+    from fedhier.reply_policy import ReplyGuard
+
+    guard = ReplyGuard(streak={4: 2, 1: 1}, excluded={3: "3 bad replies in a row"})
+    state = guard.state_dict()
+    assert state == {"streak": [[1, 1], [4, 2]], "excluded": [[3, "3 bad replies in a row"]]}
+    fresh = ReplyGuard()
+    fresh.load_state_dict(state)
+    assert (fresh.streak, fresh.excluded) == (guard.streak, guard.excluded)
+    for damaged in ({"streak": "x", "excluded": []}, {"streak": [[1, "2"]], "excluded": []},
+                    {"streak": [], "excluded": [[True, "x"]]}):
+        with pytest.raises(TypeError):
+            ReplyGuard().load_state_dict(damaged)
+    with pytest.raises(KeyError):
+        ReplyGuard().load_state_dict({"streak": []})

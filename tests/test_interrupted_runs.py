@@ -122,3 +122,78 @@ def test_a_failed_overwrite_leaves_no_file_of_the_earlier_run(tmp_path, monkeypa
     lines = (out / "metrics.jsonl").read_text().splitlines()
     rounds = [json.loads(line)["round"] for line in lines]
     assert rounds == [0]
+
+
+def _interrupted_and_resumed(app_factory, cfg, root: Path, monkeypatch) -> tuple[list, list]:
+    """An uninterrupted run of ``cfg`` (A) and one interrupted by Ctrl-C before its round-3
+    record and resumed from its round-2 checkpoint (B), on the in-process grid of
+    ``app_factory(run)`` (run "A" or "B"; B's app serves both halves, as one deployment
+    would): (A's records, B's records), each with its final model's bytes."""
+    import fedhier.server as server
+    from fedhier.checkpoint import load_checkpoint
+    from fedhier.engines.grid_run import run_federation
+    from fedhier.engines.inprocess_grid import InProcessGrid
+    from fedhier.run_folder import RunFolder
+
+    monkeypatch.setattr("fedhier.plots.plot_runs", lambda *args, **kwargs: None)
+    run_federation(InProcessGrid(app_factory("A"), cfg.clients, seed=cfg.seed), cfg,
+                   RunFolder.create(root / "A"), engine="inprocess", progress=False)
+    calls = {"n": 0}
+
+    def interrupt() -> None:  # 2 crash points for round 0, 3 per later round
+        calls["n"] += 1
+        if calls["n"] == 9:
+            raise KeyboardInterrupt
+
+    app_b = app_factory("B")
+    with monkeypatch.context() as patch:
+        patch.setattr(server, "crash_point", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            run_federation(InProcessGrid(app_b, cfg.clients, seed=cfg.seed), cfg,
+                           RunFolder.create(root / "B"), engine="inprocess", progress=False)
+    resume = load_checkpoint(root / "B")
+    assert resume.round == 2
+    run_federation(InProcessGrid(app_b, cfg.clients, seed=cfg.seed), cfg,
+                   RunFolder.claim_existing(root / "B"), engine="inprocess", progress=False,
+                   resume=resume)
+
+    def contents(path: Path) -> list:
+        return [{k: v for k, v in json.loads(line).items() if "seconds" not in k}
+                for line in (path / "metrics.jsonl").read_text().splitlines()
+                ] + [(path / "model_final.safetensors").read_bytes()]
+
+    return contents(root / "A"), contents(root / "B")
+
+
+def test_a_resumed_run_keeps_the_reply_guard(tmp_path, monkeypatch, one_torch_thread):
+    """``drop`` with K = 3: client 2's first three train replies are bad (rounds 1-2: its
+    edge rounds 1-3), so it is excluded in round 2; interrupted after round 2, the resumed
+    run still excludes it (the guard's streak and exclusions are in the checkpoint)."""
+    from tests.test_hostile_clients import CFG, HOSTILE, hostile_app, metric
+
+    def app(_: str):
+        calls = {"n": 0}
+        bad = metric("num-examples", 0)
+
+        def first_three_bad(reply):
+            calls["n"] += 1
+            return bad(reply) if calls["n"] <= 3 else reply
+        return hostile_app("train", first_three_bad)
+
+    cfg = CFG.replace(on_bad_reply="drop", exclude_after=3, rounds=3, checkpoint_every=1)
+    a, b = _interrupted_and_resumed(app, cfg, tmp_path, monkeypatch)
+    assert [r.get("excluded_clients") for r in a[:-1]] == [None, None, [HOSTILE], [HOSTILE]]
+    assert a == b
+
+
+def test_a_resumed_run_keeps_the_sizes_learned_from_train_replies(tmp_path, monkeypatch,
+                                                                   one_torch_thread):
+    """A ClientApp with a train handler only: its rows are learned from its train replies;
+    with a third of the clients sent per round, the resumed run weighs them as the
+    uninterrupted run does (the learned sizes are in the checkpoint)."""
+    from tests.test_hsgd import CFG, bare_app
+
+    cfg = CFG.replace(groups=(2,), rounds=3, checkpoint_every=1, participation=0.34,
+                      local_period=4)
+    a, b = _interrupted_and_resumed(lambda _: bare_app(), cfg, tmp_path, monkeypatch)
+    assert a == b

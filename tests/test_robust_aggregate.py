@@ -79,9 +79,22 @@ def test_krum_and_multi_krum_closed_form():
 def test_rule_names_and_parameters_are_checked():
     for bad, message in [("trimmed-mean:0.5", r"\[0, 0.5\)"), ("clip:-1", "positive"),
                          ("clip:ax", "not a number"), ("krum:1.5", "whole number"),
-                         ("median:3", "takes no parameter"), ("mode", "unknown aggregator")]:
+                         ("median:3", "takes no parameter"), ("mode", "unknown aggregator"),
+                         ("krum:nan", "not a finite number"), ("krum:inf", "finite"),
+                         ("multi-krum:1e400", "finite"), ("clip:infx", "finite")]:
         with pytest.raises(ConfigError, match=message):
             aggregator(bad)
+
+
+def test_a_non_finite_krum_parameter_is_a_user_error(tmp_path, capsys):
+    """``fedhier run --aggregators krum:nan`` (or inf, 1e400): one line, exit 2 (not 4)."""
+    from fedhier.cli import main
+
+    for bad in ("krum:nan", "multi-krum:1e400"):
+        assert main(["run", "--aggregators", bad, "--out", str(tmp_path / bad),
+                     "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "not a finite number" in err and "\n" not in err, err
 
 
 def test_clip_at_every_level_uses_each_node_s_start_model():
@@ -104,5 +117,5 @@ def test_clip_at_every_level_uses_each_node_s_start_model():
     edges, _ = aggregate_levels(models, survivors, np.ones(4), hierarchy, 1,
                                 ("clip:1.5",), reference)
     assert edges["w"].flatten().tolist() == pytest.approx([1.25, 10.75], abs=1e-15)
-    with pytest.raises(ConfigError, match="start model"):
+    with pytest.raises(ConfigError, match="aggregator 'clip' needs each node's start model"):
         aggregate_levels(models, survivors, np.ones(4), hierarchy, 1, ("clip",))

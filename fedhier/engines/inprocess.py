@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 from typing import Any
 
 from fedhier.checkpoint import Checkpoint
@@ -11,6 +12,8 @@ from fedhier.config import RunConfig
 from fedhier.engines.grid_run import run_federation
 from fedhier.engines.inprocess_grid import InProcessGrid
 from fedhier.run_folder import RunFolder
+
+log = logging.getLogger("fedhier")
 
 
 def run_inprocess(cfg: RunConfig, folder: RunFolder, progress: bool = True,
@@ -30,3 +33,7 @@ def run_inprocess(cfg: RunConfig, folder: RunFolder, progress: bool = True,
     finally:
         if freeze:
             gc.unfreeze()
+        stuck = grid.close(wait=2.0)  # a late ClientApp call: see fedhier.cli.main
+        if stuck:
+            log.warning("client(s) %s still computing a late reply after the run",
+                        stuck[:10])

@@ -7,12 +7,19 @@ sent; a ClientApp exception becomes an error reply, as on Flower's engines. Unde
 ran in parallel): a reply that takes longer is dropped, and a node still busy with it gets
 no reply to later messages until it finishes, so a client that never answers does not hang
 the run.
+
+A late call keeps running in a daemon thread after the run. A daemon thread still inside
+torch when Python shuts down can abort the interpreter ("terminate called without an active
+exception", exit 134), so call :meth:`InProcessGrid.close` when done: it waits a bounded
+time for late calls and names the nodes still busy. ``fedhier run`` does, and leaves with
+``os._exit`` (after flushing) only when one is still stuck (:func:`stuck_client_threads`).
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 import traceback
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -25,6 +32,15 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedhier.rng import generator
+
+#: The name prefix of the threads that run ClientApp calls under a timeout.
+THREAD_PREFIX = "fedhier-node-"
+
+
+def stuck_client_threads() -> list[threading.Thread]:
+    """The ClientApp calls of any InProcessGrid of this process still running (late)."""
+    return [t for t in threading.enumerate()
+            if t.name.startswith(THREAD_PREFIX) and t.is_alive()]
 
 
 class InProcessGrid(Grid):
@@ -95,7 +111,7 @@ class InProcessGrid(Grid):
                 continue  # still working on an earlier message: no reply
             holder: list[Message] = []
             worker = threading.Thread(target=lambda m=msg, h=holder: h.append(self._call(m)),
-                                      daemon=True, name=f"fedhier-node-{node}")
+                                      daemon=True, name=f"{THREAD_PREFIX}{node}")
             worker.start()
             try:
                 worker.join(timeout)
@@ -109,6 +125,15 @@ class InProcessGrid(Grid):
             else:
                 self._replies[msg.metadata.message_id] = holder[0]
         return ids
+
+    def close(self, wait: float = 5.0) -> list[int]:
+        """Wait at most ``wait`` seconds in all for the ClientApp calls still running late;
+        -> the nodes whose call still runs (empty: the grid holds no thread any more)."""
+        deadline = time.monotonic() + wait
+        for worker in self._busy.values():
+            worker.join(max(0.0, deadline - time.monotonic()))
+        self._busy = {node: t for node, t in self._busy.items() if t.is_alive()}
+        return sorted(self._busy)
 
     def _call(self, msg: Message) -> Message:
         """The ClientApp's reply to ``msg`` (an exception becomes an error reply)."""
