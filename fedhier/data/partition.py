@@ -63,6 +63,18 @@ def label_histogram(labels: np.ndarray, num_classes: int) -> np.ndarray:
 
 
 @contextlib.contextmanager
+def quiet_progress() -> Iterator[None]:
+    """The datasets library's progress bars off inside the block (restored after)."""
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
+@contextlib.contextmanager
 def _quiet(hide_stderr: bool = False) -> Iterator[None]:
     # flwr-datasets warns on every Dirichlet resample and shows a tqdm bar for natural ids
     # (hide_stderr); fedhier reports problems itself, as one line.
@@ -70,13 +82,8 @@ def _quiet(hide_stderr: bool = False) -> Iterator[None]:
         if hide_stderr:
             stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
         warnings.simplefilter("ignore")
-        was_enabled = datasets.is_progress_bar_enabled()
-        datasets.disable_progress_bars()
-        try:
-            yield
-        finally:
-            if was_enabled:
-                datasets.enable_progress_bars()
+        stack.enter_context(quiet_progress())
+        yield
 
 
 def _light_train(bundle: DataBundle, order: np.ndarray | None = None) -> datasets.Dataset:

@@ -5,8 +5,7 @@ read is a :class:`~fedhier.errors.DamagedFileError` naming it.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -14,6 +13,7 @@ import datasets
 import numpy as np
 
 from fedhier.data.bundle import DataBundle
+from fedhier.data.partition import quiet_progress
 from fedhier.data.rows import _bundle, _check_labels, _check_width, _one_line, _split_indices
 from fedhier.data.specs import DatasetSpec
 from fedhier.errors import ConfigError, DamagedFileError, DataError, FedhierError
@@ -23,22 +23,11 @@ from fedhier.errors import ConfigError, DamagedFileError, DataError, FedhierErro
 T = TypeVar("T")
 
 
-@contextlib.contextmanager
-def _quiet_progress() -> Iterator[None]:
-    was_enabled = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            datasets.enable_progress_bars()
-
-
 def _call_datasets(fn: Callable[[], T], what: str, fix: str, path: Path | None = None) -> T:
     """Run a `datasets` call; turn any failure into a one-line `DataError` (a
     `DamagedFileError` naming ``path`` when it reads local files)."""
     try:
-        with _quiet_progress():
+        with quiet_progress():
             return fn()
     except FedhierError:
         raise
