@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import importlib
 import json
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -79,8 +80,12 @@ class TensorBoardTracker(RunCallback):
 
         # purge_step: TensorBoard drops the earlier events from that step on, so a resumed
         # run's rounds after its checkpoint are not shown twice
+        # The event file is named by the second it opens in: a resume within the same second
+        # would reopen (and empty) the first run's file. The nanosecond suffix keeps both,
+        # in the order they were written.
         self.writer = SummaryWriter(logdir=str(Path(run_dir) / "tensorboard"),
-                                    purge_step=purge_from)
+                                    purge_step=purge_from,
+                                    filename_suffix=f".{time.time_ns():020d}")
         self.config = hyperparameters(config)
         if not resumed:
             self.writer.add_text("config", "```\n" + json.dumps(self.config, indent=1) + "\n```")

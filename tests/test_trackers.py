@@ -6,6 +6,7 @@ tests/test_sweep_tune.py (its sweep runs every trial as ``fedhier run --tracker 
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import numpy as np
@@ -30,8 +31,12 @@ def test_a_missing_extra_is_one_line_naming_it(tmp_path: Path, monkeypatch, caps
     assert not (tmp_path / "r").exists()
 
 
-def test_resume_logs_each_round_once_and_overwrite_removes_tracker_folders(tmp_path: Path):
-    pytest.importorskip("tensorboardX")
+def test_resume_logs_each_round_once_and_overwrite_removes_tracker_folders(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    writer_module = pytest.importorskip("tensorboardX.event_file_writer")
+    # Both sessions open their event file in the same second (as on a fast machine): the
+    # resumed one must not reopen and empty the first one's file.
+    monkeypatch.setattr(writer_module, "time", types.SimpleNamespace(time=lambda: 1.7e9))
     out = tmp_path / "r"
     assert main(["run", "--out", str(out), "--tracker", "tensorboard", "--checkpoint-every",
                  "2", *TINY]) == 0
