@@ -18,10 +18,11 @@ time for late calls and names the nodes still busy. ``fedhier run`` does, and le
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
 import time
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -41,6 +42,31 @@ def stuck_client_threads() -> list[threading.Thread]:
     """The ClientApp calls of any InProcessGrid of this process still running (late)."""
     return [t for t in threading.enumerate()
             if t.name.startswith(THREAD_PREFIX) and t.is_alive()]
+
+
+class _Caller:
+    """One daemon thread that runs ClientApp calls one after another (jobs: message, reply
+    holder, done event). One long-lived thread, not one per call: torch in many short-lived
+    threads made Python abort at exit ("terminate called without an active exception")."""
+
+    def __init__(self, call: Callable[[Message], Message]) -> None:
+        self.jobs: queue.SimpleQueue[tuple[Message, list[Message], threading.Event] | None] = \
+            queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, args=(call,), daemon=True,
+                                       name="fedhier-clientapp")
+        self.thread.start()
+
+    def _loop(self, call: Callable[[Message], Message]) -> None:
+        while (job := self.jobs.get()) is not None:
+            msg, holder, done = job
+            holder.append(call(msg))
+            done.set()
+
+    def retire(self, name: str) -> threading.Thread:
+        """No more jobs: the thread ends after the one it runs (named ``name`` till then)."""
+        self.thread.name = name
+        self.jobs.put(None)
+        return self.thread
 
 
 class InProcessGrid(Grid):
@@ -76,6 +102,7 @@ class InProcessGrid(Grid):
         self._replies: dict[str, Message] = {}
         self._message_ids = itertools.count(1)
         self._busy: dict[int, threading.Thread] = {}  # node -> a call still running late
+        self._caller: _Caller | None = None  # the thread that runs calls under a timeout
 
     def set_run(self, run: Run) -> None:
         self._run = run
@@ -109,26 +136,32 @@ class InProcessGrid(Grid):
             late = self._busy.get(node)
             if late is not None and late.is_alive():
                 continue  # still working on an earlier message: no reply
+            if self._caller is None:
+                self._caller = _Caller(self._call)
             holder: list[Message] = []
-            worker = threading.Thread(target=lambda m=msg, h=holder: h.append(self._call(m)),
-                                      daemon=True, name=f"{THREAD_PREFIX}{node}")
-            worker.start()
+            done = threading.Event()
+            self._caller.jobs.put((msg, holder, done))
             try:
-                worker.join(timeout)
+                done.wait(timeout)
             except BaseException:
                 # Ctrl-C while a client trains: let that call end before unwinding (a second
-                # Ctrl-C stops waiting). A thread still in torch at exit can abort Python.
-                worker.join()
+                # Ctrl-C stops waiting).
+                done.wait()
                 raise
-            if worker.is_alive() or not holder:
-                self._busy[node] = worker  # late: whatever it replies is never read
-            else:
+            if done.is_set():
                 self._replies[msg.metadata.message_id] = holder[0]
+            else:  # late: whatever it replies is never read; its thread ends after it
+                late = self._caller.retire(f"{THREAD_PREFIX}{node}")
+                self._busy[node] = late
+                self._caller = None
         return ids
 
     def close(self, wait: float = 5.0) -> list[int]:
         """Wait at most ``wait`` seconds in all for the ClientApp calls still running late;
         -> the nodes whose call still runs (empty: the grid holds no thread any more)."""
+        if self._caller is not None:  # the idle thread: ends at once
+            self._caller.retire("fedhier-clientapp-closed").join(wait)
+            self._caller = None
         deadline = time.monotonic() + wait
         for worker in self._busy.values():
             worker.join(max(0.0, deadline - time.monotonic()))
