@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check of the vectorized engine, as run on a lent NVIDIA H200 (docs/engines.md,
 # "Accelerators"). Runs from the repository root with the Python that holds a CUDA torch;
-# flwr, flwr-datasets and their needs come as wheels in .whl/ (benchmarks/README: how).
+# flwr, flwr-datasets and the packages they import that the machine lacks come as wheels in
+# .whl/ (`pip download --no-deps --only-binary=:all: --python-version 3.12 ...` of the
+# versions in .venv: flwr, flwr-datasets, datasets, dill, multiprocess, pycryptodome,
+# iterators, grpcio(-health-checking), protobuf, cryptography, cffi, fastapi, starlette,
+# pydantic(-core), sqlalchemy, alembic, mako, ...).
 # Writes logs and JSON results under ${OUT:-benchmarks/results/gpu}.
 set -u
 OUT=${OUT:-benchmarks/results/gpu}
