@@ -241,13 +241,13 @@ def final(run: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run / "model_final.safetensors"))
 
 
-class SimSecondsDiffer(AssertionError):
+class SimSecondsError(AssertionError):
     """Only the simulated clock differs (a strict xfail names it, see EDGE_PERIOD_REDUCTION)."""
 
 
 def assert_bit_identical(a: Path, b: Path, ignore: frozenset[str] = frozenset()) -> None:
     """Same records (but ``ignore`` and wall_seconds) and the same final model, bit for bit;
-    ``sim_seconds`` is compared last, so that :class:`SimSecondsDiffer` means only it."""
+    ``sim_seconds`` is compared last, so that :class:`SimSecondsError` means only it."""
     skip = ignore | {"wall_seconds", "sim_seconds"}
     ma, mb = metrics(a), metrics(b)
     assert len(ma) == len(mb)
@@ -260,7 +260,7 @@ def assert_bit_identical(a: Path, b: Path, ignore: frozenset[str] = frozenset())
               for ra, rb in zip(ma, mb, strict=True)
               if ra.get("sim_seconds") != rb.get("sim_seconds")]
     if clocks:
-        raise SimSecondsDiffer(f"sim_seconds differ (round, a, b): {clocks}")
+        raise SimSecondsError(f"sim_seconds differ (round, a, b): {clocks}")
 
 
 def max_diff(a: Path, b: Path) -> float:
@@ -284,12 +284,18 @@ def test_each_feature_alone_runs_on_both_engines_alike(feature, runs):
 @pytest.mark.parametrize("pair", PAIRS, ids=pair_id)
 def test_pair_runs_on_both_engines_alike_or_is_refused(pair, runs, tmp_path, capsys):
     if is_refused(pair):
-        out = tmp_path / "run"
+        try:  # the API refuses ...
+            runs.run(pair)
+        except ConfigError as exc:
+            refusal = str(exc)
+        else:
+            pytest.fail(f"{pair} runs now: delete it from REFUSED and docs/hsgd.md")
+        out = tmp_path / "run"  # ... and the CLI says the same in one line, exit code 2
         code = main(["run", *flags(settings(pair, runs.files)), "--no-progress",
                      "--out", str(out)])
         lines = capsys.readouterr().err.strip().splitlines()
-        assert code != 0, f"{pair} runs now: delete it from REFUSED and docs/hsgd.md"
-        assert code == 2 and len(lines) == 1, (code, lines)
+        assert code == 2 and lines == [f"fedhier: error: {refusal}"], (code, lines)
+        assert not out.exists()
         return
     try:
         vectorized = runs.run(pair)
@@ -315,7 +321,7 @@ def test_async_with_k_equal_n_is_synchronous_bit_for_bit(pair, runs):
 def _edge_period_case(pair: Pair) -> Any:
     if pair == ("edge-periods", "mobility-trace"):
         return pytest.param(pair, marks=pytest.mark.xfail(
-            raises=SimSecondsDiffer, strict=True,
+            raises=SimSecondsError, strict=True,
             reason="sim_seconds of cloud round 1 is 0.32845408 with every I_i = 2 and "
                    "0.32845408000000004 without edge periods (1 ulp; every other key and the "
                    "model are bit-identical): SimClock.edge_round_seconds sums "
@@ -342,7 +348,8 @@ def test_move_rate_zero_is_the_static_run_bit_for_bit(pair, runs):
 
 
 #: Moving clients gather two at an edge: the reduction needs one client per edge throughout.
-MEDIAN_REDUCTION = [p for p in running("median") if not {"mobility-rate", "mobility-trace"} & set(p)]
+MEDIAN_REDUCTION = [p for p in running("median")
+                    if not {"mobility-rate", "mobility-trace"} & set(p)]
 
 
 @pytest.mark.parametrize("pair", MEDIAN_REDUCTION, ids=pair_id)
