@@ -359,15 +359,21 @@ def test_median_with_one_client_per_edge_is_the_mean(pair, runs):
 
 
 # ---------------------------------------------------------------------------- the docs
-def documented_refusals() -> dict[Pair, str]:
-    """The table of docs/hsgd.md's section SECTION: | `a` | `b` | reason |."""
+def section() -> str:
     text = DOCS.read_text(encoding="utf-8")
     assert SECTION in text, f"docs/hsgd.md has no section '{SECTION}'"
-    section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\|\s*`([\w-]+)`\s*\|\s*`([\w-]+)`\s*\|\s*(.+?)\s*\|\s*$", section,
-                      re.MULTILINE)
-    return {(a, b): reason for a, b, reason in rows}
+    return text.split(SECTION, 1)[1].split("\n## ", 1)[0]
 
 
 def test_the_docs_list_exactly_the_refused_pairs():
-    assert documented_refusals() == REFUSED
+    """The section's table | `a` | `b` | reason | is REFUSED, reasons word for word."""
+    rows = re.findall(r"^\|\s*`([\w-]+)`\s*\|\s*`([\w-]+)`\s*\|\s*(.+?)\s*\|\s*$",
+                      section(), re.MULTILINE)
+    assert {(a, b): reason for a, b, reason in rows} == REFUSED
+    assert len(rows) == len(REFUSED)
+
+
+def test_the_docs_name_every_feature_of_the_matrix():
+    """The section's table | `feature` | settings | names FEATURES, in their order."""
+    names = re.findall(r"^\|\s*`([\w-]+)`\s*\|\s*`--", section(), re.MULTILINE)
+    assert names == list(FEATURES)
