@@ -156,8 +156,10 @@ class SimClock:
         down = sent if downloads is None else np.bincount(edges[downloads],
                                                           minlength=num_edges)
         up = sent if uploads is None else uploads
-        return (self.model.transfer_seconds("client-edge", down, model_bytes) + slowest
-                + self.model.transfer_seconds("client-edge", up, model_bytes))
+        # (down + up) + slowest: with down == up this is 2 * t + slowest to the last bit, so
+        # equal per-edge periods give the clock of no per-edge periods exactly
+        return (self.model.transfer_seconds("client-edge", down, model_bytes)
+                + self.model.transfer_seconds("client-edge", up, model_bytes) + slowest)
 
     def edge_round(self, clients: np.ndarray, steps: np.ndarray,
                    edge_of_client: np.ndarray, model_bytes: int,

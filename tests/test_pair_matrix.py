@@ -318,20 +318,9 @@ def test_async_with_k_equal_n_is_synchronous_bit_for_bit(pair, runs):
     assert max(stale) > 0  # K = N - 1 is asynchronous indeed
 
 
-def _edge_period_case(pair: Pair) -> Any:
-    if pair == ("edge-periods", "mobility-trace"):
-        return pytest.param(pair, marks=pytest.mark.xfail(
-            raises=SimSecondsError, strict=True,
-            reason="sim_seconds of cloud round 1 is 0.32845408 with every I_i = 2 and "
-                   "0.32845408000000004 without edge periods (1 ulp; every other key and the "
-                   "model are bit-identical): SimClock.edge_round_seconds sums "
-                   "down + compute + up with per-edge periods, 2 * transfer + compute "
-                   "without"))
-    return pair
-
-
-#: The pairs whose per-edge periods reduce to none (one case is a known 1-ulp clock bug).
-EDGE_PERIOD_REDUCTION = [_edge_period_case(p) for p in running("edge-periods")]
+#: The pairs whose per-edge periods reduce to none (with moving clients too: the clock sums
+#: (down + up) + compute, which is 2 * transfer + compute when every edge's periods agree).
+EDGE_PERIOD_REDUCTION = running("edge-periods")
 
 
 @pytest.mark.parametrize("pair", EDGE_PERIOD_REDUCTION, ids=pair_id)
