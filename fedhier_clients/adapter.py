@@ -20,7 +20,7 @@ Two levels, use either:
   ``model_fn()``, ``load_data(partition_id, num_partitions)``,
   ``train_fn(model, batches, steps, lr)`` and ``test_fn(model, data)``.
 
-Nothing here depends on fedhier's own ClientApp (``fedhier.clients.app``); it shares with it
+Nothing here depends on fedhier's own ClientApp (``fedhier_clients.app``); it shares with it
 only :func:`fedhier.train.batch_indices` (the mini-batch order) and the message keys.
 """
 
