@@ -53,8 +53,8 @@ def test_fab_carries_what_the_apps_import():
     assert not [n for n in names if n.startswith(("tests/", "docs/", "benchmarks/", "runs/"))]
 
 
-def test_source_tree_maps_the_subpackages():
-    """From a checkout (or an unpacked FAB) on sys.path, the mapped folders are subpackages."""
+def test_source_tree_imports_the_packages():
+    """From a checkout (or an unpacked FAB) on sys.path, the three packages are its folders."""
     code = ("import fedhier_strategies, fedhier_clients.app, fedhier.datasets_cfg, sys; "
             "print(fedhier_strategies.__file__)")
     done = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, "
