@@ -45,7 +45,7 @@ def modules(packages: dict[str, Path] = PACKAGES) -> dict[str, Path]:
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             name = ".".join((package, *parts))
-            if name in found:  # two folders mapped onto one name
+            if name in found:  # two folders giving one module name
                 raise AssertionError(f"{name} is both {found[name]} and {path}")
             found[name] = path
     return found
@@ -187,7 +187,7 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
                                   ["pkg.sub.leaf", "pkg.top", "pkg.sub.leaf"]]
 
 
-def test_the_package_graph_covers_the_mapped_folders():
+def test_the_package_graph_covers_the_three_packages():
     graph = import_graph()
     assert {"fedhier.cli", "fedhier_strategies.server_app", "fedhier_clients.app",
             "fedhier_strategies.edge.server", "fedhier.datasets_cfg",
