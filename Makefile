@@ -7,7 +7,7 @@ RUN_ARGS   ?=
 
 .PHONY: run test test-fast fuzz-long mutation lint bench experiments deploy-demo wheel clean
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
 	# torch is pinned first: a CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0

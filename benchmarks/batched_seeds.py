@@ -88,7 +88,7 @@ def seeds_worker(args: argparse.Namespace, w1_config: Callable[..., Any]) -> dic
     """One timed measurement of ``args.worker`` (a mode) in this fresh process."""
     import torch
 
-    from fedhier.server import prepare
+    from fedhier.run_setup import prepare
 
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]

@@ -204,7 +204,7 @@ def plain_loop(cfg: Any, marks: Marks) -> float:
 
     from fedhier.aggregate import client_weights
     from fedhier.grouping import ClientInfo
-    from fedhier.server import initial_model, prepare
+    from fedhier.run_setup import initial_model, prepare
     from fedhier.topology import build_hierarchy
     from fedhier.train import batch_indices
 
@@ -291,7 +291,7 @@ def replicated_federation(cfg: Any, clients: int) -> Any:
     """W1's 100-client partition tiled to ``clients`` clients: client j holds the rows of W1
     client j mod 100 (with its own batch order, drawn from its own id)."""
     from fedhier.federation import Federation
-    from fedhier.server import prepare
+    from fedhier.run_setup import prepare
 
     base = prepare(w1_config(1))
     parts = [base.partitions[j % len(base.partitions)] for j in range(clients)]
@@ -475,7 +475,7 @@ def w1_stats(workload: str = "w1") -> dict[str, Any]:
     """Rows per client, and the rows of one step of every client (summed b_j)."""
     import numpy as np
 
-    from fedhier.server import prepare
+    from fedhier.run_setup import prepare
     from fedhier.train import effective_batch_size
 
     cfg = w1_config(WORKLOADS[workload]["rounds"], workload)

@@ -33,7 +33,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    import fedhier.engines.batched as batched
+    import fedhier.engines.batched_kernels as batched
 
     cfg = bench.w1_config(args.rounds)
     fed = None

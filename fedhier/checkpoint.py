@@ -206,7 +206,7 @@ def restore_state(algorithm: Any, checkpoint: Checkpoint, run_dir: Path,
 
     The one place a checkpoint's strategy state enters an algorithm: the CLI rehearses it on
     a fresh algorithm before the run starts (:func:`fedhier.cli_flags.resumable_checkpoint`),
-    the engine does it for real (:func:`fedhier.server.run_recorded`)."""
+    the engine does it for real (:func:`fedhier.recorded_run.run_recorded`)."""
     state = checkpoint.strategy_state
     try:
         _check_hierarchy_and_clock(state, algorithm.settings.groups,

@@ -218,7 +218,7 @@ def cmd_diversity(args: argparse.Namespace) -> int:
         direct_client_gradients,
         sample_diagnostics,
     )
-    from fedhier.server import initial_model, pooled_train_tensors
+    from fedhier.run_setup import initial_model, pooled_train_tensors
     from fedhier.topology import build_hierarchy
     from fedhier.train import resolve_device
 

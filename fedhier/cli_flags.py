@@ -142,7 +142,7 @@ def prepare_data(cfg: RunConfig) -> Any:
     "non-finite values in the update of client ...", blaming the learning rate)."""
     import numpy as np
 
-    from fedhier.server import prepare
+    from fedhier.run_setup import prepare
 
     source = (f"--data-path {cfg.data_path}" if cfg.data_path else f"--dataset {cfg.dataset}")
     try:
@@ -221,12 +221,12 @@ def resumable_checkpoint(path: Path, cfg: RunConfig) -> Checkpoint | None:
     from fedhier.async_edges import algorithm_for
     from fedhier.checkpoint import CHECKPOINT, check_model, load_checkpoint, restore_state
     from fedhier.run_folder import read_metrics
-    from fedhier.server import initial_model, settings_for
+    from fedhier.run_setup import initial_model, settings_for
+    from fedhier.train import resolve_device
 
     # the strategy layer registers the Flower cloud strategies' classes with the checkpoint
     # reader (fedhier.state_codec.allow) when imported: before the file is read
-    from fedhier.strategies.cloud_step import as_cloud_step, make_cloud_strategy
-    from fedhier.train import resolve_device
+    from fedhier_strategies.cloud_step import as_cloud_step, make_cloud_strategy
 
     resume: Checkpoint | None = None
     if (path / CHECKPOINT).exists() or (path / "summary.json").exists():

@@ -1,6 +1,6 @@
 """The message contract's keys, shared by the server side (HierFedAvg) and the client side
 (fedhier's ClientApp, and the adapter for a Flower user's own app). docs/contract.md
-describes each; :mod:`fedhier.strategies.contract` reads replies by it.
+describes each; :mod:`fedhier_strategies.contract` reads replies by it.
 """
 
 #: Keys HierFedAvg adds to the run's ConfigRecord in each train message (all int).

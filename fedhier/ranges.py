@@ -148,7 +148,7 @@ def choices() -> dict[str, tuple[str, ...]]:
     from fedhier.models import MODELS
     from fedhier.optim import OPTIMIZER_STATES
     from fedhier.reply_policy import ON_BAD_REPLY
-    from fedhier.strategies.cloud_step import CLOUD_STRATEGIES
+    from fedhier_strategies.cloud_step import CLOUD_STRATEGIES
 
     return {"weighting": WEIGHTINGS, "engine": tuple(engine_names()), "model": MODELS,
             "cloud_strategy": CLOUD_STRATEGIES, "partition": PARTITIONS,

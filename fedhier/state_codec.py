@@ -12,7 +12,7 @@ adapter. Anything else in a file is refused as damaged; anything else in a state
 is a :class:`TypeError` (a programming error: register the type first with :func:`allow`).
 
 This module imports no Flower and nothing of the strategy layer: the layers that create
-Flower objects register them when imported (``fedhier.strategies.cloud_step`` calls
+Flower objects register them when imported (``fedhier_strategies.cloud_step`` calls
 :func:`allow` and :func:`adapter`), and whoever reads a checkpoint that may hold them imports
 that layer first (:func:`fedhier.cli_flags.resumable_checkpoint`, the engines). A file naming
 a class nobody registered is refused as damaged.

@@ -58,8 +58,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                              ["-k", "transfer or waits or queues or share or pay_only or "
                               "bad_edge_slowdown"]),
 }
-COPY = ["fedhier", "strategies", "clients", "datasets_cfg", "examples", "tests", "docs",
-        "fedhier_clientapp.py", "fedhier_serverapp.py", "setup.py"]
+COPY = ["fedhier", "fedhier_strategies", "fedhier_clients", "examples", "tests", "docs"]
 
 
 def pyproject(module: str, tests: list[str], extra: list[str]) -> str:
@@ -69,8 +68,7 @@ def pyproject(module: str, tests: list[str], extra: list[str]) -> str:
     return ((ROOT / "pyproject.toml").read_text()
             + f'\n[tool.mutmut]\nsource_paths = ["fedhier"]\nonly_mutate = ["{module}"]\n'
             f"tests_dir = [{listed}]\npytest_add_cli_args = [{args}]\n"
-            'also_copy = ["strategies", "clients", "datasets_cfg", "examples", "docs", '
-            '"fedhier_clientapp.py", "fedhier_serverapp.py"]\n'
+            'also_copy = ["fedhier_strategies", "fedhier_clients", "examples", "docs"]\n'
             "use_git_change_detection = false\ntimeout_multiplier = 10.0\n"
             "timeout_constant = 15.0\n")
 

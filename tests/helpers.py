@@ -11,12 +11,12 @@ from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp.strategy import Strategy
 from safetensors.torch import load_file
 
-from fedhier.clients.app import app as client_app
 from fedhier.config import RunConfig
 from fedhier.engines.inprocess_grid import InProcessGrid
-from fedhier.server import initial_model, prepare
-from fedhier.strategies.cloud_step import make_cloud_strategy
-from fedhier.strategies.hierfedavg import HierFedAvg
+from fedhier.run_setup import initial_model, prepare
+from fedhier_clients.app import app as client_app
+from fedhier_strategies.cloud_step import make_cloud_strategy
+from fedhier_strategies.hierfedavg import HierFedAvg
 
 State = dict[str, torch.Tensor]
 

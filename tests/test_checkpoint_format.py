@@ -27,8 +27,8 @@ from fedhier.checkpoint import FORMAT_KEY, FORMAT_VERSION, read_checkpoint_file
 from fedhier.cli import main
 from fedhier.errors import DamagedFileError
 from fedhier.state_codec import decode, encode
-from fedhier.strategies.cloud_step import FlowerCloudStep, make_cloud_strategy
 from fedhier.topology import Hierarchy
+from fedhier_strategies.cloud_step import FlowerCloudStep, make_cloud_strategy
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -51,7 +51,7 @@ def test_vectorized_cuda_keeps_its_tensors_on_the_device():
     """Every [n, ...] tensor of the executor lives on the GPU (a stray CPU tensor would make
     the run fail or copy on every step)."""
     from fedhier.engines.vectorized import BatchedExecutor
-    from fedhier.server import initial_model, prepare
+    from fedhier.run_setup import initial_model, prepare
 
     cfg = BASE.replace(engine="vectorized", device="cuda", momentum=0.5,
                        optimizer_state="keep")

@@ -15,7 +15,7 @@ from fedhier.config import RunConfig
 from fedhier.federation import federation_for
 from fedhier.grouping import ClientInfo
 from fedhier.round_diagnostics import client_diagnostics, direct_client_gradients
-from fedhier.server import initial_model
+from fedhier.run_setup import initial_model
 from fedhier.topology import build_hierarchy
 from tests.helpers import run_hier
 

@@ -18,7 +18,6 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
 from fedhier.cli import main
-from fedhier.clients.app import app as client_app
 from fedhier.config import RunConfig
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.engines.inprocess_grid import InProcessGrid
@@ -35,9 +34,10 @@ from fedhier.hsgd import (
 )
 from fedhier.plan import Workload
 from fedhier.run_folder import RunFolder
-from fedhier.server import settings_for
-from fedhier.strategies.hierfedavg import HierFedAvg
+from fedhier.run_setup import settings_for
 from fedhier.topology import edge_levels_after
+from fedhier_clients.app import app as client_app
+from fedhier_strategies.hierfedavg import HierFedAvg
 from tests.helpers import assert_same_run, initial_state, max_abs_diff, metrics
 
 BASE = RunConfig(dataset="digits", clients=8, groups=(4,), local_period=2, global_period=4,

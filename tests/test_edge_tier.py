@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from flwr.app import Message
 
-from fedhier.clients.app import app as client_app
 from fedhier.config import RunConfig
 from fedhier.engines.deployment.placement import client_placement
 from fedhier.engines.grid_run import run_federation
@@ -18,7 +17,8 @@ from fedhier.engines.inprocess import run_inprocess
 from fedhier.engines.inprocess_grid import InProcessGrid
 from fedhier.errors import ConfigError
 from fedhier.run_folder import RunFolder
-from fedhier.strategies.edge_server import EdgeServer
+from fedhier_clients.app import app as client_app
+from fedhier_strategies.edge.server import EdgeServer
 from tests.helpers import metrics
 from tests.test_vectorized import assert_same_runs
 

@@ -40,10 +40,10 @@ def test_edge_tag_grouping_places_clients_where_their_supernodes_are_tagged():
     profile query: HierFedAvg's edges are then exactly the tags."""
     from flwr.app import ArrayRecord, ConfigRecord
 
-    from fedhier.clients.app import app as client_app
     from fedhier.config import RunConfig
     from fedhier.engines.inprocess_grid import InProcessGrid
-    from fedhier.strategies.hierfedavg import HierFedAvg
+    from fedhier_clients.app import app as client_app
+    from fedhier_strategies.hierfedavg import HierFedAvg
     from tests.helpers import initial_state
 
     cfg = RunConfig(clients=6, groups=(3,), local_period=2, global_period=4, rounds=1,

@@ -24,11 +24,11 @@ from flwr.clientapp import ClientApp
 from safetensors.torch import load_file
 
 from fedhier.cli_flags import error_text, exit_code_for
-from fedhier.clients import app as fedhier_client
 from fedhier.config import RunConfig
 from fedhier.engines.grid_run import run_federation
 from fedhier.engines.inprocess_grid import InProcessGrid
 from fedhier.run_folder import RunFolder
+from fedhier_clients import app as fedhier_client
 
 HOSTILE = 2
 CFG = RunConfig(dataset="digits", clients=6, groups=(2,), local_period=2, global_period=4,

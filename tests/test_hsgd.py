@@ -10,7 +10,6 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from fedhier.aggregate import AGGREGATORS, Aggregator, mean_aggregate, median_aggregate
-from fedhier.clients import app as fedhier_client
 from fedhier.config import RunConfig
 from fedhier.engines.inprocess_grid import InProcessGrid
 from fedhier.errors import ConfigError
@@ -18,10 +17,11 @@ from fedhier.federation import federation_for
 from fedhier.grouping import grouping_needs
 from fedhier.hsgd import aggregate_levels
 from fedhier.reply_policy import ReplyPolicy
-from fedhier.strategies.contract import ContractError
-from fedhier.strategies.hierfedavg import HierFedAvg
 from fedhier.topology import Hierarchy
 from fedhier.train import batch_indices, local_sgd
+from fedhier_clients import app as fedhier_client
+from fedhier_strategies.contract import ContractError
+from fedhier_strategies.hierfedavg import HierFedAvg
 from tests.helpers import initial_state, max_abs_diff, run_hier
 
 CFG = RunConfig(dataset="digits", clients=6, groups=(1,), local_period=2, global_period=4,

@@ -3,9 +3,9 @@
 The graph is built from the source with ``ast`` (nothing is imported): every ``import`` and
 ``from ... import`` statement of every module, at module level or inside a function, class,
 ``if TYPE_CHECKING`` block or ``try``. ``import a.b.c`` depends on the module ``a.b.c``;
-``from a.b import c`` on ``a.b.c`` when that is a module, else on ``a.b``. The folders
-strategies/, clients/ and datasets_cfg/ are the packages ``fedhier.strategies``,
-``fedhier.clients`` and ``fedhier.datasets_cfg`` (as pyproject.toml installs them).
+``from a.b import c`` on ``a.b.c`` when that is a module, else on ``a.b``. The three import
+packages are the folders of their names: the core ``fedhier``, and Flower's ServerApp and
+ClientApp side ``fedhier_strategies`` and ``fedhier_clients`` (the "Flower layer").
 
 Imports through ``importlib`` (the engine registry's ``"module:function"`` strings) are not
 statements and are not edges: that is how the registry names engines without importing them.
@@ -25,10 +25,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Installed package name -> source folder.
-PACKAGES = {"fedhier": ROOT / "fedhier", "fedhier.strategies": ROOT / "strategies",
-            "fedhier.clients": ROOT / "clients", "fedhier.datasets_cfg": ROOT / "datasets_cfg"}
+PACKAGES = {"fedhier": ROOT / "fedhier", "fedhier_strategies": ROOT / "fedhier_strategies",
+            "fedhier_clients": ROOT / "fedhier_clients"}
+#: The layers above the core (Flower's app components); core modules must not reach them,
+#: not even by a module name in a string for ``importlib`` (hidden from the import graph).
+UPPER_LAYERS = ("fedhier_strategies", "fedhier_clients")
 #: Where ``flwr`` may be imported: the engine layer and Flower's own app components.
-FLOWER_LAYERS = ("fedhier.engines", "fedhier.strategies", "fedhier.clients")
+FLOWER_LAYERS = ("fedhier.engines", "fedhier_strategies", "fedhier_clients")
 #: Modules outside those layers that still import flwr, each with the reason it is allowed.
 FLOWER_ALLOWED: dict[str, str] = {}
 
@@ -42,7 +45,7 @@ def modules(packages: dict[str, Path] = PACKAGES) -> dict[str, Path]:
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             name = ".".join((package, *parts))
-            if name in found:  # e.g. fedhier/strategies/ would shadow strategies/
+            if name in found:  # two folders giving one module name
                 raise AssertionError(f"{name} is both {found[name]} and {path}")
             found[name] = path
     return found
@@ -184,10 +187,11 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
                                   ["pkg.sub.leaf", "pkg.top", "pkg.sub.leaf"]]
 
 
-def test_the_package_graph_covers_the_mapped_folders():
+def test_the_package_graph_covers_the_three_packages():
     graph = import_graph()
-    assert {"fedhier.cli", "fedhier.strategies.server_app", "fedhier.clients.app",
-            "fedhier.datasets_cfg", "fedhier.engines.deployment.cli"} <= graph.keys()
+    assert {"fedhier.cli", "fedhier_strategies.server_app", "fedhier_clients.app",
+            "fedhier_strategies.edge.server", "fedhier.datasets_cfg",
+            "fedhier.engines.deployment.cli"} <= graph.keys()
     assert "fedhier.engines.deployment.cli" in graph["fedhier.cli"]  # a function-level import
 
 
@@ -227,14 +231,94 @@ def test_the_flower_allow_list_is_not_stale():
             f"{name} no longer imports flwr: drop it from FLOWER_ALLOWED"
 
 
-#: The layers above the core (Flower's app components); core modules must not reach them,
-#: not even by a module name in a string for ``importlib`` (hidden from the graph above).
-UPPER_LAYERS = ("fedhier.strategies", "fedhier.clients")
+#: Where else the three packages are imported from (checked for names that are no module).
+USERS = ("tests", "benchmarks", "scripts", "examples")
+
+
+def is_core(name: str) -> bool:
+    """A module of the core: fedhier outside its engine layer."""
+    return (name == "fedhier" or name.startswith("fedhier.")) \
+        and not name.startswith("fedhier.engines")
+
+
+def unknown_imports(known: dict[str, Path], name: str, path: Path) -> list[tuple[int, str]]:
+    """(line, module) of each import in ``path`` of one of the three packages' names that is
+    no module of theirs, e.g. ``fedhier.strategies.cloud_step`` (the Flower layer's name
+    before it had its own): no edge in the graph, so it would hide a cycle or a layer breach,
+    and a venv holding an old editable install may still resolve it to other files."""
+    found = []
+    for source, line, attribute in imported_names(name, path):
+        if source.split(".")[0] not in PACKAGES:
+            continue
+        target = f"{source}.{attribute}" if attribute else source
+        if target not in known and source not in known:
+            found.append((line, target))
+    return found
+
+
+def test_unknown_imports_are_found(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import fedhier.hsgd\nfrom fedhier.config import RunConfig\n"
+                    "from fedhier.strategies.cloud_step import as_cloud_step\n"
+                    "from fedhier_clients import records, app\nimport os.path\n"
+                    "import fedhier_clients.nothing_here\n")
+    assert unknown_imports(modules(), "m", path) == [
+        (3, "fedhier.strategies.cloud_step.as_cloud_step"), (6, "fedhier_clients.nothing_here")]
+
+
+def test_every_import_of_the_packages_names_one_of_their_modules():
+    known = modules()
+    offenders = {str(path.relative_to(ROOT)): found
+                 for name, path in known.items() if (found := unknown_imports(known, name, path))}
+    for folder in USERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if found := unknown_imports(known, path.stem, path):
+                offenders[str(path.relative_to(ROOT))] = found
+    assert not offenders, f"imports of names that are no module: {offenders}"
+
+
+#: Core modules that still import the Flower layer, each with the reason it is allowed.
+CORE_TO_FLOWER_ALLOWED: dict[str, str] = {
+    "fedhier.ranges": "CLOUD_STRATEGIES, the names --cloud-strategy accepts, lives in "
+                      "fedhier_strategies.cloud_step (to move into the core)",
+    "fedhier.cli_flags": "a resumed run imports fedhier_strategies.cloud_step to register the "
+                         "Flower cloud strategies with the checkpoint reader (to move into "
+                         "the engine layer)",
+}
+
+
+def test_the_core_imports_nothing_of_the_flower_layer():
+    """fedhier outside fedhier.engines runs without Flower's ServerApp and ClientApp side."""
+    flower = {name: sorted(t for t in edges if t.startswith(UPPER_LAYERS))
+              for name, edges in import_graph().items() if is_core(name)}
+    offenders = {n: f for n, f in flower.items() if f and n not in CORE_TO_FLOWER_ALLOWED}
+    assert not offenders, f"the core imports the Flower layer: {offenders}"
+    for name in CORE_TO_FLOWER_ALLOWED:
+        assert flower.get(name), f"{name} no longer imports the Flower layer: drop it from " \
+                                 "CORE_TO_FLOWER_ALLOWED"
+
+
+def test_the_client_side_needs_no_server_side():
+    """A SuperNode imports fedhier_clients and the core only: not the strategies, not the
+    engines (the ServerApp side imports the client side's record codec, not the reverse)."""
+    offenders = {name: sorted(t for t in edges
+                              if t.startswith(("fedhier_strategies", "fedhier.engines")))
+                 for name, edges in import_graph().items() if name.startswith("fedhier_clients")}
+    assert not {n: f for n, f in offenders.items() if f}, offenders
+
+
+def test_no_package_edits_its_import_path():
+    """The three packages are plain folders: nothing appends to a ``__path__`` at import time
+    (the source tree, the FAB, the editable install and the wheel import the same files)."""
+    edits = [name for name, path in modules().items() if "__path__" in path.read_text()]
+    assert not edits, f"modules touching __path__: {edits}"
+
+
 
 
 def upper_layer_strings(path: Path) -> list[tuple[int, str]]:
     """(line, text) of each string constant in ``path`` that names a module of the upper
-    layers (``fedhier.strategies.x`` or ``fedhier.strategies.x:function``); docstrings, which
+    layers (``fedhier_strategies.x`` or ``fedhier_strategies.x:function``); docstrings, which
     mention modules in prose, are whole sentences and never match."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -248,11 +332,11 @@ def upper_layer_strings(path: Path) -> list[tuple[int, str]]:
 
 def test_upper_layer_strings_are_found(tmp_path):
     path = tmp_path / "m.py"
-    path.write_text('"""See fedhier.strategies.cloud_step for more."""\nimport importlib\n'
-                    'importlib.import_module("fedhier.strategies.cloud_step")\n'
-                    'X = ("fedhier.clients.app:app", "fedhier.topology")\n')
-    assert upper_layer_strings(path) == [(3, "fedhier.strategies.cloud_step"),
-                                         (4, "fedhier.clients.app:app")]
+    path.write_text('"""See fedhier_strategies.cloud_step for more."""\nimport importlib\n'
+                    'importlib.import_module("fedhier_strategies.cloud_step")\n'
+                    'X = ("fedhier_clients.app:app", "fedhier.topology")\n')
+    assert upper_layer_strings(path) == [(3, "fedhier_strategies.cloud_step"),
+                                         (4, "fedhier_clients.app:app")]
 
 
 def test_the_core_names_no_upper_layer_module_in_a_string():

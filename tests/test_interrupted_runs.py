@@ -129,7 +129,7 @@ def _interrupted_and_resumed(app_factory, cfg, root: Path, monkeypatch) -> tuple
     record and resumed from its round-2 checkpoint (B), on the in-process grid of
     ``app_factory(run)`` (run "A" or "B"; B's app serves both halves, as one deployment
     would): (A's records, B's records), each with its final model's bytes."""
-    import fedhier.server as server
+    import fedhier.recorded_run as recorded_run
     from fedhier.checkpoint import load_checkpoint
     from fedhier.engines.grid_run import run_federation
     from fedhier.engines.inprocess_grid import InProcessGrid
@@ -147,7 +147,7 @@ def _interrupted_and_resumed(app_factory, cfg, root: Path, monkeypatch) -> tuple
 
     app_b = app_factory("B")
     with monkeypatch.context() as patch:
-        patch.setattr(server, "crash_point", interrupt)
+        patch.setattr(recorded_run, "crash_point", interrupt)
         with pytest.raises(KeyboardInterrupt):
             run_federation(InProcessGrid(app_b, cfg.clients, seed=cfg.seed), cfg,
                            RunFolder.create(root / "B"), engine="inprocess", progress=False)

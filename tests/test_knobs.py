@@ -10,7 +10,7 @@ from fedhier.federation import federation_for
 from fedhier.models import build_model
 from fedhier.optim import LocalOptimizer
 from fedhier.plan import Workload, plan_edge_round, sample_clients
-from fedhier.server import initial_model
+from fedhier.run_setup import initial_model
 from fedhier.topology import Hierarchy
 from fedhier.train import batch_indices, evaluate, local_sgd, params_of
 from tests.helpers import initial_state, max_abs_diff, run_hier

@@ -280,7 +280,7 @@ def record(model: oracle.Model) -> ArrayRecord:
 def flower_fedadam() -> oracle.CloudStep:
     """The cloud step through Flower's own FedAdam: configure_train with the current global
     model, aggregate_train over the edges' averages carrying their weights."""
-    from fedhier.strategies.cloud_step import ChildrenGrid, _ensure_task_identity
+    from fedhier_strategies.cloud_step import ChildrenGrid, _ensure_task_identity
 
     strategy = FedAdam(min_available_nodes=1, min_train_nodes=1, min_evaluate_nodes=0,
                        fraction_evaluate=0.0)

@@ -66,9 +66,9 @@ def test_clients_batch_indices_equal_batch_indices(first_client):
 def test_minibatch_rows_in_blocks_equal_one_block(monkeypatch):
     """The vectorized engine draws the indices of blocks of clients: the same rows whatever
     the block."""
-    import fedhier.engines.batched as batched
+    import fedhier.engines.batched_kernels as batched
     from fedhier.config import RunConfig
-    from fedhier.server import prepare
+    from fedhier.run_setup import prepare
 
     fed = prepare(RunConfig(clients=30, groups=(3,), alpha=0.5, batch_size=4))
     data = batched.ClientRows.build(fed, 4, torch.device("cpu"))

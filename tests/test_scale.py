@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from fedhier.config import RunConfig
-from fedhier.engines.batched import ClientRows
+from fedhier.engines.batched_kernels import ClientRows
 from fedhier.engines.vectorized import run_vectorized
 from fedhier.federation import Federation
 from fedhier.hsgd import _all_finite
 from fedhier.plots import MAX_LABELLED_ROWS, plot_groups
 from fedhier.run_folder import RunFolder
-from fedhier.server import prepare
+from fedhier.run_setup import prepare
 from fedhier.train import batch_indices
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

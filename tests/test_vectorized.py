@@ -17,7 +17,7 @@ from torch.func import grad, vmap
 
 from fedhier.cli import main
 from fedhier.config import RunConfig
-from fedhier.engines.batched import linear_chain_pass, weighted_targets
+from fedhier.engines.batched_kernels import linear_chain_pass, weighted_targets
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.engines.vectorized import run_vectorized
 from fedhier.models import build_model, linear_chain
@@ -229,8 +229,8 @@ def test_cli_runs_the_vectorized_engine(tmp_path):
 
 
 def test_minibatch_rows_come_from_batch_indices():
-    from fedhier.engines.batched import ClientRows
-    from fedhier.server import prepare
+    from fedhier.engines.batched_kernels import ClientRows
+    from fedhier.run_setup import prepare
     from fedhier.train import batch_indices
 
     fed = prepare(UNEQUAL)
@@ -247,7 +247,7 @@ def test_minibatch_rows_come_from_batch_indices():
 def test_cnn_on_cpu_uses_the_client_loop_and_equals_vmap():
     """Conv models on the CPU train one client after another (local_sgd); the vmap path,
     which they use on other devices, gives the same models, losses and momentum."""
-    from fedhier.engines.batched import EdgeRoundBatches, local_training_for
+    from fedhier.engines.batched_kernels import EdgeRoundBatches, local_training_for
     from fedhier.engines.vectorized import client_loop_training, training_for
     from fedhier.optim import LocalOptimizer
 

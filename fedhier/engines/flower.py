@@ -1,8 +1,8 @@
 """Engine ``flower``: Flower's Simulation Engine (Ray), one virtual SuperNode per client.
 
 The ServerApp runs in this process (so it can write the run folder and show progress); the
-ClientApp ``fedhier.clients.app:app`` runs in Ray actors. ``flwr run .`` from the repository
-root runs the same ServerApp logic through ``fedhier.strategies.server_app:app``.
+ClientApp ``fedhier_clients.app:app`` runs in Ray actors. ``flwr run .`` from the repository
+root runs the same ServerApp logic through ``fedhier_strategies.server_app:app``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from fedhier.checkpoint import Checkpoint
 from fedhier.config import RunConfig
 from fedhier.engines.grid_run import run_federation
 from fedhier.run_folder import RunFolder
-from fedhier.server import quiet_flower
+from fedhier.run_setup import quiet_flower
 
 
 def run_simulation_engine(cfg: RunConfig, folder: RunFolder, progress: bool = True,
@@ -36,7 +36,7 @@ def run_simulation_engine(cfg: RunConfig, folder: RunFolder, progress: bool = Tr
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     from flwr.simulation import run_simulation
 
-    from fedhier.clients.app import app as client_app
+    from fedhier_clients.app import app as client_app
 
     quiet_flower()
     summary: dict[str, Any] = {}

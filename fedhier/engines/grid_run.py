@@ -1,9 +1,9 @@
 """A fedhier run on a Flower Grid: the ServerApp logic of every Flower engine.
 
-``run_federation`` drives :class:`~fedhier.strategies.HierFedAvg` (the algorithm with a
-:class:`~fedhier.strategies.grid_executor.GridExecutor`) on whatever Grid it is given
+``run_federation`` drives :class:`~fedhier_strategies.HierFedAvg` (the algorithm with a
+:class:`~fedhier_strategies.grid_executor.GridExecutor`) on whatever Grid it is given
 (in-process, Simulation Engine, Deployment Engine), evaluates centrally on the test set, and
-records the run folder (:func:`fedhier.server.run_recorded`).
+records the run folder (:func:`fedhier.recorded_run.run_recorded`).
 """
 
 from __future__ import annotations
@@ -23,21 +23,21 @@ from fedhier.edge_tier import EdgeTierHierarchicalSGD
 from fedhier.engines.prompt_grid import PromptGrid
 from fedhier.errors import ConfigError
 from fedhier.hsgd import HierarchicalSGD, Params
+from fedhier.recorded_run import run_recorded
 from fedhier.run_folder import RunFolder
 from fedhier.run_recorder import RunRecorder
-from fedhier.server import (
+from fedhier.run_setup import (
     central_evaluation,
     initial_model,
     prepare,
     quiet_flower,
-    run_recorded,
     settings_for,
 )
-from fedhier.strategies.cloud_step import make_cloud_strategy
-from fedhier.strategies.edge_servers_executor import EdgeServersExecutor
-from fedhier.strategies.grid_executor import GridExecutor
-from fedhier.strategies.hierfedavg import HierFedAvg
 from fedhier.train import resolve_device
+from fedhier_strategies.cloud_step import make_cloud_strategy
+from fedhier_strategies.edge.cloud_executor import EdgeServersExecutor
+from fedhier_strategies.grid_executor import GridExecutor
+from fedhier_strategies.hierfedavg import HierFedAvg
 
 #: Set on the cloud SuperLink by ``fedhier deploy local``: the folder of the processes' wire
 #: meters (:mod:`fedhier.engines.deployment.wire`), whose totals each record then carries.

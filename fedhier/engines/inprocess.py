@@ -7,11 +7,11 @@ import logging
 from typing import Any
 
 from fedhier.checkpoint import Checkpoint
-from fedhier.clients.app import app as client_app
 from fedhier.config import RunConfig
 from fedhier.engines.grid_run import run_federation
 from fedhier.engines.inprocess_grid import InProcessGrid
 from fedhier.run_folder import RunFolder
+from fedhier_clients.app import app as client_app
 
 log = logging.getLogger("fedhier")
 

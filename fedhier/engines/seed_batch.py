@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from fedhier.config import RunConfig
-from fedhier.engines.batched import ClientRows
+from fedhier.engines.batched_kernels import ClientRows
 from fedhier.engines.vectorized import BatchedExecutor, run_vectorized
 from fedhier.errors import ConfigError
 from fedhier.federation import Federation

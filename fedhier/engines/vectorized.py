@@ -3,8 +3,8 @@
 The algorithm is :class:`fedhier.hsgd.HierarchicalSGD`, the one every engine runs (plan,
 screen, aggregate, broadcast, cloud step, records, checkpoints); this engine only supplies
 its executor, :class:`BatchedExecutor`, which trains all clients at once with the kernels of
-:mod:`fedhier.engines.batched` (chunks of ``client_chunk`` clients change no bit; convolutional
-models on the CPU instead loop over clients, :func:`client_loop_training`), decides
+:mod:`fedhier.engines.batched_kernels` (chunks of ``client_chunk`` clients change no bit;
+convolutional models on the CPU instead loop over clients, :func:`client_loop_training`), decides
 injected failures with the same :class:`fedhier.faults.FaultModel` the ClientApp consults, keeps
 the clients' momentum buffers as ``[n, *shape]`` tensors, and evaluates the global model on
 every client's rows directly. The host waits for the device once per edge round (the NaN
@@ -27,7 +27,7 @@ from torch import nn
 from fedhier.async_edges import algorithm_for
 from fedhier.checkpoint import Checkpoint
 from fedhier.config import RunConfig
-from fedhier.engines.batched import (
+from fedhier.engines.batched_kernels import (
     ClientRows,
     EdgeRoundBatches,
     LocalTraining,
@@ -39,23 +39,23 @@ from fedhier.federation import Federation
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, TrainResult
 from fedhier.optim import LocalOptimizer
+from fedhier.recorded_run import run_recorded
 from fedhier.round_diagnostics import direct_client_gradients
 from fedhier.run_folder import RunFolder
 from fedhier.run_recorder import RunRecorder
-from fedhier.server import (
+from fedhier.run_setup import (
     central_evaluation,
     initial_model,
     prepare,
-    run_recorded,
     settings_for,
 )
-from fedhier.strategies.cloud_step import as_cloud_step, make_cloud_strategy
 from fedhier.train import (
     evaluate,
     local_sgd,
     params_of,
     resolve_device,
 )
+from fedhier_strategies.cloud_step import as_cloud_step, make_cloud_strategy
 
 Params = dict[str, torch.Tensor]
 #: (cfg, federation, model, device) -> the executor of a vectorized run.

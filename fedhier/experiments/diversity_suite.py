@@ -28,7 +28,7 @@ from fedhier.diagnostics import gradient_diversity  # noqa: E402
 from fedhier.experiments.suites import Report  # noqa: E402
 from fedhier.models import build_model  # noqa: E402
 from fedhier.rng import generator, torch_seed  # noqa: E402
-from fedhier.server import pooled_train_tensors, prepare  # noqa: E402
+from fedhier.run_setup import pooled_train_tensors, prepare  # noqa: E402
 from fedhier.train import batch_indices, loss_fn  # noqa: E402
 
 KEEP = 0.5  # dropout variant: keep probability of each gradient coordinate

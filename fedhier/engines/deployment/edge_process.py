@@ -11,7 +11,7 @@ has two faces, both Flower's:
   with heartbeats for the whole federation;
 * **toward the cloud** it is the ClientApp runtime of a SuperNode attached to the cloud
   SuperLink (also ``--isolation process``): it claims each task the cloud sends that SuperNode,
-  answers it with :class:`~fedhier.strategies.edge_server.EdgeServer` over the grid, and
+  answers it with :class:`~fedhier_strategies.edge.server.EdgeServer` over the grid, and
   pushes the reply, as Flower's ``flwr-clientapp`` does for one message.
 
 Flower's ``Message()`` reads the run, node and task ids from the process-global
@@ -43,7 +43,7 @@ from fedhier.engines.deployment.task_runtime import (
     serve_tasks,
 )
 from fedhier.engines.prompt_grid import PromptGrid
-from fedhier.strategies.edge_server import EdgeServer
+from fedhier_strategies.edge.server import EdgeServer
 
 
 class Identity:

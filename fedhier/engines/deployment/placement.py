@@ -21,7 +21,7 @@ def client_placement(cfg: RunConfig) -> np.ndarray:
     """int64 [n]: the edge of each client under ``cfg``'s grouping (a data-only grouping:
     ``RunConfig.validate`` refuses gradient-based ones with edge servers)."""
     from fedhier.engines.deployment.local import contiguous_edges
-    from fedhier.server import prepare
+    from fedhier.run_setup import prepare
 
     if cfg.grouping == "edge-tag":  # the SuperNodes' tags: fedhier deploy tags them in blocks
         return np.asarray(contiguous_edges(cfg.clients, cfg.num_edges), dtype=np.int64)

@@ -18,7 +18,7 @@ from fedhier.checkpoint import resumed_checkpoint
 from fedhier.config import RunConfig
 from fedhier.engines.grid_run import RESUME_ENV, run_federation
 from fedhier.run_folder import RunFolder, default_run_dir
-from fedhier.server import quiet_flower
+from fedhier.run_setup import quiet_flower
 
 app = ServerApp()
 

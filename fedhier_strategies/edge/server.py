@@ -1,8 +1,8 @@
 """An edge server's message handler: the cloud's tasks, run with the edge's own clients.
 
-:class:`EdgeServer` answers the messages of :mod:`fedhier.strategies.edge_messages` from the
+:class:`EdgeServer` answers the messages of :mod:`fedhier_strategies.edge.messages` from the
 cloud, reaching its clients through ``grid`` (the Grid of the edge's own SuperLink) with a
-:class:`~fedhier.strategies.grid_executor.GridExecutor` numbered by the clients' partition
+:class:`~fedhier_strategies.grid_executor.GridExecutor` numbered by the clients' partition
 ids. It holds no training state between messages (:mod:`fedhier.edge_tier`), so a restarted
 edge server takes the next job as if nothing happened. The process around it (claiming tasks
 from Flower's runtime APIs) is :mod:`fedhier.engines.deployment.edge_process`; tests run it in
@@ -18,20 +18,20 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from fedhier.clients.app import run_config_of
 from fedhier.config import RunConfig
 from fedhier.edge_tier import run_edge_job
-from fedhier.engines.flower_records import to_tensors
 from fedhier.errors import ConfigError
-from fedhier.server import settings_for
-from fedhier.strategies.edge_messages import (
+from fedhier.run_setup import settings_for
+from fedhier_clients.app import run_config_of
+from fedhier_clients.records import to_tensors
+from fedhier_strategies.edge.messages import (
     EDGE_ID,
     EDGE_KEYS,
     PARTITION_IDS,
     job_from_message,
     report_content,
 )
-from fedhier.strategies.grid_executor import GridExecutor
+from fedhier_strategies.grid_executor import GridExecutor
 
 
 class EdgeServer:

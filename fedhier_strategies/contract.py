@@ -25,8 +25,8 @@ from fedhier.contract import (
     START_STEP,
     TRAIN_LOSS_KEYS,
 )
-from fedhier.engines.flower_records import to_tensors
 from fedhier.errors import FedhierError
+from fedhier_clients.records import to_tensors
 
 __all__ = ["ACCURACY_KEYS", "EDGE_ROUND", "LOCAL_STEPS", "LOSS_KEYS", "NUM_EXAMPLES",
            "ROUND_KEYS", "SERVER_ROUND", "START_STEP", "TRAIN_LOSS_KEYS", "ContractError",

@@ -1,8 +1,8 @@
 """The cloud's executor when the edges are servers of their own: one message per edge.
 
 Implements :class:`fedhier.edge_tier.EdgeTierExecutor` on the cloud's Grid, whose nodes are
-edge servers (:class:`~fedhier.strategies.edge_server.EdgeServer`), with the messages of
-:mod:`fedhier.strategies.edge_messages`. Clients are never addressed directly: profiles,
+edge servers (:class:`~fedhier_strategies.edge.server.EdgeServer`), with the messages of
+:mod:`fedhier_strategies.edge.messages`. Clients are never addressed directly: profiles,
 evaluation and gradients come back per edge and are put in client order here.
 """
 
@@ -17,17 +17,17 @@ import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from fedhier.edge_tier import EdgeJob, EdgeReport
-from fedhier.engines.flower_records import to_record
 from fedhier.faults import RunFailureError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, Params, TrainResult
-from fedhier.strategies.edge_messages import (
+from fedhier_clients.records import to_record
+from fedhier_strategies.edge.messages import (
     EDGE_ID,
     PARTITION_IDS,
     job_content,
     report_from_reply,
 )
-from fedhier.strategies.grid_executor import GridExecutor
+from fedhier_strategies.grid_executor import GridExecutor
 
 log = logging.getLogger("fedhier")
 #: The least time the edge servers get to start and profile their clients (seconds).

@@ -20,13 +20,13 @@ from torch import nn
 from fedhier.config import RunConfig
 from fedhier.contract import EDGE_ROUND, LOCAL_STEPS, ROUND_KEYS, SERVER_ROUND, START_STEP
 from fedhier.diagnostics import flat_gradient
-from fedhier.engines.flower_records import to_record, to_tensors
 from fedhier.errors import ConfigError
 from fedhier.faults import InjectedFaultError
 from fedhier.federation import Federation, federation_for
 from fedhier.models import build_model
 from fedhier.round_diagnostics import diagnostic_rows
 from fedhier.train import batch_indices, evaluate, local_sgd, resolve_device
+from fedhier_clients.records import to_record, to_tensors
 
 #: Where a client keeps its momentum buffers between rounds (``optimizer-state = keep``).
 OPTIMIZER_STATE_KEY = "fedhier-optimizer"

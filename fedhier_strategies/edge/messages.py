@@ -27,7 +27,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedhier.edge_tier import EdgeJob, EdgeReport
-from fedhier.engines.flower_records import to_record, to_tensors
+from fedhier_clients.records import to_record, to_tensors
 
 EDGE_ID = "edge-id"
 PARTITION_IDS = "partition-ids"

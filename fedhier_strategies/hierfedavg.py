@@ -24,7 +24,6 @@ from flwr.supercore import log
 
 from fedhier.async_edges import algorithm_for
 from fedhier.communication import Communication
-from fedhier.engines.flower_records import to_record, to_tensors
 from fedhier.errors import ConfigError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import (
@@ -38,10 +37,11 @@ from fedhier.plan import EdgeRoundPlan, Workload
 from fedhier.reply_policy import ReplyPolicy
 from fedhier.sim_clock import TimeModel
 from fedhier.staleness import AsyncEdges
-from fedhier.strategies.cloud_step import as_cloud_step
-from fedhier.strategies.flower_log import log_cloud_round
-from fedhier.strategies.grid_executor import GridExecutor, metric_record
 from fedhier.topology import Hierarchy
+from fedhier_clients.records import to_record, to_tensors
+from fedhier_strategies.cloud_step import as_cloud_step
+from fedhier_strategies.flower_log import log_cloud_round
+from fedhier_strategies.grid_executor import GridExecutor, metric_record
 
 
 class HierFedAvg(Strategy):

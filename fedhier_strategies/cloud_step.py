@@ -27,8 +27,8 @@ from flwr.serverapp.strategy import (
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedhier.engines.flower_records import to_record
 from fedhier.errors import ConfigError
+from fedhier_clients.records import to_record
 
 CLOUD_STRATEGIES = ("average", "fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
 

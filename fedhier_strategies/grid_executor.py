@@ -1,7 +1,7 @@
 """The Flower executor: H-SGD's clients as nodes of a Flower Grid, reached with messages.
 
 Implements :class:`fedhier.hsgd.Executor` on any Grid (in-process, Simulation Engine,
-Deployment Engine) following the message contract (:mod:`fedhier.strategies.contract`,
+Deployment Engine) following the message contract (:mod:`fedhier_strategies.contract`,
 docs/contract.md). Clients are numbered by the ``partition-id`` of their profile query or,
 for clients without a query handler, by node id.
 """
@@ -18,13 +18,13 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from fedhier.engines.flower_records import to_record
 from fedhier.faults import RunFailureError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, Params, TrainResult
 from fedhier.reply_policy import ReplyGuard, ReplyPolicy, outlying_updates
-from fedhier.strategies.cloud_failure import TrainOutcomes
-from fedhier.strategies.contract import (
+from fedhier_clients.records import to_record
+from fedhier_strategies.cloud_failure import TrainOutcomes
+from fedhier_strategies.contract import (
     EDGE_ROUND,
     LOCAL_STEPS,
     SERVER_ROUND,
@@ -39,7 +39,7 @@ from fedhier.strategies.contract import (
     read_train_reply,
     who,
 )
-from fedhier.strategies.flower_log import HeldFlowerLog
+from fedhier_strategies.flower_log import HeldFlowerLog
 
 log = logging.getLogger("fedhier")
 
@@ -335,7 +335,7 @@ class GridExecutor:
     def evaluate(self, params: Params, cloud_round: int) -> ClientEvaluation | None:
         """The global model after ``cloud_round`` on every client; first, a cloud round in
         which no client trained (and one failed with its own error) stops the run
-        (:mod:`fedhier.strategies.cloud_failure`; an edge server's executor leaves that to
+        (:mod:`fedhier_strategies.cloud_failure`; an edge server's executor leaves that to
         the cloud), and so does a run whose every client is excluded."""
         if cloud_round > 0 and self.expected_clients is None:
             self.outcomes.check(cloud_round)

@@ -1,1 +1,0 @@
-"""Flower ClientApp side of fedhier (``fedhier.clients.app:app``)."""

@@ -1,0 +1,1 @@
+"""Flower ClientApp side of fedhier (``fedhier_clients.app:app``)."""
