@@ -51,12 +51,17 @@ def _skeleton(model: str, input_shape: tuple[int, ...], num_classes: int, device
 
 
 def _setup(msg: Message, context: Context) -> tuple[RunConfig, Federation, int, torch.device]:
-    cfg = run_config_of(msg.content["config"])
+    cfg = run_config_of(msg.content.config_records["config"])
     fed = federation_for(cfg)
     partition_id = int(context.node_config["partition-id"])
     if not 0 <= partition_id < fed.num_clients:
         raise ValueError(f"partition-id {partition_id} outside 0..{fed.num_clients - 1}")
     return cfg, fed, partition_id, resolve_device(cfg.device)
+
+
+def _int(value: object) -> int:
+    """A ConfigRecord value that the contract says is an integer, as an int."""
+    return int(value)  # type: ignore[call-overload]
 
 
 def _params(arrays: ArrayRecord, device: torch.device,
@@ -72,20 +77,21 @@ def train(msg: Message, context: Context) -> Message:
     kept in ``context.state`` between rounds when ``optimizer-state`` is ``keep``.
     """
     cfg, fed, pid, device = _setup(msg, context)
-    config = msg.content["config"]
-    steps = int(config[LOCAL_STEPS])
-    start = int(config.get(START_STEP, (int(config.get(SERVER_ROUND, 1)) - 1) * steps))
-    edge_round = int(config.get(EDGE_ROUND, 0))
-    if cfg.faults().fails(cfg.seed, pid, edge_round, int(config.get(SERVER_ROUND, 0))):
+    config = msg.content.config_records["config"]
+    steps = _int(config[LOCAL_STEPS])
+    start = _int(config.get(START_STEP, (_int(config.get(SERVER_ROUND, 1)) - 1) * steps))
+    edge_round = _int(config.get(EDGE_ROUND, 0))
+    if cfg.faults().fails(cfg.seed, pid, edge_round, _int(config.get(SERVER_ROUND, 0))):
         raise InjectedFaultError(f"injected fault: client {pid} fails edge round {edge_round}")
     x, y = fed.client_tensors(pid, device)
     model = _skeleton(cfg.model, fed.bundle.input_shape, fed.bundle.num_classes, str(device))
-    start_params = _params(msg.content["arrays"], device)
+    start_params = _params(msg.content.array_records["arrays"], device)
     optimizer = cfg.local_optimizer()
     keep = optimizer.has_state and cfg.optimizer_state == "keep"
     buffers = None
     if keep and OPTIMIZER_STATE_KEY in context.state:
-        buffers = _params(context.state[OPTIMIZER_STATE_KEY], device, remember=False)
+        buffers = _params(context.state.array_records[OPTIMIZER_STATE_KEY], device,
+                          remember=False)
     params, loss, buffers = local_sgd(
         model, start_params, x, y, lr=cfg.learning_rates(start, steps),
         indices=batch_indices(cfg.seed, pid, len(y), cfg.batch_size, start, steps),
@@ -107,7 +113,7 @@ def evaluate_local(msg: Message, context: Context) -> Message:
     cfg, fed, pid, device = _setup(msg, context)
     x, y = fed.client_tensors(pid, device)
     model = _skeleton(cfg.model, fed.bundle.input_shape, fed.bundle.num_classes, str(device))
-    params = _params(msg.content["arrays"], device)
+    params = _params(msg.content.array_records["arrays"], device)
     loss, accuracy = evaluate(model, params, x, y)
     metrics = MetricRecord({"num-examples": len(y), "loss": loss, "accuracy": accuracy,
                             "partition-id": pid})
@@ -150,7 +156,8 @@ def gradient(msg: Message, context: Context) -> Message:
     model = _skeleton(cfg.model, fed.bundle.input_shape, fed.bundle.num_classes, str(device))
     rows = torch.as_tensor(diagnostic_rows(len(y), cfg.diagnostics_max_samples, cfg.seed, pid),
                            device=device)
-    grad = flat_gradient(model, _params(msg.content["arrays"], device), x[rows], y[rows])
+    params = _params(msg.content.array_records["arrays"], device)
+    grad = flat_gradient(model, params, x[rows], y[rows])
     reply = RecordDict({
         "gradient": ArrayRecord({"g": grad.detach().cpu()}),
         "metrics": MetricRecord({"num-examples": len(y), "gradient-rows": len(rows),

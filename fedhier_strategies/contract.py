@@ -53,9 +53,9 @@ class TrainReply:
     train_loss: float | None
 
 
-def who(reply: Message, client: int | None) -> str:
-    """'client 3 (node 123...)': how errors name the sender."""
-    node = reply.metadata.src_node_id
+def who(reply: Message | None, client: int | None) -> str:
+    """'client 3 (node 123...)': how errors name the sender (``None``: its node unknown)."""
+    node = "?" if reply is None else reply.metadata.src_node_id
     return f"node {node}" if client is None else f"client {client} (node {node})"
 
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from logging import INFO
 from types import TracebackType
 from typing import Any
@@ -20,7 +21,7 @@ FLOWER_LOGGER = logging.getLogger("flwr")
 
 
 def cloud_round_line(record: dict[str, Any], num_rounds: int,
-                     central: dict[str, Any] | None = None) -> str:
+                     central: Mapping[str, Any] | None = None) -> str:
     """The one line of a cloud round's record (``HierarchicalSGD.record``); ``central``:
     the ``evaluate_fn`` metrics of the round, named as given."""
     parts = [f"[CLOUD ROUND {record['round']}/{num_rounds}]"]
@@ -40,7 +41,7 @@ def cloud_round_line(record: dict[str, Any], num_rounds: int,
 
 
 def log_cloud_round(record: dict[str, Any], num_rounds: int,
-                    central: dict[str, Any] | None = None) -> None:
+                    central: Mapping[str, Any] | None = None) -> None:
     """Log :func:`cloud_round_line` at INFO on Flower's logger."""
     FLOWER_LOGGER.log(INFO, "%s", cloud_round_line(record, num_rounds, central))
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 from fedhier.edge_tier import EdgeJob, EdgeReport
 from fedhier.faults import RunFailureError
@@ -164,8 +164,8 @@ class EdgeServersExecutor(GridExecutor):
         grads: dict[int, torch.Tensor] = {}
         for reply in self._per_edge(f"{MessageType.QUERY}.gradient", params):
             clients = reply.content["metrics"][PARTITION_IDS]
-            g = reply.content["gradient"].to_torch_state_dict()["g"]
-            grads.update({int(c): g[i] for i, c in enumerate(clients)})  # type: ignore[union-attr, arg-type]
+            g = cast(ArrayRecord, reply.content["gradient"]).to_torch_state_dict()["g"]
+            grads.update({int(c): g[i] for i, c in enumerate(clients)})  # type: ignore[union-attr, arg-type, call-overload]
         if len(grads) != n:
             log.warning("gradient query: %d of %d clients answered through their edges",
                         len(grads), n)

@@ -22,6 +22,8 @@ server reaches its clients through its own SuperLink under the client message co
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -52,10 +54,10 @@ def job_content(job: EdgeJob, run_config: ConfigRecord) -> RecordDict:
 
 def job_from_message(msg: Message) -> EdgeJob:
     config = msg.content["config"]
-    tree = msg.content[JOB_RECORD].to_torch_state_dict()
+    tree = cast(ArrayRecord, msg.content[JOB_RECORD]).to_torch_state_dict()
     return EdgeJob(edge=int(config[EDGE_ID]),  # type: ignore[arg-type]
                    cloud_round=int(config["server-round"]),  # type: ignore[arg-type]
-                   params=to_tensors(msg.content["arrays"]),
+                   params=to_tensors(cast(ArrayRecord, msg.content["arrays"])),
                    edge_of_client=tree["edge-of-client"].numpy(),
                    num_examples=tree["num-examples"].numpy(),
                    start_seconds=float(config[START_SECONDS]))  # type: ignore[arg-type]
@@ -80,8 +82,8 @@ def report_from_reply(reply: Message, edge: int) -> EdgeReport:
     m = reply.content["metrics"]
     losses = np.stack([np.asarray(m["loss-means"], dtype=np.float64),
                        np.asarray(m["loss-weights"], dtype=np.float64)], axis=1)
-    model = (to_tensors(reply.content["arrays"]) if "arrays" in reply.content.array_records
-             else None)
+    model = (to_tensors(cast(ArrayRecord, reply.content["arrays"]))
+             if "arrays" in reply.content.array_records else None)
     return EdgeReport(edge=edge, model=model, losses=losses,
                       failed_clients=int(m["failed-clients"]),  # type: ignore[arg-type]
                       failed_edges=int(m["failed-edges"]),  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ one process on :class:`~fedhier.engines.inprocess_grid.InProcessGrid` s.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -66,7 +67,7 @@ class EdgeServer:
 
     def handle(self, msg: Message) -> RecordDict:
         """The reply content to one message from the cloud (raises on a bad message)."""
-        config = msg.content["config"]
+        config = cast(ConfigRecord, msg.content["config"])
         cfg = run_config_of(ConfigRecord({k: v for k, v in config.items()
                                           if k not in EDGE_KEYS}))
         kind = msg.metadata.message_type
@@ -78,7 +79,7 @@ class EdgeServer:
             if job.edge != self.edge:
                 raise ConfigError(f"edge server {self.edge} got the job of edge {job.edge}")
             return report_content(run_edge_job(settings_for(cfg), executor, job))
-        params = to_tensors(msg.content["arrays"])
+        params = to_tensors(cast(ArrayRecord, msg.content["arrays"]))
         if kind == MessageType.EVALUATE:
             return self._evaluate(executor, params, int(config["server-round"]))  # type: ignore[arg-type]
         if kind == f"{MessageType.QUERY}.gradient":
@@ -110,5 +111,6 @@ class EdgeServer:
             metrics["loss"] = evaluation.loss[rows].tolist()
             metrics["accuracy"] = evaluation.accuracy[rows].tolist()
             metrics["holdout-accuracy"] = holdout.tolist()
-            metrics["num-examples"] = [int(v) for v in evaluation.num_examples[rows]]
+            if evaluation.num_examples is not None:
+                metrics["num-examples"] = [int(v) for v in evaluation.num_examples[rows]]
         return RecordDict({"metrics": metrics})
