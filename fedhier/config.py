@@ -38,8 +38,13 @@ ENGINES = engine_names()
 DEVICES = ("cpu", "cuda", "mps", "auto")  # and cuda:N (fedhier.devices)
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
+def _help(text: str, **flower_app: Any) -> dict[str, Any]:
+    """A field's metadata: its ``help`` (flag help, docs), and optionally ``flower_app`` +
+    ``flower_app_reason``: another value for the Flower app's [tool.flwr.app.config], and why
+    (:mod:`fedhier.settings_table`)."""
+    if flower_app.keys() not in (set(), {"flower_app", "flower_app_reason"}):
+        raise TypeError("give flower_app and flower_app_reason together")
+    return {"help": text, **flower_app}
 
 
 @dataclass(frozen=True)
@@ -111,7 +116,10 @@ class RunConfig:
         "cloud strategy's server learning rate (0 = the strategy's default)"))
     server_momentum: float = field(default=0.0, metadata=_help("fedavgm server momentum"))
     rounds: int = field(default=30, metadata=_help(
-        "cloud rounds R; total local steps T = R * G"))
+        "cloud rounds R; total local steps T = R * G", flower_app=5, flower_app_reason=(
+            "a bare `flwr run .` is a first look at the Flower app on the Simulation Engine, "
+            "where every edge round is a message round through the SuperLink; "
+            "-c rounds=30 gives the default run")))
     # participation and local work
     participation: float = field(default=1.0, metadata=_help(
         "per edge round each edge trains this fraction of its clients (0 < f <= 1), or this "
