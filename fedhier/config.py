@@ -21,13 +21,7 @@ from typing import Any
 
 from fedhier.config_checks import FLOAT32_MAX
 from fedhier.config_checks import validate as validate_config
-from fedhier.config_parse import (
-    check_card_defaults,
-    checked,
-    dataset_defaults,
-    int_tuple,
-    read_toml,
-)
+from fedhier.config_parse import checked, int_tuple, read_toml
 from fedhier.engines.registry import engine_names
 from fedhier.errors import ConfigError
 
@@ -253,7 +247,7 @@ class RunConfig:
         ``[defaults]``, then the field defaults. An auto ``min_partition_size`` (0) is
         resolved to the value used (see :meth:`resolved`).
         """
-        kwargs = checked(values, where)
+        kwargs = checked(values, where, _FIELDS)
         if "dataset" not in kwargs and str(kwargs.get("data_path", "")).lower().endswith(".npz"):
             kwargs["dataset"] = "npz"  # a local .npz describes itself (datasets_cfg/npz.toml)
         dataset = kwargs.get("dataset", FIELD_DEFAULTS["dataset"])
@@ -278,7 +272,7 @@ class RunConfig:
         ``[tool.flwr.app.config]`` lists every key, so a value equal to the field's default
         counts as not set and the dataset card's ``[defaults]`` apply to it, as on the
         command line (``--dataset shakespeare`` picks the LSTM)."""
-        kwargs = checked(values, where)  # tuples as tuples, like the defaults
+        kwargs = checked(values, where, _FIELDS)  # tuples as tuples, like the defaults
         return cls.from_mapping({k: v for k, v in kwargs.items() if v != FIELD_DEFAULTS[k]},
                                 where)
 
@@ -389,6 +383,29 @@ class RunConfig:
         validate_config(self)
 
 
-#: Every setting's default (what a setting missing from a mapping takes).
+#: The declared settings by name, and each one's default (what a setting missing from a
+#: mapping takes).
+_FIELDS = {f.name: f for f in fields(RunConfig)}
 FIELD_DEFAULTS = {f.name: f.default for f in fields(RunConfig)}
+
+
+def check_card_defaults(raw: Mapping[str, Any], label: str) -> dict[str, Any]:
+    """The checked ``[defaults]`` table of a dataset card (``label`` names it in errors)."""
+    from fedhier.datasets_cfg import NOT_CARD_DEFAULTS
+
+    where = f"[defaults] of {label}"
+    kwargs = checked(raw, where, _FIELDS)
+    for key in kwargs:
+        if key in NOT_CARD_DEFAULTS:
+            raise ConfigError(f"{where} cannot set '{key}'; a card sets only what fits its "
+                              f"data, not {', '.join(NOT_CARD_DEFAULTS)}")
+    return kwargs
+
+
+def dataset_defaults(dataset: str) -> dict[str, Any]:
+    """The run settings a dataset's card gives by default (snake_case keys), or {}."""
+    from fedhier.datasets_cfg import card_defaults
+
+    raw, label = card_defaults(dataset)
+    return check_card_defaults(raw, label) if raw else {}
 _PERIOD_KEYS = frozenset({"periods", "local_period", "global_period"})

@@ -9,13 +9,13 @@ from __future__ import annotations
 import difflib
 import math
 from dataclasses import fields
-from typing import TYPE_CHECKING
+from typing import Any
 
 from fedhier.errors import ConfigError
 from fedhier.ranges import check_ranges, choices
 
-if TYPE_CHECKING:
-    from fedhier.config import RunConfig
+#: a :class:`fedhier.config.RunConfig` (not imported: that module imports this one)
+RunConfig = Any
 
 #: Largest finite float32: models, learning rates and optimiser state are float32 tensors.
 FLOAT32_MAX = 3.4028234663852886e38

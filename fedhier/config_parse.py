@@ -1,6 +1,7 @@
-"""Reading run settings from mappings: a TOML file, a Flower run_config, CLI values, a dataset
-card's ``[defaults]``. Types are checked against :class:`fedhier.config.RunConfig`'s fields
-(the declaration); every error is one ConfigError line naming the key and where it came from.
+"""Reading run settings from mappings (a TOML file, a Flower run_config, CLI values, a dataset
+card's ``[defaults]``): each value's type checked against its declared field
+(:class:`fedhier.config.RunConfig`); every error is one ConfigError line naming the key and
+where it came from.
 """
 
 from __future__ import annotations
@@ -8,18 +9,17 @@ from __future__ import annotations
 import difflib
 import tomllib
 from collections.abc import Mapping
-from dataclasses import fields
+from dataclasses import Field
 from pathlib import Path
 from typing import Any
 
 from fedhier.errors import ConfigError, DamagedFileError
 
 
-def checked(values: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """snake_case key -> checked value of a mapping of RunConfig keys (kebab-case accepted)."""
-    from fedhier.config import RunConfig
-
-    known = {f.name: f for f in fields(RunConfig)}
+def checked(values: Mapping[str, Any], where: str,
+            known: Mapping[str, Field[Any]]) -> dict[str, Any]:
+    """snake_case key -> checked value of a mapping of setting keys (kebab-case accepted);
+    ``known``: the declared fields by name (``RunConfig``'s)."""
     kwargs: dict[str, Any] = {}
     for raw_key, value in values.items():
         key = str(raw_key).replace("-", "_")
@@ -29,27 +29,6 @@ def checked(values: Mapping[str, Any], where: str) -> dict[str, Any]:
             raise ConfigError(f"unknown key '{raw_key}' in {where}{hint}")
         kwargs[key] = coerce(key, value, known[key].type, where)
     return kwargs
-
-
-def check_card_defaults(raw: Mapping[str, Any], label: str) -> dict[str, Any]:
-    """The checked ``[defaults]`` table of a dataset card (``label`` names it in errors)."""
-    from fedhier.datasets_cfg import NOT_CARD_DEFAULTS
-
-    where = f"[defaults] of {label}"
-    kwargs = checked(raw, where)
-    for key in kwargs:
-        if key in NOT_CARD_DEFAULTS:
-            raise ConfigError(f"{where} cannot set '{key}'; a card sets only what fits its "
-                              f"data, not {', '.join(NOT_CARD_DEFAULTS)}")
-    return kwargs
-
-
-def dataset_defaults(dataset: str) -> dict[str, Any]:
-    """The run settings a dataset's card gives by default (snake_case keys), or {}."""
-    from fedhier.datasets_cfg import card_defaults
-
-    raw, label = card_defaults(dataset)
-    return check_card_defaults(raw, label) if raw else {}
 
 
 def int_tuple(key: str, value: Any, where: str) -> tuple[int, ...]:
