@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from fedhier.config import RunConfig, read_toml
+from fedhier.config_parse import run_config_value
 from fedhier.engines.registry import engine_help
 from fedhier.errors import ConfigError, DamagedFileError, DataError, FedhierError
 from fedhier.faults import RunFailureError
-from fedhier.settings_table import run_config_value, settings
+from fedhier.settings_table import settings
 
 if TYPE_CHECKING:
     from fedhier.checkpoint import Checkpoint

@@ -21,7 +21,7 @@ from typing import Any
 
 from fedhier.config_checks import FLOAT32_MAX
 from fedhier.config_checks import validate as validate_config
-from fedhier.config_parse import checked, int_tuple, read_toml
+from fedhier.config_parse import app_key, checked, int_tuple, read_toml, run_config_value
 from fedhier.engines.registry import engine_names
 from fedhier.errors import ConfigError
 
@@ -295,8 +295,7 @@ class RunConfig:
 
     def to_run_config(self) -> dict[str, Any]:
         """Flat kebab-case dict of scalars, the form of Flower's run_config and ConfigRecord."""
-        return {k.replace("_", "-"): ",".join(map(str, v)) if isinstance(v, tuple) else v
-                for k, v in self.to_dict().items()}
+        return {app_key(k): run_config_value(v) for k, v in self.to_dict().items()}
 
     def learning_rates(self, start_step: int, num_steps: int) -> Any:
         """float64 [num_steps]: the scheduled rates of the given global steps."""

@@ -86,6 +86,17 @@ def coerce(key: str, value: Any, kind: Any, where: str) -> Any:
     raise ConfigError(f"{key} in {where} must be {wanted}, got {value!r}")
 
 
+def app_key(name: str) -> str:
+    """The Flower run-config key (and TOML kebab-case key) of setting ``name``."""
+    return name.replace("_", "-")
+
+
+def run_config_value(value: Any) -> Any:
+    """A value in run-config form: tuples as comma-separated strings ("8,2"), others as
+    they are (Flower's run_config and ConfigRecord hold scalars only)."""
+    return ",".join(map(str, value)) if isinstance(value, tuple) else value
+
+
 def read_toml(path: str | Path) -> dict[str, Any]:
     """The raw table of a config TOML file, or a one-line ConfigError."""
     path = Path(path)

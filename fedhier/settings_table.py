@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fedhier.config import RunConfig
-from fedhier.config_parse import type_name
+from fedhier.config_parse import app_key, run_config_value, type_name
 from fedhier.ranges import RANGES, Range
 
 
@@ -53,17 +53,6 @@ class Setting:
 def cli_flag(name: str) -> str:
     """The command-line flag of setting ``name``: ``local_period`` -> ``--local-period``."""
     return "--" + app_key(name)
-
-
-def app_key(name: str) -> str:
-    """The Flower run-config key (and TOML kebab-case key) of setting ``name``."""
-    return name.replace("_", "-")
-
-
-def run_config_value(value: Any) -> Any:
-    """A value in run-config form: tuples as comma-separated strings ("8,2"), others as
-    they are (Flower's run_config and ConfigRecord hold scalars only)."""
-    return ",".join(map(str, value)) if isinstance(value, tuple) else value
 
 
 def settings() -> tuple[Setting, ...]:
