@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from fedhier.config import RunConfig, read_toml
+from fedhier.config_parse import run_config_value
 from fedhier.engines.registry import engine_help
 from fedhier.errors import ConfigError, DamagedFileError, DataError, FedhierError
 from fedhier.faults import RunFailureError
+from fedhier.settings_table import settings
 
 if TYPE_CHECKING:
     from fedhier.checkpoint import Checkpoint
@@ -76,22 +78,21 @@ def error_text(exc: BaseException) -> str:
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per RunConfig field (--local-period ...), default None = not given."""
+    """One flag per declared setting (--local-period ...), default None = not given."""
     group = parser.add_argument_group("run configuration (also valid as TOML keys)")
-    for f in fields(RunConfig):
-        flag = "--" + f.name.replace("_", "-")
-        kind = f.type if isinstance(f.type, str) else f.type.__name__
-        default = ",".join(map(str, f.default)) if isinstance(f.default, tuple) else f.default
-        shown = f" (default: {default})" if default not in ("", ()) else ""
-        description = engine_help() if f.name == "engine" else f.metadata.get("help", "")
+    for setting in settings():
+        kind = setting.type
+        default = run_config_value(setting.default)
+        shown = f" (default: {default})" if default != "" else ""
+        description = engine_help() if setting.name == "engine" else setting.help
         help_text = f"{description}{shown}"
         if kind == "bool":
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=None, help=help_text)
+            group.add_argument(setting.flag, dest=setting.name, default=None,
+                               action=argparse.BooleanOptionalAction, help=help_text)
         else:
             converter = {"int": int, "float": float}.get(kind, str)
             metavar = "N[,N...]" if kind.startswith("tuple") else kind.upper()
-            group.add_argument(flag, dest=f.name, type=converter, default=None,
+            group.add_argument(setting.flag, dest=setting.name, type=converter, default=None,
                                metavar=metavar, help=help_text)
 
 
@@ -136,7 +137,7 @@ def _library_logs_held(names: tuple[str, ...] = ("datasets",)) -> Iterator[list[
 
 
 def prepare_data(cfg: RunConfig) -> Any:
-    """:func:`fedhier.server.prepare` (load and partition the data), with every problem of the
+    """:func:`fedhier.run_setup.prepare` (load and partition the data), with every problem of the
     data reported as one line naming where it came from (``--dataset``/``--data-path``), and
     non-finite features refused before any training (they would stop the run later as
     "non-finite values in the update of client ...", blaming the learning rate)."""

@@ -14,24 +14,31 @@ partition uses; this module never loads data.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from fedhier.config_checks import FLOAT32_MAX
+from fedhier.config_checks import validate as validate_config
+from fedhier.config_parse import app_key, checked, int_tuple, read_toml, run_config_value
 from fedhier.engines.registry import engine_names
-from fedhier.errors import ConfigError, DamagedFileError
-from fedhier.ranges import check_ranges, choices
+from fedhier.errors import ConfigError
+
+__all__ = ["DEVICES", "ENGINES", "FIELD_DEFAULTS", "FLOAT32_MAX", "RunConfig",
+           "check_card_defaults", "dataset_defaults", "read_toml"]
 
 ENGINES = engine_names()
 DEVICES = ("cpu", "cuda", "mps", "auto")  # and cuda:N (fedhier.devices)
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
+def _help(text: str, **flower_app: Any) -> dict[str, Any]:
+    """A field's metadata: its ``help`` (flag help, docs), and optionally ``flower_app`` +
+    ``flower_app_reason``: another value for the Flower app's [tool.flwr.app.config], and why
+    (:mod:`fedhier.settings_table`)."""
+    if flower_app.keys() not in (set(), {"flower_app", "flower_app_reason"}):
+        raise TypeError("give flower_app and flower_app_reason together")
+    return {"help": text, **flower_app}
 
 
 @dataclass(frozen=True)
@@ -103,7 +110,10 @@ class RunConfig:
         "cloud strategy's server learning rate (0 = the strategy's default)"))
     server_momentum: float = field(default=0.0, metadata=_help("fedavgm server momentum"))
     rounds: int = field(default=30, metadata=_help(
-        "cloud rounds R; total local steps T = R * G"))
+        "cloud rounds R; total local steps T = R * G", flower_app=5, flower_app_reason=(
+            "a bare `flwr run .` is a first look at the Flower app on the Simulation Engine, "
+            "where every edge round is a message round through the SuperLink; "
+            "-c rounds=30 gives the default run")))
     # participation and local work
     participation: float = field(default=1.0, metadata=_help(
         "per edge round each edge trains this fraction of its clients (0 < f <= 1), or this "
@@ -205,7 +215,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         for key in ("groups", "periods"):  # RunConfig(groups=4) is accepted too
             if not isinstance(getattr(self, key), tuple):
-                object.__setattr__(self, key, _int_tuple(key, getattr(self, key), "config"))
+                object.__setattr__(self, key, int_tuple(key, getattr(self, key), "config"))
         if self.periods:  # the level periods define I (edge) and G (cloud)
             object.__setattr__(self, "local_period", self.periods[0])
             object.__setattr__(self, "global_period", self.periods[-1])
@@ -237,7 +247,7 @@ class RunConfig:
         ``[defaults]``, then the field defaults. An auto ``min_partition_size`` (0) is
         resolved to the value used (see :meth:`resolved`).
         """
-        kwargs = _checked(values, where)
+        kwargs = checked(values, where, _FIELDS)
         if "dataset" not in kwargs and str(kwargs.get("data_path", "")).lower().endswith(".npz"):
             kwargs["dataset"] = "npz"  # a local .npz describes itself (datasets_cfg/npz.toml)
         dataset = kwargs.get("dataset", FIELD_DEFAULTS["dataset"])
@@ -262,7 +272,7 @@ class RunConfig:
         ``[tool.flwr.app.config]`` lists every key, so a value equal to the field's default
         counts as not set and the dataset card's ``[defaults]`` apply to it, as on the
         command line (``--dataset shakespeare`` picks the LSTM)."""
-        kwargs = _checked(values, where)  # tuples as tuples, like the defaults
+        kwargs = checked(values, where, _FIELDS)  # tuples as tuples, like the defaults
         return cls.from_mapping({k: v for k, v in kwargs.items() if v != FIELD_DEFAULTS[k]},
                                 where)
 
@@ -285,8 +295,7 @@ class RunConfig:
 
     def to_run_config(self) -> dict[str, Any]:
         """Flat kebab-case dict of scalars, the form of Flower's run_config and ConfigRecord."""
-        return {k.replace("_", "-"): ",".join(map(str, v)) if isinstance(v, tuple) else v
-                for k, v in self.to_dict().items()}
+        return {app_key(k): run_config_value(v) for k, v in self.to_dict().items()}
 
     def learning_rates(self, start_step: int, num_steps: int) -> Any:
         """float64 [num_steps]: the scheduled rates of the given global steps."""
@@ -369,130 +378,14 @@ class RunConfig:
 
     # -- validation -----------------------------------------------------------------------
     def validate(self) -> None:
-        _check_ranges(self)  # first: huge or non-finite numbers reach no other check
-        check_ranges(self)  # every numeric setting against its one declared range
-        from fedhier.mobility import parse_handoff
-
-        parse_handoff(self.handoff)  # names the bad half of MODEL:ADMISSION
-        for key, allowed in choices().items():  # every closed set of names
-            _one_of(key, getattr(self, key), allowed)
-        from fedhier.devices import check_device_name
-
-        check_device_name(self.device)
-        from fedhier.aggregate import check_aggregators
-
-        check_aggregators(self.aggregator_names, len(self.periods) or 2)
-        below, below_name = self.clients, "clients"
-        for level, count in enumerate(self.groups, start=1):
-            if count < 1:
-                raise ConfigError(f"groups must be at least 1, got {list(self.groups)}")
-            if count > below:
-                raise ConfigError(
-                    f"more groups ({count}) than {below_name} ({below}) at level {level}: every "
-                    "group needs at least one member")
-            below, below_name = count, f"level-{level} groups"
-        if len(self.periods) != len(self.groups) + 1:
-            raise ConfigError(
-                f"{len(self.groups)} group level(s) {list(self.groups)} need "
-                f"{len(self.groups) + 1} periods (edge ... cloud), got {list(self.periods)}; "
-                "set --periods")
-        from fedhier.topology import validate_edge_periods
-
-        validate_edge_periods(self.edge_period_list, self.periods, self.num_edges)
-        if self.normalize_updates and len(set(self.edge_period_list)) > 1:
-            raise ConfigError("normalize_updates (FedNova) is not supported with unequal "
-                              "edge_periods")
-        if len(self.periods) == 2 and self.global_period % self.local_period != 0:
-            raise ConfigError(
-                f"global_period G={self.global_period} must be a multiple of local_period "
-                f"I={self.local_period}")
-        from fedhier.topology import validate_periods
-
-        validate_periods(self.periods)
-        if self.mobility_rate > 0 and self.mobility_trace:
-            raise ConfigError("give mobility_rate or mobility_trace, not both")
-        if self.reachability and self.num_edges < 2:
-            raise ConfigError("a reachability matrix needs at least 2 edges")
-        from fedhier.faults import parse_span
-
-        parse_span(self.dropout_rounds)
-        if not self.dataset:
-            raise ConfigError("dataset must not be empty")
-        from fedhier.grouping import BUILTIN_GROUPINGS, GRADIENT_GROUPING, available_groupings
-
-        if ":" not in self.grouping:  # module:function is imported below
-            _one_of("grouping", self.grouping, tuple(available_groupings()))
-        if self.grouping not in BUILTIN_GROUPINGS and self.grouping != GRADIENT_GROUPING:
-            from fedhier.grouping import load_plugin
-
-            load_plugin(self.grouping)  # a plugin that fails to import: stop before any output
-        self.mobility()  # unreadable or inconsistent mobility files: stop before any output
-        self.time_model().check_edges(self.num_edges)
-        self.asynchronous().check(self.num_edges, len(self.periods), self.aggregator_names,
-                                  self.mobility_rate > 0 or bool(self.mobility_trace),
-                                  self.regroup_every > 0, bool(self.edge_periods))
-        if self.edge_servers:
-            self._check_edge_servers()
-        if self.async_buffer and self.cloud_strategy != "average":
-            raise ConfigError("asynchronous edges (async_buffer) use the staleness-weighted "
-                              "average at the cloud; choose cloud_strategy average")
+        """A one-line ConfigError at the first thing wrong (:mod:`fedhier.config_checks`)."""
+        validate_config(self)
 
 
-    def _check_edge_servers(self) -> None:
-        """What edge servers as processes do not run (yet), in one line."""
-        from fedhier.grouping import grouping_needs
-
-        if "gradients" in grouping_needs(self.grouping):
-            raise ConfigError(f"edge servers as processes place clients before the run; the "
-                              f"'{self.grouping}' grouping needs their gradients: choose "
-                              "contiguous, random or a label-based grouping")
-        if self.local_optimizer().has_state and self.optimizer_state == "keep":
-            raise ConfigError("edge servers do not forward clients' kept optimizer state "
-                              "(checkpoints): use optimizer_state reset")
-        from fedhier.edge_tier import check_edge_tier
-
-        check_edge_tier(len(self.periods), self.mobility_rate > 0 or bool(self.mobility_trace),
-                        self.regroup_every > 0, self.async_buffer > 0, bool(self.edge_periods))
-
-
-#: Largest finite float32: models, learning rates and optimiser state are float32 tensors.
-FLOAT32_MAX = 3.4028234663852886e38
-
-
-def _check_ranges(cfg: RunConfig) -> None:
-    """Limits of the libraries below: step counters and row indices are int64, and numbers
-    become float32 tensors (each setting's own range: :mod:`fedhier.ranges`)."""
-    for f in fields(RunConfig):
-        value = getattr(cfg, f.name)
-        for item in value if isinstance(value, tuple) else (value,):
-            if isinstance(item, int) and not isinstance(item, bool) and abs(item) >= 2**62:
-                raise ConfigError(f"{f.name} {item} is too large (limit 2**62)")
-        if isinstance(value, float) and f.name != "round_timeout" and not (
-                math.isfinite(value) and abs(value) <= FLOAT32_MAX):
-            raise ConfigError(f"{f.name} {value} is not a finite float32 number "
-                              f"(|x| <= {FLOAT32_MAX:.3g})")
-    if cfg.rounds * cfg.global_period >= 2**62:
-        raise ConfigError(f"rounds x global_period = {cfg.rounds * cfg.global_period} local "
-                          "steps is too many (limit 2**62)")
-
-
-#: Every setting's default (what a setting missing from a mapping takes).
-FIELD_DEFAULTS = {f.name: f.default for f in fields(RunConfig)}
-_PERIOD_KEYS = frozenset({"periods", "local_period", "global_period"})
-
-
-def _checked(values: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """snake_case key -> checked value of a mapping of RunConfig keys."""
-    known = {f.name: f for f in fields(RunConfig)}
-    kwargs: dict[str, Any] = {}
-    for raw_key, value in values.items():
-        key = str(raw_key).replace("-", "_")
-        if key not in known:
-            close = difflib.get_close_matches(key, list(known), n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"unknown key '{raw_key}' in {where}{hint}")
-        kwargs[key] = _coerce(key, value, known[key].type, where)
-    return kwargs
+#: The declared settings by name, and each one's default (what a setting missing from a
+#: mapping takes).
+_FIELDS = {f.name: f for f in fields(RunConfig)}
+FIELD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(RunConfig)}
 
 
 def check_card_defaults(raw: Mapping[str, Any], label: str) -> dict[str, Any]:
@@ -500,7 +393,7 @@ def check_card_defaults(raw: Mapping[str, Any], label: str) -> dict[str, Any]:
     from fedhier.datasets_cfg import NOT_CARD_DEFAULTS
 
     where = f"[defaults] of {label}"
-    kwargs = _checked(raw, where)
+    kwargs = checked(raw, where, _FIELDS)
     for key in kwargs:
         if key in NOT_CARD_DEFAULTS:
             raise ConfigError(f"{where} cannot set '{key}'; a card sets only what fits its "
@@ -514,77 +407,4 @@ def dataset_defaults(dataset: str) -> dict[str, Any]:
 
     raw, label = card_defaults(dataset)
     return check_card_defaults(raw, label) if raw else {}
-
-
-def _one_of(key: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        close = difflib.get_close_matches(str(value), list(choices), n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ConfigError(f"unknown {key} '{value}'{hint}; choose one of {', '.join(choices)}")
-
-
-def _int_tuple(key: str, value: Any, where: str) -> tuple[int, ...]:
-    """An int, a list of ints, or a comma-separated string such as "8,2"."""
-    items: list[Any]
-    if isinstance(value, int):  # bools too: rejected below
-        items = [value]
-    elif isinstance(value, str):
-        items = [v.strip() for v in value.split(",")] if value.strip() else []
-    elif isinstance(value, list | tuple):
-        items = list(value)
-    else:
-        items = [value]
-    out = []
-    for item in items:
-        if isinstance(item, bool) or (isinstance(item, float) and not item.is_integer()):
-            raise ConfigError(f"{key} in {where} must be integers, got {value!r}")
-        try:
-            out.append(int(item))
-        except (TypeError, ValueError, OverflowError):
-            raise ConfigError(
-                f"{key} in {where} must be an integer or a comma-separated list of integers, "
-                f"got {value!r}") from None
-    return tuple(out)
-
-
-def _coerce(key: str, value: Any, kind: Any, where: str) -> Any:
-    """Check a value's type; ints are accepted for floats, and bools only for bools."""
-    name = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
-    name = name.replace(" ", "")
-    if name == "bool":
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-    elif name == "int":
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-    elif name == "float":
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-    elif name == "str" and isinstance(value, str):
-        return value
-    elif name.startswith("tuple"):
-        return _int_tuple(key, value, where)
-    wanted = {"bool": "true or false", "int": "an integer", "float": "a number",
-              "str": "a string"}.get(name, name)
-    raise ConfigError(f"{key} in {where} must be {wanted}, got {value!r}")
-
-
-def read_toml(path: str | Path) -> dict[str, Any]:
-    """The raw table of a config TOML file, or a one-line ConfigError."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise DamagedFileError(path, f"cannot read config file: {exc.strerror or exc}",
-                               "check the path and its permissions") from exc
-    except UnicodeDecodeError as exc:
-        raise DamagedFileError(path, f"not UTF-8 text (byte {exc.start}); a config file is a "
-                               "TOML text file") from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise DamagedFileError(path, f"malformed TOML in the file: {exc}") from exc
+_PERIOD_KEYS = frozenset({"periods", "local_period", "global_period"})

@@ -148,7 +148,6 @@ def choices() -> dict[str, tuple[str, ...]]:
     from fedhier.models import MODELS
     from fedhier.optim import OPTIMIZER_STATES
     from fedhier.reply_policy import ON_BAD_REPLY
-    from fedhier_strategies.cloud_step import CLOUD_STRATEGIES
 
     return {"weighting": WEIGHTINGS, "engine": tuple(engine_names()), "model": MODELS,
             "cloud_strategy": CLOUD_STRATEGIES, "partition": PARTITIONS,
@@ -156,6 +155,9 @@ def choices() -> dict[str, tuple[str, ...]]:
             "optimizer_state": OPTIMIZER_STATES, "on_nan": ON_NAN,
             "on_bad_reply": ON_BAD_REPLY}
 
+
+#: the cloud's step: the plain average or a Flower strategy (fedhier_strategies.cloud_step)
+CLOUD_STRATEGIES = ("average", "fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
 
 #: averaging weights (docs/hsgd.md#weighting) and what a non-finite client update does
 WEIGHTINGS = ("samples", "uniform")

@@ -28,9 +28,8 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedhier.errors import ConfigError
+from fedhier.ranges import CLOUD_STRATEGIES
 from fedhier_clients.records import to_record
-
-CLOUD_STRATEGIES = ("average", "fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
 
 
 def make_cloud_strategy(name: str, server_lr: float = 0.0,

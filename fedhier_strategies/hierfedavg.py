@@ -5,7 +5,7 @@ clients, every ``global_period`` (G) steps the cloud averages everything (Wang e
 2022, "Demystifying Why Local Aggregation Helps"). The algorithm is
 :class:`fedhier.hsgd.HierarchicalSGD`, the one every engine runs; this class is its Flower
 Strategy face: the clients are the Grid's nodes, reached through a
-:class:`~fedhier.strategies.grid_executor.GridExecutor` under the message contract
+:class:`~fedhier_strategies.grid_executor.GridExecutor` under the message contract
 (docs/contract.md). Edges are logical: the ServerApp keeps one model per edge, so edge rounds
 inside a cloud round need no change to Flower.
 """
@@ -24,6 +24,7 @@ from flwr.supercore import log
 
 from fedhier.async_edges import algorithm_for
 from fedhier.communication import Communication
+from fedhier.config import FIELD_DEFAULTS as DEFAULTS
 from fedhier.errors import ConfigError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import (
@@ -134,20 +135,20 @@ class HierFedAvg(Strategy):
         local_period: int,
         global_period: int,
         num_groups: int | Sequence[int],
-        grouping: str = "random",
-        weighting: str = "samples",
-        seed: int = 0,
+        grouping: str = DEFAULTS["grouping"],
+        weighting: str = DEFAULTS["weighting"],
+        seed: int = DEFAULTS["seed"],
         min_available_nodes: int = 1,
         arrayrecord_key: str = "arrays",
         configrecord_key: str = "config",
         periods: Sequence[int] | None = None,
         cloud_strategy: Strategy | None = None,
         workload: Workload | None = None,
-        min_clients_per_edge: int = 0,
-        on_nan: str = "stop",
-        diagnostics_every: int = 0,
-        regroup_every: int = 0,
-        aggregators: Sequence[str] = ("mean",),
+        min_clients_per_edge: int = DEFAULTS["min_clients_per_edge"],
+        on_nan: str = DEFAULTS["on_nan"],
+        diagnostics_every: int = DEFAULTS["diagnostics_every"],
+        regroup_every: int = DEFAULTS["regroup_every"],
+        aggregators: Sequence[str] = (DEFAULTS["aggregators"],),
         mobility: Mobility | None = None,
         time_model: TimeModel | None = None,
         asynchronous: AsyncEdges | None = None,
@@ -159,15 +160,23 @@ class HierFedAvg(Strategy):
         if all_periods[0] != local_period or all_periods[-1] != global_period:
             raise ConfigError("periods must start with local_period and end with global_period")
         groups = (num_groups,) if isinstance(num_groups, int) else tuple(num_groups)
-        self.settings = HSGDSettings(
+        self._adopt(HSGDSettings(
             periods=all_periods, groups=groups, grouping=grouping, weighting=weighting,
             seed=seed, workload=workload or Workload(),
             min_clients_per_edge=min_clients_per_edge, on_nan=on_nan,
             diagnostics_every=diagnostics_every, regroup_every=regroup_every,
             aggregators=tuple(aggregators), mobility=mobility or Mobility(),
             time_model=time_model or TimeModel(), asynchronous=asynchronous or AsyncEdges(),
-            edge_periods=tuple(edge_periods), policy=reply_policy or ReplyPolicy())
-        self.algorithm = algorithm_for(self.settings, as_cloud_step(cloud_strategy))
+            edge_periods=tuple(edge_periods), policy=reply_policy or ReplyPolicy()),
+            cloud_strategy, min_available_nodes, fraction_evaluate, arrayrecord_key,
+            configrecord_key)
+
+    def _adopt(self, settings: HSGDSettings, cloud_strategy: Strategy | None,
+               min_available_nodes: int, fraction_evaluate: float = 1.0,
+               arrayrecord_key: str = "arrays", configrecord_key: str = "config") -> None:
+        """Hold ``settings`` (validated when they were made) and the Flower-side options."""
+        self.settings = settings
+        self.algorithm = algorithm_for(settings, as_cloud_step(cloud_strategy))
         self.min_available_nodes = min_available_nodes
         self.fraction_evaluate = fraction_evaluate
         self.arrayrecord_key = arrayrecord_key
@@ -180,16 +189,11 @@ class HierFedAvg(Strategy):
     @classmethod
     def from_settings(cls, settings: HSGDSettings, *, cloud_strategy: Strategy | None = None,
                       min_available_nodes: int = 1) -> HierFedAvg:
-        """A HierFedAvg running ``settings`` (e.g. ``fedhier.server.settings_for(cfg)``)."""
-        s = settings
-        return cls(s.local_period, s.global_period, s.groups, grouping=s.grouping,
-                   weighting=s.weighting, seed=s.seed, min_available_nodes=min_available_nodes,
-                   periods=s.periods, cloud_strategy=cloud_strategy, workload=s.workload,
-                   min_clients_per_edge=s.min_clients_per_edge, on_nan=s.on_nan,
-                   diagnostics_every=s.diagnostics_every, regroup_every=s.regroup_every,
-                   aggregators=s.aggregators, mobility=s.mobility, time_model=s.time_model,
-                   asynchronous=s.asynchronous, edge_periods=s.edge_periods,
-                   reply_policy=s.policy)
+        """A HierFedAvg running ``settings`` (e.g. ``fedhier.run_setup.settings_for(cfg)``):
+        held as they are, not listed field by field nor validated again."""
+        strategy = cls.__new__(cls)
+        strategy._adopt(settings, cloud_strategy, min_available_nodes)
+        return strategy
 
     # ------------------------------------------------------------------ what it holds
     @property

@@ -279,8 +279,6 @@ def test_every_import_of_the_packages_names_one_of_their_modules():
 
 #: Core modules that still import the Flower layer, each with the reason it is allowed.
 CORE_TO_FLOWER_ALLOWED: dict[str, str] = {
-    "fedhier.ranges": "CLOUD_STRATEGIES, the names --cloud-strategy accepts, lives in "
-                      "fedhier_strategies.cloud_step (to move into the core)",
     "fedhier.cli_flags": "a resumed run imports fedhier_strategies.cloud_step to register the "
                          "Flower cloud strategies with the checkpoint reader (to move into "
                          "the engine layer)",

@@ -1,0 +1,125 @@
+"""Validation of a :class:`fedhier.config.RunConfig`: the libraries' numeric limits, each
+setting's declared range and names (:mod:`fedhier.ranges`), and the checks that relate
+settings (groups and clients, the periods' schedule, mobility, async edges, edge servers).
+Every failure is one ConfigError line naming the setting.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import fields
+from typing import Any
+
+from fedhier.errors import ConfigError
+from fedhier.ranges import check_ranges, choices
+
+#: a :class:`fedhier.config.RunConfig` (not imported: that module imports this one)
+RunConfig = Any
+
+#: Largest finite float32: models, learning rates and optimiser state are float32 tensors.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def validate(cfg: RunConfig) -> None:
+    """Raise a one-line ConfigError at the first thing wrong with ``cfg`` (the order is part
+    of the messages users see: limits, ranges, names, then relations)."""
+    check_limits(cfg)  # first: huge or non-finite numbers reach no other check
+    check_ranges(cfg)  # every numeric setting against its one declared range
+    from fedhier.mobility import parse_handoff
+
+    parse_handoff(cfg.handoff)  # names the bad half of MODEL:ADMISSION
+    for key, allowed in choices().items():  # every closed set of names
+        one_of(key, getattr(cfg, key), allowed)
+    from fedhier.devices import check_device_name
+
+    check_device_name(cfg.device)
+    from fedhier.aggregate import check_aggregators
+
+    check_aggregators(cfg.aggregator_names, len(cfg.periods) or 2)
+    below, below_name = cfg.clients, "clients"
+    for level, count in enumerate(cfg.groups, start=1):
+        if count < 1:
+            raise ConfigError(f"groups must be at least 1, got {list(cfg.groups)}")
+        if count > below:
+            raise ConfigError(
+                f"more groups ({count}) than {below_name} ({below}) at level {level}: every "
+                "group needs at least one member")
+        below, below_name = count, f"level-{level} groups"
+    from fedhier.topology import check_schedule
+
+    check_schedule(cfg.periods, cfg.groups, cfg.edge_period_list, cfg.normalize_updates)
+    if cfg.mobility_rate > 0 and cfg.mobility_trace:
+        raise ConfigError("give mobility_rate or mobility_trace, not both")
+    if cfg.reachability and cfg.num_edges < 2:
+        raise ConfigError("a reachability matrix needs at least 2 edges")
+    from fedhier.faults import parse_span
+
+    parse_span(cfg.dropout_rounds)
+    if not cfg.dataset:
+        raise ConfigError("dataset must not be empty")
+    check_grouping(cfg.grouping)
+    cfg.mobility()  # unreadable or inconsistent mobility files: stop before any output
+    cfg.time_model().check_edges(cfg.num_edges)
+    cfg.asynchronous().check(cfg.num_edges, len(cfg.periods), cfg.aggregator_names,
+                             cfg.mobility_rate > 0 or bool(cfg.mobility_trace),
+                             cfg.regroup_every > 0, bool(cfg.edge_periods))
+    if cfg.edge_servers:
+        check_edge_servers(cfg)
+    if cfg.async_buffer and cfg.cloud_strategy != "average":
+        raise ConfigError("asynchronous edges (async_buffer) use the staleness-weighted "
+                          "average at the cloud; choose cloud_strategy average")
+
+
+def check_grouping(grouping: str) -> None:
+    """A built-in grouping, or a plugin that imports (stop before any output if not)."""
+    from fedhier.grouping import BUILTIN_GROUPINGS, GRADIENT_GROUPING, available_groupings
+
+    if ":" not in grouping:  # module:function is imported below
+        one_of("grouping", grouping, tuple(available_groupings()))
+    if grouping not in BUILTIN_GROUPINGS and grouping != GRADIENT_GROUPING:
+        from fedhier.grouping import load_plugin
+
+        load_plugin(grouping)
+
+
+def check_edge_servers(cfg: RunConfig) -> None:
+    """What edge servers as processes do not run (yet), in one line."""
+    from fedhier.grouping import grouping_needs
+
+    if "gradients" in grouping_needs(cfg.grouping):
+        raise ConfigError(f"edge servers as processes place clients before the run; the "
+                          f"'{cfg.grouping}' grouping needs their gradients: choose "
+                          "contiguous, random or a label-based grouping")
+    if cfg.local_optimizer().has_state and cfg.optimizer_state == "keep":
+        raise ConfigError("edge servers do not forward clients' kept optimizer state "
+                          "(checkpoints): use optimizer_state reset")
+    from fedhier.edge_tier import check_edge_tier
+
+    check_edge_tier(len(cfg.periods), cfg.mobility_rate > 0 or bool(cfg.mobility_trace),
+                    cfg.regroup_every > 0, cfg.async_buffer > 0, bool(cfg.edge_periods))
+
+
+def check_limits(cfg: RunConfig) -> None:
+    """Limits of the libraries below: step counters and row indices are int64, and numbers
+    become float32 tensors (each setting's own range: :mod:`fedhier.ranges`)."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        for item in value if isinstance(value, tuple) else (value,):
+            if isinstance(item, int) and not isinstance(item, bool) and abs(item) >= 2**62:
+                raise ConfigError(f"{f.name} {item} is too large (limit 2**62)")
+        if isinstance(value, float) and f.name != "round_timeout" and not (
+                math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+            raise ConfigError(f"{f.name} {value} is not a finite float32 number "
+                              f"(|x| <= {FLOAT32_MAX:.3g})")
+    if cfg.rounds * cfg.global_period >= 2**62:
+        raise ConfigError(f"rounds x global_period = {cfg.rounds * cfg.global_period} local "
+                          "steps is too many (limit 2**62)")
+
+
+def one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    """A one-line ConfigError (with a "did you mean") unless ``value`` is in ``allowed``."""
+    if value not in allowed:
+        close = difflib.get_close_matches(str(value), list(allowed), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"unknown {key} '{value}'{hint}; choose one of {', '.join(allowed)}")
