@@ -1,29 +1,40 @@
 """Asynchronous, buffered edges: the cloud aggregates the first K edge reports.
 
 Each edge runs *jobs*: from the global model of some version v (the number of cloud
-aggregations so far), its clients do the G / I edge rounds of a cloud round (edge
-aggregation every I steps, with the edge round and step numbers of cloud round v + 1, so
-mini-batches, participation, stragglers and faults are those of that round), and the edge
-then uploads its clients' last models to the cloud. On the simulated clock
+aggregations so far), its clients do the G / I edge rounds of a cloud round (aggregations
+below the cloud on their usual schedule, with the edge round and step numbers of cloud round
+v + 1, so mini-batches, participation, stragglers and faults are those of that round), and
+the edge then uploads its clients' last models. On the simulated clock
 (:mod:`fedhier.sim_clock`) edges finish at different times; uploads queue on the cloud's
 link; the cloud aggregates as soon as K reports have arrived, and sends the new model back
 to those K edges, which start their next job from it. The others keep going.
 
 A report that arrives s aggregations after its job's version is *stale* by s: over S
-(``max_staleness``) it is dropped and its edge restarts from the current model; otherwise its
-clients' weights are multiplied by ``staleness_weight(s)`` (1/sqrt(1+s)) and it enters the
-aggregate as an update relative to the model its job started from:
-
-    w_new = sum_j a_j x_j / sum_j a_j  +  sum_e A_e (w - w_base(e)) / sum_e A_e,
-
-a_j the client weights (presence weights x staleness factor), A_e their sum over edge e,
-w the current global model and w_base(e) the model edge e's job started from; the second
-term is zero for fresh reports, so with K = N (every report fresh) this is exactly the
+(``max_staleness``) it is dropped and its edge restarts from the current model; otherwise it
+enters as its update applied to the current model, its clients weighted by
+``staleness_weight(s)`` (1/sqrt(1+s)), through the run's aggregators and cloud step
+(:mod:`fedhier.stale_reports`). With K = N (every report fresh) this is exactly the
 synchronous round of :class:`fedhier.hsgd.HierarchicalSGD`, bit for bit.
 
-Jobs train when they start (their result depends only on their start model and their round
-numbers), so executors run them as ordinary edge rounds restricted to the starting edges'
-clients. Two-level hierarchies, static groupings and the plain average only (checked).
+**Membership** (who is in a job) changes only when a job starts. At the start of each cloud
+round (after each aggregation) the grouping may change: a regrouping when due
+(``regroup_every``) and the mobility model's moves of that round (rate or trace; all of a
+round's moves at once, as they stand at its end). A job trains the clients its edge has in
+the grouping when it starts, except clients still in a job of another edge: *jobs in flight
+keep their clients*, and a moved client joins its new edge at that edge's next job. A job
+starts every client from the global model it started from, so the ``carry`` handoff is
+``fresh`` here (as for synchronous moves at a cloud round's start). With K = N and one edge
+round per cloud round (G = I) every job starts at the round's start: synchronous moves and
+regroupings, bit for bit.
+
+**Deeper trees**: the levels between the edges and the cloud aggregate on their schedule
+inside the jobs, over the edges whose jobs started together (from the same global model);
+an edge outside that batch neither waits for nor joins such an aggregation. The accepted
+reports then go up the tree to the cloud together.
+
+Jobs train when they start (their result depends only on their start model, their round
+numbers and their clients), so executors run them as ordinary edge rounds restricted to the
+starting edges' clients.
 """
 
 from __future__ import annotations
@@ -35,7 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhier.aggregate import presence_weights
+from fedhier.aggregate import aggregator
+from fedhier.communication import Communication
 from fedhier.edge_tier import train_edges
 from fedhier.errors import ConfigError
 from fedhier.grouping import ClientInfo
@@ -45,9 +57,8 @@ from fedhier.hsgd import (
     HierarchicalSGD,
     HSGDSettings,
     Params,
-    aggregate_levels,
 )
-from fedhier.staleness import staleness_weight
+from fedhier.stale_reports import merge_reports
 from fedhier.topology import Hierarchy
 
 
@@ -59,7 +70,11 @@ class EdgeJob:
         edge: the edge; version: cloud aggregations before its start model;
         base: that start model (name -> [*shape]); finish: simulated second its training ends;
         models: its clients' last models that survived (name -> [s, *shape]; None: none did);
-        survivors: int64 [s], those clients, sorted.
+        survivors: int64 [s], those clients, sorted;
+        members: int64 [m], the clients it trained (its edge's when it started), sorted
+            (None in checkpoints written before membership could change: the edge's);
+        reference: the edge's model before its last edge round (name -> [*shape]), kept
+            only when an aggregator measures from a start model (``clip``), else None.
     """
 
     edge: int
@@ -68,20 +83,20 @@ class EdgeJob:
     finish: float
     models: Params | None
     survivors: np.ndarray
+    members: np.ndarray | None = None
+    reference: Params | None = None
 
 
 class AsyncHierarchicalSGD(HierarchicalSGD):
     """H-SGD whose cloud aggregates the first K edge reports (see the module docstring)."""
 
     def __init__(self, settings: HSGDSettings, cloud_step: CloudStep | None = None) -> None:
-        if cloud_step is not None:
-            raise ConfigError("asynchronous edges use the staleness-weighted average at the "
-                              "cloud; choose cloud_strategy 'average'")
         super().__init__(settings, cloud_step)
         self.version = 0  # cloud aggregations so far
         self.jobs: dict[int, EdgeJob] = {}  # edge -> its job in flight
         self.idle: dict[int, float] = {}  # edge -> simulated second it got the global model
         self.link_free = -math.inf  # the cloud link is busy uploading until then
+        self.relay_free: dict[str, float] = {}  # "level:node" -> the same for a node's link
         self.now = 0.0  # simulated second of the last cloud aggregation's broadcast
         self._restored_edge_models: Params | None = None  # from a checkpoint
 
@@ -89,7 +104,11 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
     def cloud_round(self, executor: Executor, cloud_round: int) -> dict[str, Any]:
         """Wait for K fresh-enough reports, aggregate them; returns the training keys."""
         s = self.settings
-        clock = self._clock()
+        membership = self._change_membership(executor, cloud_round)
+        hierarchy = self._hierarchy()
+        if self.cloud_step is not None:  # the model its next update starts from
+            self.cloud_step.begin(cloud_round, self.global_params,
+                                  hierarchy.num_nodes(hierarchy.num_levels - 1))
         stats: dict[str, Any] = {"losses": [], "failed_clients": 0, "failed_edges": 0}
         accepted: list[tuple[EdgeJob, int]] = []
         dropped = 0
@@ -98,48 +117,136 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
             if self.idle:
                 self._start_jobs(executor, stats)
             job = self.jobs.pop(min(self.jobs, key=lambda e: (self.jobs[e].finish, e)))
-            arrivals, self.link_free = clock.upload_queue(np.array([job.finish]),
-                                                          self.link_free, self.model_bytes)
-            arrival = float(arrivals[0])
-            self.communication.add_edge_cloud(1, self.model_bytes)
+            arrival = self._send_up(job)
             staleness = self.version - job.version
             if staleness > s.asynchronous.max_staleness:  # too old: the edge starts over
                 dropped += 1
-                self.idle[job.edge] = arrival + float(clock.model.transfer_seconds(
-                    "edge-cloud", 1, self.model_bytes))
-                self.communication.add_edge_cloud(1, self.model_bytes)
+                self.idle[job.edge] = float(self._send_down([job.edge], arrival)[0])
                 continue
             accepted.append((job, staleness))
-        self._aggregate(accepted)
-        self.now = arrival + float(clock.model.transfer_seconds("edge-cloud", len(accepted),
-                                                                self.model_bytes))
-        self.communication.add_edge_cloud(len(accepted), self.model_bytes)
-        for job, _ in accepted:
-            self.idle[job.edge] = self.now
+        self._aggregate(accepted, cloud_round)
+        reached = self._send_down([job.edge for job, _ in accepted], arrival)
+        self.now = float(reached.max())
+        for (job, _), when in zip(accepted, reached.tolist(), strict=True):
+            self.idle[job.edge] = when
         self.version += 1
         losses = stats["losses"]
         return {"local_train_loss": float(np.mean(losses)) if losses else None,
                 "failed_clients": stats["failed_clients"],
                 "failed_edges": stats["failed_edges"],
                 "async_reports": [[job.edge, staleness] for job, staleness in accepted],
-                "stale_dropped": dropped}
+                "stale_dropped": dropped, **membership}
+
+    def _send_up(self, job: EdgeJob) -> float:
+        """A report's way up, one model queuing on each link above the edge (its region's,
+        ..., the cloud's); returns the simulated second it reaches the cloud."""
+        hierarchy, clock = self._hierarchy(), self._clock()
+        when = job.finish
+        for level in range(2, hierarchy.num_levels + 1):
+            if level == hierarchy.num_levels:
+                arrivals, self.link_free = clock.upload_queue(np.array([when]), self.link_free,
+                                                              self.model_bytes)
+            else:  # a node between the edges and the cloud relays the report on its link
+                key = f"{level}:{int(hierarchy.edges_under(level)[job.edge])}"
+                arrivals, self.relay_free[key] = clock.upload_queue(
+                    np.array([when]), self.relay_free.get(key, -math.inf), self.model_bytes)
+            when = float(arrivals[0])
+        self.communication.add_edge_cloud(hierarchy.num_levels - 1, self.model_bytes)
+        return when
+
+    def _send_down(self, edges: list[int], start: float) -> np.ndarray:
+        """float64 [len(edges)]: when the cloud's model, sent at ``start``, reaches each of
+        ``edges``: tier by tier, each node sends it to those of its children that lead to
+        ``edges``, one after another over its link."""
+        hierarchy, clock = self._hierarchy(), self._clock()
+        chosen = np.asarray(edges, dtype=np.int64)
+        reached = np.full(len(chosen), start)
+        for level in range(hierarchy.num_levels, 1, -1):
+            sender = hierarchy.edges_under(level)[chosen]
+            pairs = np.unique(np.stack([sender, hierarchy.edges_under(level - 1)[chosen]]),
+                              axis=1)
+            children = np.bincount(pairs[0], minlength=hierarchy.num_nodes(level))
+            reached = reached + clock.model.transfer_seconds("edge-cloud", children[sender],
+                                                             self.model_bytes)
+            self.communication.add_edge_cloud(pairs.shape[1], self.model_bytes)
+        return reached
+
+    def _aggregate(self, accepted: list[tuple[EdgeJob, int]], cloud_round: int = 0) -> None:
+        """The new global model from the accepted (job, staleness) reports
+        (:func:`fedhier.stale_reports.merge_reports`); it stays when none has a survivor."""
+        grouping = self._hierarchy().edge_of_client()
+        for job, _ in accepted:
+            if job.members is None:
+                job.members = np.flatnonzero(grouping == job.edge)
+        new = merge_reports(accepted, self.global_params, self.weights, self._hierarchy(),
+                            self.settings.aggregators, self.node_models, self.cloud_step,
+                            cloud_round)
+        if new is not None:
+            self.global_params = new
+
+    def _change_membership(self, executor: Executor, cloud_round: int) -> dict[str, Any]:
+        """The grouping for the jobs that start in ``cloud_round``: a regrouping when due,
+        then the mobility model's moves of the round (the map at its end); returns the
+        record keys a synchronous round writes for them."""
+        s = self.settings
+        mobility = s.mobility
+        out: dict[str, Any] = {}
+        if self.regroup_due(cloud_round):
+            before = self._hierarchy()
+            self.hierarchy = self.group(executor, self.global_params, s.seed + cloud_round - 1)
+            if mobility.active and mobility.reachability is not None:
+                self.hierarchy = self.hierarchy.with_edge_map(mobility.respect(
+                    before.edge_of_client(), self.hierarchy.edge_of_client(),
+                    self.hierarchy.num_nodes(1)))
+            out = {"regrouped": True,
+                   "client_to_edge": self._hierarchy().edge_of_client().tolist()}
+        if not mobility.active:
+            return out
+        hierarchy = self._hierarchy()
+        edge_rounds = s.edge_rounds_per_cloud_round
+        old = hierarchy.edge_of_client()
+        new = mobility.maps(s.seed, cloud_round, edge_rounds, old, hierarchy.num_nodes(1),
+                            self._info().label_histograms)[-1]
+        moved = np.flatnonzero(new != old)
+        out["moved_clients"] = len(moved)
+        if len(moved):
+            self.hierarchy = hierarchy.with_edge_map(new)
+            first = (cloud_round - 1) * edge_rounds + 1
+            out["moves"] = [[first, int(c), int(old[c]), int(new[c])] for c in moved]
+            out["client_to_edge"] = new.tolist()
+        return out
+
+    def training_map(self) -> np.ndarray:
+        """int64 [n]: each client's edge for a job starting now: its edge in the grouping,
+        or, while it is in a job in flight, that job's edge."""
+        edge_of = self._hierarchy().edge_of_client().copy()
+        for job in self.jobs.values():
+            if job.members is not None:
+                edge_of[job.members] = job.edge
+        return edge_of
 
     def _start_jobs(self, executor: Executor, stats: dict[str, Any]) -> None:
         """Train the jobs of every idle edge from the current global model: the G / I edge
         rounds of cloud round ``version + 1``, restricted to those edges' clients."""
-        hierarchy, clock = self._hierarchy(), self._clock()
+        grouping, clock = self._hierarchy(), self._clock()
         edges = np.array(sorted(self.idle), dtype=np.int64)
         for edge in edges.tolist():
             clock.edge_time[edge] = self.idle[edge]
             for key, value in self.edge_models.items():
                 value[edge] = self.global_params[key]
         self.idle = {}
-        edge_of = hierarchy.edge_of_client()
-        outcome = train_edges(self, executor, edges, self.version + 1)
+        edge_of = self.training_map()
+        self.hierarchy = grouping.with_edge_map(edge_of)
+        try:
+            outcome = self._train_batch(executor, edges)
+        finally:
+            self.hierarchy = grouping
         stats["failed_clients"] += outcome.failed_clients
         stats["failed_edges"] += outcome.failed_edges
         stats["losses"].extend(outcome.losses[outcome.losses[:, 1] > 0, 0].tolist())
         held = outcome.held
+        keep_reference = any(aggregator(name).needs_reference
+                             for name in self.settings.aggregators)
         for edge in edges.tolist():
             models, survivors = None, np.zeros(0, dtype=np.int64)
             if held is not None:
@@ -148,42 +255,31 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                     index = torch.as_tensor(rows, device=next(iter(held[0].values())).device)
                     models = {k: v.index_select(0, index) for k, v in held[0].items()}
                     survivors = held[1][rows]
+            reference = ({k: v[edge].clone() for k, v in self.edge_models.items()}
+                         if keep_reference else None)
             self.jobs[edge] = EdgeJob(edge, self.version, dict(self.global_params),
-                                      float(clock.edge_time[edge]), models, survivors)
+                                      float(clock.edge_time[edge]), models, survivors,
+                                      np.flatnonzero(edge_of == edge), reference)
 
-    def _aggregate(self, accepted: list[tuple[EdgeJob, int]]) -> None:
-        """The new global model from the accepted reports (the module docstring's rule)."""
-        reports = [(job, staleness) for job, staleness in accepted if job.models is not None]
-        if not reports:
-            return  # nothing survived: the global model stays
-        hierarchy = self._hierarchy()
-        survivors = np.concatenate([job.survivors for job, _ in reports])
-        order = np.argsort(survivors, kind="stable")
-        survivors = survivors[order]
-        keys = list(self.global_params)
-        device = next(iter(self.global_params.values())).device
-        index = torch.as_tensor(order, device=device)
-        models = {k: torch.cat([job.models[k] for job, _ in reports  # type: ignore[index]
-                                ]).index_select(0, index) for k in keys}
-        present = np.zeros(hierarchy.num_clients, dtype=bool)
-        present[survivors] = True
-        edge_of = hierarchy.edge_of_client()
-        factor = np.ones(hierarchy.num_clients)
-        for job, staleness in reports:
-            factor[job.survivors] = staleness_weight(staleness)
-        weights = presence_weights(self.weights, present, edge_of) * factor
-        averaged, _ = aggregate_levels(models, survivors, weights, hierarchy,
-                                       hierarchy.num_levels, self.settings.aggregators,
-                                       self.node_models)
-        new = {k: v[0] for k, v in averaged.items()}
-        stale = [(job, float(weights[job.survivors].sum())) for job, s in reports if s > 0]
-        if stale:  # stale reports enter as updates relative to their own start model
-            total = float(weights[survivors].sum())
-            for key in keys:
-                correction = sum(mass * (self.global_params[key] - job.base[key])
-                                 for job, mass in stale)
-                new[key] = new[key] + correction / total
-        self.global_params = new
+    def _train_batch(self, executor: Executor, edges: np.ndarray) -> Any:
+        """:func:`train_edges` for a batch of edges starting together. Above the edges (a
+        deeper tree) an aggregation inside the jobs is the batch's: the other edges neither
+        hold it up on the clock nor count in its traffic."""
+        hierarchy, clock = self._hierarchy(), self._clock()
+        if hierarchy.num_levels <= 2:
+            return train_edges(self, executor, edges, self.version + 1)
+        others = np.setdiff1d(np.arange(hierarchy.num_nodes(1)), edges)
+        times = clock.edge_time.copy()
+        clock.edge_time[others] = -math.inf
+        counted, self.communication = self.communication, BatchCommunication(hierarchy, edges)
+        try:
+            return train_edges(self, executor, edges, self.version + 1)
+        finally:
+            batch, self.communication = self.communication, counted
+            for key, value in batch.as_dict().items():
+                setattr(counted, key, getattr(counted, key) + value)
+            clock.edge_time[others] = times[others]
+
 
     # ---------------------------------------------------------------- time and checkpoints
     def elapsed_seconds(self) -> float:
@@ -194,6 +290,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         state = super().state_dict()
         state["async"] = {"version": self.version, "jobs": list(self.jobs.values()),
                           "idle": dict(self.idle), "link_free": self.link_free,
+                          "relay_free": dict(self.relay_free),
                           "now": self.now, "edge_models": dict(self.edge_models)}
         return state
 
@@ -207,6 +304,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         self.jobs = {job.edge: job for job in saved["jobs"]}
         self.idle = dict(saved["idle"])
         self.link_free = saved["link_free"]
+        self.relay_free = dict(saved.get("relay_free", {}))  # {}: checkpoints of two levels
         self.now = saved["now"]
         self._restored_edge_models = saved["edge_models"]
 
@@ -216,6 +314,10 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         initial model, a resumed one its checkpointed edges."""
         super().setup(executor, initial, info=info, hierarchy=hierarchy)
         restored = self._restored_edge_models
+        grouping = self._hierarchy().edge_of_client()
+        for job in self.jobs.values():
+            if job.members is None:
+                job.members = np.flatnonzero(grouping == job.edge)
         if restored is not None:
             device = next(iter(initial.values())).device
             self.edge_models = {k: v.to(device) for k, v in restored.items()}
@@ -224,6 +326,20 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         self.idle = dict.fromkeys(range(edges), 0.0)
         self.edge_models = {k: v.unsqueeze(0).repeat(edges, *([1] * v.dim()))
                             for k, v in self.global_params.items()}
+
+
+class BatchCommunication(Communication):
+    """Traffic counters for a batch of edges training together: an aggregation above the
+    edges counts the nodes that have an edge of the batch under them."""
+
+    def __init__(self, hierarchy: Hierarchy, edges: np.ndarray) -> None:
+        super().__init__()
+        self.hierarchy, self.edges = hierarchy, edges
+
+    def add_aggregation(self, hierarchy: Hierarchy, level: int, model_bytes: int) -> None:
+        for lower in range(1, level):
+            nodes = len(np.unique(self.hierarchy.edges_under(lower)[self.edges]))
+            self.add_edge_cloud(2 * nodes, model_bytes)
 
 
 def algorithm_for(settings: HSGDSettings,
