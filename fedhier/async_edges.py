@@ -131,11 +131,14 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
             self.idle[job.edge] = when
         self.version += 1
         losses = stats["losses"]
-        return {"local_train_loss": float(np.mean(losses)) if losses else None,
-                "failed_clients": stats["failed_clients"],
-                "failed_edges": stats["failed_edges"],
-                "async_reports": [[job.edge, staleness] for job, staleness in accepted],
-                "stale_dropped": dropped, **membership}
+        out: dict[str, Any] = {
+            "local_train_loss": float(np.mean(losses)) if losses else None,
+            "failed_clients": stats["failed_clients"], "failed_edges": stats["failed_edges"],
+            "async_reports": [[job.edge, staleness] for job, staleness in accepted],
+            "stale_dropped": dropped, **membership}
+        if s.edge_periods:  # each edge's aggregations in its last job
+            out["edge_aggregations"] = self._edge_aggregations.tolist()
+        return out
 
     def _send_up(self, job: EdgeJob) -> float:
         """A report's way up, one model queuing on each link above the edge (its region's,
@@ -236,11 +239,17 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                 value[edge] = self.global_params[key]
         self.idle = {}
         edge_of = self.training_map()
+        if self.settings.edge_periods:
+            self._start_periods(np.isin(edge_of, edges), edges)
         self.hierarchy = grouping.with_edge_map(edge_of)
+        counts = self._edge_aggregations.copy()
         try:
             outcome = self._train_batch(executor, edges)
         finally:
             self.hierarchy = grouping
+        if self.settings.edge_periods:  # the schedule counts every edge: keep the batch's
+            others = np.setdiff1d(np.arange(len(counts)), edges)
+            self._edge_aggregations[others] = counts[others]
         stats["failed_clients"] += outcome.failed_clients
         stats["failed_edges"] += outcome.failed_edges
         stats["losses"].extend(outcome.losses[outcome.losses[:, 1] > 0, 0].tolist())
@@ -260,6 +269,22 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
             self.jobs[edge] = EdgeJob(edge, self.version, dict(self.global_params),
                                       float(clock.edge_time[edge]), models, survivors,
                                       np.flatnonzero(edge_of == edge), reference)
+
+    def _start_periods(self, members: np.ndarray, edges: np.ndarray) -> None:
+        """Per-edge periods: the clients ``members`` (bool [n]) of the starting ``edges``
+        start a cloud period: no planned steps left, no carried model, no edge aggregation
+        counted yet (what :meth:`HierarchicalSGD.begin_cloud_round` resets for all)."""
+        n, num_edges = self._hierarchy().num_clients, self._hierarchy().num_nodes(1)
+        if len(self._remaining) != n:
+            self._remaining = np.zeros(n, dtype=np.int64)
+            self._scale = np.ones(n, dtype=np.float64)
+            self._has_carry = np.zeros(n, dtype=bool)
+        if len(self._edge_aggregations) != num_edges:
+            self._edge_aggregations = np.zeros(num_edges, dtype=np.int64)
+        self._remaining[members] = 0
+        self._scale[members] = 1.0
+        self._has_carry[members] = False
+        self._edge_aggregations[edges] = 0
 
     def _train_batch(self, executor: Executor, edges: np.ndarray) -> Any:
         """:func:`train_edges` for a batch of edges starting together. Above the edges (a
@@ -291,6 +316,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         state["async"] = {"version": self.version, "jobs": list(self.jobs.values()),
                           "idle": dict(self.idle), "link_free": self.link_free,
                           "relay_free": dict(self.relay_free),
+                          "edge_aggregations": self._edge_aggregations.tolist(),
                           "now": self.now, "edge_models": dict(self.edge_models)}
         return state
 
@@ -305,6 +331,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         self.idle = dict(saved["idle"])
         self.link_free = saved["link_free"]
         self.relay_free = dict(saved.get("relay_free", {}))  # {}: checkpoints of two levels
+        self._edge_aggregations = np.asarray(saved.get("edge_aggregations", []), dtype=np.int64)
         self.now = saved["now"]
         self._restored_edge_models = saved["edge_models"]
 

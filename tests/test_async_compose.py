@@ -1,9 +1,10 @@
 """Asynchronous edges with the other features: robust aggregators per level, a Flower cloud
 strategy, regrouping, mobility (rate, trace, both handoffs) and deeper trees.
 
-For each: K = N equals the synchronous run bit for bit, the engines agree with stale reports,
-and the reductions that apply (one client per edge: median = mean; move rate 0 = static;
-carry = fresh, since every job starts its clients from its own start model)."""
+Per-edge periods too. For each: K = N equals the synchronous run bit for bit, the engines
+agree with stale reports, and the reductions that apply (one client per edge: median = mean;
+move rate 0 = static; carry = fresh, since every job starts its clients from its own start
+model)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,13 @@ from fedhier.cli import main
 from fedhier.config import RunConfig
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.engines.vectorized import run_vectorized
-from fedhier.errors import ConfigError
 from fedhier.hsgd import HSGDSettings
 from fedhier.run_folder import RunFolder
 from fedhier.staleness import AsyncEdges
 from fedhier.topology import Hierarchy
 from tests import oracle_hsgd as oracle
 from tests.helpers import metrics
-from tests.test_faults import _same_final
+from tests.test_faults import _same_final, run_interrupted_at
 from tests.test_oracle import data, gap, initial, problem  # noqa: F401 - `data`: a fixture
 from tests.test_oracle import run as oracle_run
 from tests.test_vectorized import assert_same_runs
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # 8 clients, 4 edges, one edge round per cloud round (G = I: synchronous moves and regroupings
 # then happen at a cloud round's start, where async jobs start too)
 BASE = RunConfig(dataset="digits", clients=8, groups=(4,), local_period=2, global_period=2,
-                 rounds=3, batch_size=8, seed=7)
+                 rounds=2, batch_size=8, seed=7)
 ASYNC_KEYS = {"async_reports", "stale_dropped", "wall_seconds"}
 RUNNERS = {"inprocess": run_inprocess, "vectorized": run_vectorized}
 ENGINE_TOL = 1e-5
@@ -69,23 +69,24 @@ def same_records(a: list[dict], b: list[dict]) -> bool:
 
 
 def trace_file(path) -> str:
-    path.write_text("round,client,edge\n1,0,3\n2,5,0\n2,1,2\n3,0,1\n")
+    path.write_text("round,client,edge\n1,0,3\n2,5,0\n2,1,2\n2,0,1\n")
     return str(path)
 
 
 COMBOS = {
     "median": {"aggregators": "median"},
-    "trimmed-mean,mean": {"aggregators": "trimmed-mean:0.25,mean"},
     "fedadam": {"cloud_strategy": "fedadam"},
     "regroup": {"regroup_every": 1},
     "mobility-rate": {"mobility_rate": 0.5},
     "mobility-trace-carry": {"mobility_trace": "TRACE", "handoff": "carry"},
     "three-levels": {"groups": (4, 2), "periods": (2, 4, 8), "rounds": 2},
+    "edge-periods": {"global_period": 4, "edge_periods": "2,4,4,2"},
 }
 
 
-def combo(name: str, tmp_path) -> RunConfig:
-    changes = dict(COMBOS[name])
+def combo(tmp_path, *names: str) -> RunConfig:
+    """BASE with the settings of the ``names`` in COMBOS."""
+    changes = {k: v for name in names for k, v in COMBOS[name].items()}
     if changes.get("mobility_trace") == "TRACE":
         changes["mobility_trace"] = trace_file(tmp_path / "trace.csv")
     return BASE.replace(**changes)
@@ -93,7 +94,7 @@ def combo(name: str, tmp_path) -> RunConfig:
 
 @pytest.mark.parametrize("name", list(COMBOS))
 def test_a_buffer_of_every_edge_is_the_synchronous_run_bit_for_bit(name, tmp_path):
-    cfg = combo(name, tmp_path)
+    cfg = combo(tmp_path, name)
     sync = run(cfg, tmp_path / "sync")
     buffered = run(cfg.replace(async_buffer=4), tmp_path / "async")
     # above the edges of a deeper tree async reports are relayed one by one, where a
@@ -108,10 +109,10 @@ def test_a_buffer_of_every_edge_is_the_synchronous_run_bit_for_bit(name, tmp_pat
         assert any(r.get("regrouped") or r.get("moved_clients") for r in buffered[1:])
 
 
-@pytest.mark.parametrize("name", ["median", "fedadam", "regroup", "mobility-trace-carry",
-                                  "three-levels"])
-def test_engines_agree_with_stale_reports(name, tmp_path):
-    cfg = combo(name, tmp_path).replace(async_buffer=2, edge_slowdown="0:4", max_staleness=2)
+@pytest.mark.parametrize("names", [("median", "fedadam", "regroup", "mobility-trace-carry"),
+                                   ("three-levels",), ("edge-periods",)])
+def test_engines_agree_with_stale_reports(names, tmp_path):
+    cfg = combo(tmp_path, *names).replace(async_buffer=2, edge_slowdown="0:4", max_staleness=2)
     records = run(cfg, tmp_path / "vectorized")
     run(cfg, tmp_path / "inprocess", "inprocess")
     assert_same_runs(tmp_path / "vectorized", tmp_path / "inprocess", ENGINE_TOL)
@@ -121,7 +122,7 @@ def test_engines_agree_with_stale_reports(name, tmp_path):
 def test_with_one_client_per_edge_the_median_is_the_mean(tmp_path):
     """A median over one client is that client: median at the edges equals mean there, also
     for stale reports (their shift moves the one client)."""
-    cfg = BASE.replace(clients=4, async_buffer=2, edge_slowdown="0:4", rounds=4)
+    cfg = BASE.replace(clients=4, async_buffer=2, edge_slowdown="0:4", rounds=3)
     mean = run(cfg, tmp_path / "mean")
     run(cfg.replace(aggregators="median,mean"), tmp_path / "median")
     assert_same_runs(tmp_path / "mean", tmp_path / "median", 1e-6)
@@ -137,8 +138,9 @@ def test_handoffs_and_rate_zero_reduce_as_documented(tmp_path):
     assert same_records(metrics(tmp_path / "carry"), moving)
     assert _same_final(tmp_path / "fresh", tmp_path / "carry")
     assert sum(r["moved_clients"] for r in moving[1:]) > 0
-    static = run(cfg.replace(mobility_rate=0.0), tmp_path / "static")
-    run(cfg.replace(mobility_rate=0.0, handoff="carry"), tmp_path / "rate0")
+    tiny = cfg.replace(clients=4, rounds=1, mobility_rate=0.0)
+    static = run(tiny, tmp_path / "static")
+    run(tiny.replace(handoff="carry"), tmp_path / "rate0")
     assert same_records(metrics(tmp_path / "rate0"), static)
 
 
@@ -174,21 +176,23 @@ def test_a_median_async_run_matches_the_oracle(data):  # noqa: F811 - the fixtur
     assert gap(r, mean) > 1e-3  # the rule matters
 
 
-def test_per_edge_periods_stay_refused_in_one_line(tmp_path, capsys):
-    with pytest.raises(ConfigError, match="edge_periods"):
-        HSGDSettings(periods=(2, 4), groups=(2,), edge_periods=(2, 4),
-                     asynchronous=AsyncEdges(1))
-    out = tmp_path / "never"
-    assert main(["run", "--groups", "2", "--async-buffer", "1", "--edge-periods", "2,4",
-                 "--global-period", "4", "--out", str(out)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "edge_periods" in err, err
-    assert not out.exists()
-
-
-def test_the_cli_runs_a_flower_cloud_strategy_after_async_reports(tmp_path):
-    assert main(["run", "--clients", "8", "--rounds", "2", "--async-buffer", "2",
-                 "--cloud-strategy", "fedadam", "--aggregators", "median",
-                 "--regroup-every", "1", "--mobility-rate", "0.3", "--groups", "4,2",
-                 "--periods", "2,4,8", "--engine", "vectorized", "--no-progress",
-                 "--out", str(tmp_path / "r")]) == 0
+def test_everything_at_once_runs_and_resumes_bit_identically(tmp_path, monkeypatch):
+    """Via the CLI: a Flower cloud strategy after async reports, clip (measured from each
+    edge's start model) at the edges, regrouping, mobility and three levels; Ctrl-C in
+    round 3 and --resume end where the uninterrupted run ends."""
+    args = ["run", "--clients", "8", "--rounds", "4", "--async-buffer", "2",
+            "--edge-slowdown", "0:4", "--cloud-strategy", "fedadam",
+            "--aggregators", "clip:2x,median,mean", "--regroup-every", "2",
+            "--mobility-rate", "0.3", "--groups", "4,2", "--periods", "2,4,8",
+            "--momentum", "0.5", "--optimizer-state", "keep", "--engine", "vectorized",
+            "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "reference")]) == 0
+    stopped = tmp_path / "stopped"
+    assert run_interrupted_at(3, [*args, "--out", str(stopped)], monkeypatch) == 130
+    assert main(["run", "--resume", str(stopped), "--no-progress"]) == 0
+    assert _same_final(tmp_path / "reference", stopped)
+    reference = metrics(tmp_path / "reference")
+    assert same_records(metrics(stopped), reference)
+    assert max(s for r in reference[1:] for _, s in r["async_reports"]) >= 1
+    assert any(r.get("regrouped") for r in reference) and any(
+        r["moved_clients"] for r in reference[1:])

@@ -122,8 +122,6 @@ def test_an_interrupted_async_run_resumes_bit_identically(engine, tmp_path, monk
 @pytest.mark.parametrize("flags,message", [
     (["--async-buffer", "5"], "more than the 4 edges"),
     (["--async-buffer", "-1"], ">= 0"),
-    (["--async-buffer", "2", "--edge-periods", "2,4,2,4", "--global-period", "4"],
-     "edge_periods"),
 ])
 def test_bad_async_settings_are_one_line_errors_before_any_work(flags, message, tmp_path,
                                                                 capsys):
