@@ -26,7 +26,13 @@ from fedhier.topology import Hierarchy
 from tests import oracle_hsgd as oracle
 from tests.helpers import metrics
 from tests.test_faults import _same_final, run_interrupted_at
-from tests.test_oracle import data, gap, initial, problem  # noqa: F401 - `data`: a fixture
+from tests.test_oracle import (  # noqa: F401 - `data`: a fixture
+    data,
+    flower_fedadam,
+    gap,
+    initial,
+    problem,
+)
 from tests.test_oracle import run as oracle_run
 from tests.test_vectorized import assert_same_runs
 
@@ -196,3 +202,17 @@ def test_everything_at_once_runs_and_resumes_bit_identically(tmp_path, monkeypat
     assert max(s for r in reference[1:] for _, s in r["async_reports"]) >= 1
     assert any(r.get("regrouped") for r in reference) and any(
         r["moved_clients"] for r in reference[1:])
+
+
+def test_a_flower_cloud_step_after_async_reports_matches_the_oracle(data):  # noqa: F811
+    """FedAdam over the reporting edges' aggregates of their moved models, weights A_e."""
+    r = oracle_run(data, "vectorized", "--groups", "4", "--grouping", "contiguous",
+                   "--local-period", "2", "--global-period", "4", "--async-buffer", "2",
+                   "--edge-slowdown", "0:4", "--max-staleness", "8",
+                   "--cloud-strategy", "fedadam", rounds=4)
+    reports = [[edge for edge, _ in rec["async_reports"]] for rec in r["records"][1:]]
+    p = problem(data, r, (2, 4))
+    want, staleness = oracle.async_hsgd(p, initial(r), reports, cloud_step=flower_fedadam())
+    assert max(s for pairs in staleness for _, s in pairs) >= 1
+    assert gap(r, want) <= 1e-5  # FedAdam's float64 update of float32 models
+    assert gap(r, oracle.async_hsgd(p, initial(r), reports)[0]) > 1e-3
