@@ -13,7 +13,9 @@ the level's aggregators of the run (``--aggregators``, one per level or one for 
 the x'_j up the tree exactly as in a synchronous cloud aggregation
 (:func:`fedhier.hsgd.aggregate_levels`). A rule that measures from each node's start model
 (``clip``) measures an edge's clients from that edge's model before its last edge round,
-shifted the same way, and the levels above from the current model.
+shifted the same way; the cloud measures from the current model, and a node in between
+from its last aggregate inside a job (:meth:`~fedhier.hsgd.HierarchicalSGD.node_models`;
+the current model before it had one).
 
 * **Mean at every level** (the default): the new model is Σ_j a_j x'_j / Σ_j a_j, computed as
 
