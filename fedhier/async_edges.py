@@ -16,16 +16,17 @@ enters as its update applied to the current model, its clients weighted by
 (:mod:`fedhier.stale_reports`). With K = N (every report fresh) this is exactly the
 synchronous round of :class:`fedhier.hsgd.HierarchicalSGD`, bit for bit.
 
-**Membership** (who is in a job) changes only when a job starts. At the start of each cloud
-round (after each aggregation) the grouping may change: a regrouping when due
-(``regroup_every``) and the mobility model's moves of that round (rate or trace; all of a
-round's moves at once, as they stand at its end). A job trains the clients its edge has in
-the grouping when it starts, except clients still in a job of another edge: *jobs in flight
-keep their clients*, and a moved client joins its new edge at that edge's next job. A job
-starts every client from the global model it started from, so the ``carry`` handoff is
-``fresh`` here (as for synchronous moves at a cloud round's start). With K = N and one edge
-round per cloud round (G = I) every job starts at the round's start: synchronous moves and
-regroupings, bit for bit.
+**Membership** (who is in a job). At the start of each cloud round (after each
+aggregation) a regrouping happens when due (``regroup_every``), and the mobility model
+(rate or trace) draws the client -> edge map of each of the round's edge rounds from the
+grouping, as in a synchronous round; the grouping then becomes the map at the round's end.
+*Jobs in flight keep their clients*: a client still in a job of another edge stays with it
+until its report is in. Every other client follows the round's maps inside the jobs that
+start: it trains in edge round k with the edge the map of edge round k puts it at (when
+that edge's job is among those starting; otherwise it waits for that edge's next job),
+and a client that moved in edge round k > 1 starts it from its old edge's model under the
+``carry`` handoff, from its new edge's under ``fresh``. With K = N all edges start together
+each round: regrouping and mobility are synchronous H-SGD, bit for bit.
 
 **Deeper trees**: the levels between the edges and the cloud aggregate on their schedule
 inside the jobs, over the edges whose jobs started together (from the same global model);
@@ -39,6 +40,7 @@ starting edges' clients.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -53,11 +55,13 @@ from fedhier.errors import ConfigError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import (
     CloudStep,
+    EdgeRoundWork,
     Executor,
     HierarchicalSGD,
     HSGDSettings,
     Params,
 )
+from fedhier.plan import EdgeRoundPlan
 from fedhier.stale_reports import merge_reports
 from fedhier.topology import Hierarchy
 
@@ -99,6 +103,10 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         self.relay_free: dict[str, float] = {}  # "level:node" -> the same for a node's link
         self.now = 0.0  # simulated second of the last cloud aggregation's broadcast
         self._restored_edge_models: Params | None = None  # from a checkpoint
+        #: int64 [R, n]: the mobility model's map of each edge round of the cloud round
+        #: (None: static clients); a batch's maps follow it for clients not in a job
+        self.round_maps: np.ndarray | None = None
+        self._batch_maps: np.ndarray | None = None
 
     # ---------------------------------------------------------------- one cloud round
     def cloud_round(self, executor: Executor, cloud_round: int) -> dict[str, Any]:
@@ -188,9 +196,9 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
             self.global_params = new
 
     def _change_membership(self, executor: Executor, cloud_round: int) -> dict[str, Any]:
-        """The grouping for the jobs that start in ``cloud_round``: a regrouping when due,
-        then the mobility model's moves of the round (the map at its end); returns the
-        record keys a synchronous round writes for them."""
+        """The grouping of ``cloud_round``: a regrouping when due, then the mobility model's
+        maps of the round's edge rounds (:attr:`round_maps`; the grouping becomes the map at
+        the round's end); returns the record keys a synchronous round writes for them."""
         s = self.settings
         mobility = s.mobility
         out: dict[str, Any] = {}
@@ -203,21 +211,49 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                     self.hierarchy.num_nodes(1)))
             out = {"regrouped": True,
                    "client_to_edge": self._hierarchy().edge_of_client().tolist()}
+        self.round_maps = None
         if not mobility.active:
             return out
         hierarchy = self._hierarchy()
         edge_rounds = s.edge_rounds_per_cloud_round
-        old = hierarchy.edge_of_client()
-        new = mobility.maps(s.seed, cloud_round, edge_rounds, old, hierarchy.num_nodes(1),
-                            self._info().label_histograms)[-1]
-        moved = np.flatnonzero(new != old)
-        out["moved_clients"] = len(moved)
-        if len(moved):
-            self.hierarchy = hierarchy.with_edge_map(new)
-            first = (cloud_round - 1) * edge_rounds + 1
-            out["moves"] = [[first, int(c), int(old[c]), int(new[c])] for c in moved]
-            out["client_to_edge"] = new.tolist()
+        start = hierarchy.edge_of_client()
+        self.round_maps = mobility.maps(s.seed, cloud_round, edge_rounds, start,
+                                        hierarchy.num_nodes(1), self._info().label_histograms)
+        previous = np.vstack([start[None], self.round_maps[:-1]])
+        moves = [[(cloud_round - 1) * edge_rounds + k + 1, int(c), int(previous[k, c]),
+                  int(self.round_maps[k, c])]
+                 for k in range(edge_rounds)
+                 for c in np.flatnonzero(self.round_maps[k] != previous[k]).tolist()]
+        out["moved_clients"] = len(moves)
+        if moves:
+            self.hierarchy = hierarchy.with_edge_map(self.round_maps[-1])
+            out["moves"] = moves
+            out["client_to_edge"] = self.round_maps[-1].tolist()
         return out
+
+    def plan(self, edge_round: int) -> tuple[EdgeRoundWork, EdgeRoundPlan]:
+        """As :meth:`HierarchicalSGD.plan`, with a batch's client -> edge map of
+        ``edge_round`` (mobility: :meth:`_start_jobs`) in force; a client that moved into its
+        edge in this edge round starts from its old edge's model under the ``carry``
+        handoff, as in a synchronous round."""
+        maps = self._batch_maps
+        if maps is None:
+            return super().plan(edge_round)
+        s = self.settings
+        k = (edge_round - 1) % s.edge_rounds_per_cloud_round
+        old = self._hierarchy().edge_of_client()
+        self.hierarchy = self._hierarchy().with_edge_map(maps[k])
+        moved = np.flatnonzero(maps[k] != old)
+        if s.mobility.handoff != "carry" and s.edge_periods:
+            self._has_carry[moved] = False  # fresh: a moved client drops its own model
+        work, plan = super().plan(edge_round)
+        if s.mobility.handoff != "carry" or k == 0 or not len(moved):
+            return work, plan
+        if work.carried is not None:  # per-edge periods: a carried model comes first
+            moved = np.setdiff1d(moved, work.carried)
+        start = work.start_edges.copy()
+        start[moved] = old[moved]
+        return dataclasses.replace(work, start_edge_of_client=start), plan
 
     def training_map(self) -> np.ndarray:
         """int64 [n]: each client's edge for a job starting now: its edge in the grouping,
@@ -239,14 +275,19 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                 value[edge] = self.global_params[key]
         self.idle = {}
         edge_of = self.training_map()
+        if self.round_maps is not None:  # clients not in a job follow the round's moves
+            busy = edge_of != grouping.edge_of_client()
+            self._batch_maps = np.where(busy[None], edge_of[None], self.round_maps)
+            edge_of = self._batch_maps[0]
         if self.settings.edge_periods:
             self._start_periods(np.isin(edge_of, edges), edges)
         self.hierarchy = grouping.with_edge_map(edge_of)
         counts = self._edge_aggregations.copy()
         try:
             outcome = self._train_batch(executor, edges)
+            edge_of = self._hierarchy().edge_of_client()  # the map of the batch's last round
         finally:
-            self.hierarchy = grouping
+            self.hierarchy, self._batch_maps = grouping, None
         if self.settings.edge_periods:  # the schedule counts every edge: keep the batch's
             others = np.setdiff1d(np.arange(len(counts)), edges)
             self._edge_aggregations[others] = counts[others]
