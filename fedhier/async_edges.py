@@ -276,7 +276,10 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         self.idle = {}
         edge_of = self.training_map()
         if self.round_maps is not None:  # clients not in a job follow the round's moves
-            busy = edge_of != grouping.edge_of_client()
+            busy = np.zeros(len(edge_of), dtype=bool)
+            for job in self.jobs.values():
+                if job.members is not None:
+                    busy[job.members] = True
             self._batch_maps = np.where(busy[None], edge_of[None], self.round_maps)
             edge_of = self._batch_maps[0]
         if self.settings.edge_periods:

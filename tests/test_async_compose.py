@@ -168,6 +168,25 @@ def test_jobs_in_flight_keep_their_clients():
     assert algorithm.training_map().tolist() == [1, 1, 0, 0]
 
 
+def test_no_client_is_in_two_jobs_at_once(tmp_path, monkeypatch):
+    """Fast moves and regroupings with one slow edge: after every start, the jobs in flight
+    have disjoint clients, and each job's survivors are among its clients."""
+    start_jobs = AsyncHierarchicalSGD._start_jobs
+    checked = []
+
+    def checking(self, executor, stats):
+        start_jobs(self, executor, stats)
+        members = np.concatenate([job.members for job in self.jobs.values()])
+        assert len(members) == len(np.unique(members))
+        assert all(np.isin(job.survivors, job.members).all() for job in self.jobs.values())
+        checked.append(len(self.jobs))
+
+    monkeypatch.setattr(AsyncHierarchicalSGD, "_start_jobs", checking)
+    records = run(BASE.replace(global_period=4, mobility_rate=0.9, regroup_every=2, rounds=4,
+                               async_buffer=2, edge_slowdown="0:4"), tmp_path / "r")
+    assert sum(r["moved_clients"] for r in records[1:]) > 0 and len(checked) >= 4
+
+
 def test_a_median_async_run_matches_the_oracle(data):  # noqa: F811 - the fixture
     """Median at the edges, mean at the cloud, stale reports: against the oracle's rule
     (each report's models moved by w - w_base(e), the edge's median, the A_e-weighted mean)."""
