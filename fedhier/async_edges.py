@@ -28,10 +28,13 @@ and a client that moved in edge round k > 1 starts it from its old edge's model 
 ``carry`` handoff, from its new edge's under ``fresh``. With K = N all edges start together
 each round: regrouping and mobility are synchronous H-SGD, bit for bit.
 
-**Deeper trees**: the levels between the edges and the cloud aggregate on their schedule
-inside the jobs, over the edges whose jobs started together (from the same global model);
-an edge outside that batch neither waits for nor joins such an aggregation. The accepted
-reports then go up the tree to the cloud together.
+**Deeper trees**: the cloud buffers the first K edge reports to reach the edges' parents
+(regions); each region holds its accepted reports and, once the last of them is in, sends
+one aggregate up its parent's link, as a synchronous region does, and the new model comes
+back down the same way. Inside the jobs the levels between aggregate on their schedule over
+the edges whose jobs started together (from the same global model); an edge outside that
+batch neither waits for nor joins such an aggregation. With K = N this is synchronous
+H-SGD bit for bit, traffic and simulated time included.
 
 Jobs train when they start (their result depends only on their start model, their round
 numbers and their clients), so executors run them as ordinary edge rounds restricted to the
@@ -121,6 +124,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         accepted: list[tuple[EdgeJob, int]] = []
         dropped = 0
         arrival = self.now
+        arrivals: list[float] = []  # each accepted report's arrival at the edge's parent
         while len(accepted) < s.asynchronous.buffer:
             if self.idle:
                 self._start_jobs(executor, stats)
@@ -132,8 +136,10 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                 self.idle[job.edge] = float(self._send_down([job.edge], arrival)[0])
                 continue
             accepted.append((job, staleness))
+            arrivals.append(arrival)
         self._aggregate(accepted, cloud_round)
-        reached = self._send_down([job.edge for job, _ in accepted], arrival)
+        edges = [job.edge for job, _ in accepted]
+        reached = self._send_down(edges, self._forward(edges, arrivals) if edges else arrival)
         self.now = float(reached.max())
         for (job, _), when in zip(accepted, reached.tolist(), strict=True):
             self.idle[job.edge] = when
@@ -148,39 +154,63 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
             out["edge_aggregations"] = self._edge_aggregations.tolist()
         return out
 
+    def _link(self, level: int, node: int) -> float:
+        """When the link into level-``level`` node ``node`` is free (the cloud's: level L)."""
+        if level == self._hierarchy().num_levels:
+            return self.link_free
+        return self.relay_free.get(f"{level}:{node}", -math.inf)
+
+    def _queue_on(self, level: int, node: int, ready: float) -> float:
+        """One model ready at ``ready`` goes up the link into ``node`` (level ``level``)
+        after the models already queued there; returns its arrival."""
+        arrivals, free = self._clock().upload_queue(np.array([ready]), self._link(level, node),
+                                                    self.model_bytes)
+        if level == self._hierarchy().num_levels:
+            self.link_free = free
+        else:
+            self.relay_free[f"{level}:{node}"] = free
+        self.communication.add_edge_cloud(1, self.model_bytes)
+        return float(arrivals[0])
+
     def _send_up(self, job: EdgeJob) -> float:
-        """A report's way up, one model queuing on each link above the edge (its region's,
-        ..., the cloud's); returns the simulated second it reaches the cloud."""
-        hierarchy, clock = self._hierarchy(), self._clock()
-        when = job.finish
-        for level in range(2, hierarchy.num_levels + 1):
-            if level == hierarchy.num_levels:
-                arrivals, self.link_free = clock.upload_queue(np.array([when]), self.link_free,
-                                                              self.model_bytes)
-            else:  # a node between the edges and the cloud relays the report on its link
-                key = f"{level}:{int(hierarchy.edges_under(level)[job.edge])}"
-                arrivals, self.relay_free[key] = clock.upload_queue(
-                    np.array([when]), self.relay_free.get(key, -math.inf), self.model_bytes)
-            when = float(arrivals[0])
-        self.communication.add_edge_cloud(hierarchy.num_levels - 1, self.model_bytes)
-        return when
+        """A report goes up to the edge's parent (the cloud in a two-level tree, else its
+        region), queuing on that node's link; returns when it arrives there."""
+        return self._queue_on(2, int(self._hierarchy().edges_under(2)[job.edge]), job.finish)
+
+    def _forward(self, edges: list[int], arrivals: list[float]) -> float:
+        """Above the edges' parents, each node whose subtree holds accepted reports sends
+        one aggregate up once the last of them is in, queuing on its parent's link (as a
+        synchronous aggregation does); returns when the cloud has them all."""
+        hierarchy = self._hierarchy()
+        chosen = np.asarray(edges, dtype=np.int64)
+        ready = np.asarray(arrivals, dtype=np.float64)  # at each edge's level-2 node
+        for level in range(3, hierarchy.num_levels + 1):
+            below = hierarchy.edges_under(level - 1)[chosen]
+            nodes = np.unique(below)
+            last = np.array([ready[below == node].max() for node in nodes])
+            parent = hierarchy.edges_under(level)[chosen]
+            for i in np.lexsort((nodes, last)).tolist():
+                arrival = self._queue_on(level, int(parent[below == nodes[i]][0]), last[i])
+                ready[below == nodes[i]] = arrival
+        return float(ready.max())
 
     def _send_down(self, edges: list[int], start: float) -> np.ndarray:
         """float64 [len(edges)]: when the cloud's model, sent at ``start``, reaches each of
-        ``edges``: tier by tier, each node sends it to those of its children that lead to
-        ``edges``, one after another over its link."""
+        ``edges``: every node sends it to those of its children that lead to ``edges``, one
+        after another over its link (times summed from the edges up, as the synchronous
+        clock sums them)."""
         hierarchy, clock = self._hierarchy(), self._clock()
         chosen = np.asarray(edges, dtype=np.int64)
-        reached = np.full(len(chosen), start)
-        for level in range(hierarchy.num_levels, 1, -1):
+        down = np.zeros(len(chosen))
+        for level in range(2, hierarchy.num_levels + 1):
             sender = hierarchy.edges_under(level)[chosen]
             pairs = np.unique(np.stack([sender, hierarchy.edges_under(level - 1)[chosen]]),
                               axis=1)
             children = np.bincount(pairs[0], minlength=hierarchy.num_nodes(level))
-            reached = reached + clock.model.transfer_seconds("edge-cloud", children[sender],
-                                                             self.model_bytes)
+            down = down + clock.model.transfer_seconds("edge-cloud", children[sender],
+                                                       self.model_bytes)
             self.communication.add_edge_cloud(pairs.shape[1], self.model_bytes)
-        return reached
+        return start + down
 
     def _aggregate(self, accepted: list[tuple[EdgeJob, int]], cloud_round: int = 0) -> None:
         """The new global model from the accepted (job, staleness) reports
