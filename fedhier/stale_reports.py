@@ -17,23 +17,26 @@ shifted the same way; the cloud measures from the current model, and a node in b
 from its last aggregate inside a job (:meth:`~fedhier.hsgd.HierarchicalSGD.node_models`;
 the current model before it had one).
 
-* **Mean at every level** (the default): the new model is Σ_j a_j x'_j / Σ_j a_j, computed as
+How it is computed. Every built-in rule commutes with a shift within a node (median(x + d)
+= median(x) + d; ``clip`` with its start model shifted too), so when the levels above the
+edges are linear (the mean), the new model is the rule's aggregate of the *unmoved* models
+plus the weighted mean of the shifts:
 
-      w_new = Σ_j a_j x_j / Σ_j a_j + Σ_e A_e (w - w_base(e)) / Σ_e A_e,   A_e = Σ_{j in e} a_j,
+    w_new = Agg(x) + Σ_e A_e (w - w_base(e)) / Σ_e A_e,   A_e = Σ_{j in e} a_j,
 
-  the same number in exact arithmetic; this form is the one computed (as
-  :func:`~fedhier.hsgd.aggregate_levels` computes linear rules over all clients at once), so
-  runs recorded before other rules were allowed keep their numbers bit for bit.
-* **Any other rule** (median, trimmed mean, Krum, clip, at any level): the rule over the x'_j.
-  Every built-in rule is translation-equivariant within a node (median(x + d) =
-  median(x) + d), so an edge's aggregate is its own clients' aggregate plus its shift.
-* **A cloud step** (a Flower strategy, ``--cloud-strategy``): the levels below the cloud
-  aggregate the x'_j as above; the strategy's ``aggregate_train`` receives those children
-  (the cloud's children with an accepted survivor) weighted by Σ a_j of their clients, after
-  ``configure_train`` with w at the round's start: what a synchronous round does with them.
+which with the mean everywhere is Σ_j a_j x_j / Σ_j a_j + Σ_e A_e (w - w_base(e)) / Σ_e A_e
+(computed over all clients at once, as :func:`~fedhier.hsgd.aggregate_levels` computes
+linear rules), the rule of runs recorded before other rules were allowed, bit for bit; and
+a robust rule at the edges with one client per edge gives the mean's numbers. Otherwise (a
+non-linear rule above the edges, or a cloud step) the rules run on the moved models x'_j.
 
-With K = N every report is fresh (s = 0, factor 1, no shift): each of the three is the
-synchronous cloud aggregation, bit for bit.
+A **cloud step** (a Flower strategy, ``--cloud-strategy``): the levels below the cloud
+aggregate the x'_j as above; the strategy's ``aggregate_train`` receives those children
+(the cloud's children with an accepted survivor) weighted by Σ a_j of their clients, after
+``configure_train`` with w at the round's start: what a synchronous round does with them.
+
+With K = N every report is fresh (s = 0, factor 1, no shift): each way is the synchronous
+cloud aggregation, bit for bit.
 """
 
 from __future__ import annotations
@@ -98,29 +101,35 @@ def merge_reports(reports: Sequence[tuple[EdgeJob, int]], global_params: Params,
                                             hierarchy.edge_of_client()))
     shift = {job.edge: {k: global_params[k] - job.base[k] for k in keys}
              for job, s in reports if s > 0}
-    rules = [aggregator(name) for name in aggregators]
+    jobs = {job.edge: job for job, _ in reports}
     top = hierarchy.num_levels
-    if cloud_step is None and all(rule.linear for rule in rules):
+
+    def reference(level: int, nodes: np.ndarray, moved: bool = True) -> Params:
+        """Level 1: each edge's model before its last edge round (shifted when ``moved``);
+        above: as ever."""
+        if level > 1:
+            return node_models(level, nodes)
+        return {k: torch.stack([_shifted(jobs[int(e)].reference,
+                                         shift.get(int(e)) if moved else None, k)
+                                for e in nodes.tolist()]) for k in keys}
+
+    above = [aggregator(aggregators[0] if len(aggregators) == 1 else aggregators[lv - 1])
+             for lv in range(2, top + 1)]
+    if cloud_step is None and all(rule.linear for rule in above):
+        # the edges' rules commute with the shift and the levels above are linear: the
+        # aggregate of the unmoved models plus Σ_e A_e (w - w_base(e)) / Σ_e A_e
         averaged, _ = aggregate_levels(_rows(reports, keys, index), survivors, weights, tree,
-                                       top, aggregators)
+                                       top, aggregators,
+                                       lambda level, nodes: reference(level, nodes, False))
         new = {k: v[0] for k, v in averaged.items()}
         stale = [(job, float(weights[job.survivors].sum())) for job, s in reports if s > 0]
-        if stale:  # Σ_e A_e (w - w_base(e)) / Σ_e A_e
+        if stale:
             total = float(weights[survivors].sum())
             for key in keys:
                 correction = sum(mass * (global_params[key] - job.base[key])
                                  for job, mass in stale)
                 new[key] = new[key] + correction / total
         return new
-    jobs = {job.edge: job for job, _ in reports}
-
-    def reference(level: int, nodes: np.ndarray) -> Params:
-        """Level 1: each edge's model before its last edge round, shifted; above: as ever."""
-        if level > 1:
-            return node_models(level, nodes)
-        return {k: torch.stack([_shifted(jobs[int(e)].reference, shift.get(int(e)), k)
-                                for e in nodes.tolist()]) for k in keys}
-
     models = _rows(reports, keys, index, shift)
     level = top if cloud_step is None else top - 1
     averaged, nodes = aggregate_levels(models, survivors, weights, tree, level, aggregators,
