@@ -1,33 +1,49 @@
 """Asynchronous, buffered edges: the cloud aggregates the first K edge reports.
 
 Each edge runs *jobs*: from the global model of some version v (the number of cloud
-aggregations so far), its clients do the G / I edge rounds of a cloud round (edge
-aggregation every I steps, with the edge round and step numbers of cloud round v + 1, so
-mini-batches, participation, stragglers and faults are those of that round), and the edge
-then uploads its clients' last models to the cloud. On the simulated clock
+aggregations so far), its clients do the G / I edge rounds of a cloud round (aggregations
+below the cloud on their usual schedule, with the edge round and step numbers of cloud round
+v + 1, so mini-batches, participation, stragglers and faults are those of that round), and
+the edge then uploads its clients' last models. On the simulated clock
 (:mod:`fedhier.sim_clock`) edges finish at different times; uploads queue on the cloud's
 link; the cloud aggregates as soon as K reports have arrived, and sends the new model back
 to those K edges, which start their next job from it. The others keep going.
 
 A report that arrives s aggregations after its job's version is *stale* by s: over S
-(``max_staleness``) it is dropped and its edge restarts from the current model; otherwise its
-clients' weights are multiplied by ``staleness_weight(s)`` (1/sqrt(1+s)) and it enters the
-aggregate as an update relative to the model its job started from:
-
-    w_new = sum_j a_j x_j / sum_j a_j  +  sum_e A_e (w - w_base(e)) / sum_e A_e,
-
-a_j the client weights (presence weights x staleness factor), A_e their sum over edge e,
-w the current global model and w_base(e) the model edge e's job started from; the second
-term is zero for fresh reports, so with K = N (every report fresh) this is exactly the
+(``max_staleness``) it is dropped and its edge restarts from the current model; otherwise it
+enters as its update applied to the current model, its clients weighted by
+``staleness_weight(s)`` (1/sqrt(1+s)), through the run's aggregators and cloud step
+(:mod:`fedhier.stale_reports`). With K = N (every report fresh) this is exactly the
 synchronous round of :class:`fedhier.hsgd.HierarchicalSGD`, bit for bit.
 
-Jobs train when they start (their result depends only on their start model and their round
-numbers), so executors run them as ordinary edge rounds restricted to the starting edges'
-clients. Two-level hierarchies, static groupings and the plain average only (checked).
+**Membership** (who is in a job). At the start of each cloud round (after each
+aggregation) a regrouping happens when due (``regroup_every``), and the mobility model
+(rate or trace) draws the client -> edge map of each of the round's edge rounds from the
+grouping, as in a synchronous round; the grouping then becomes the map at the round's end.
+*Jobs in flight keep their clients*: a client still in a job of another edge stays with it
+until its report is in. Every other client follows the round's maps inside the jobs that
+start: it trains in edge round k with the edge the map of edge round k puts it at (when
+that edge's job is among those starting; otherwise it waits for that edge's next job),
+and a client that moved in edge round k > 1 starts it from its old edge's model under the
+``carry`` handoff, from its new edge's under ``fresh``. With K = N all edges start together
+each round: regrouping and mobility are synchronous H-SGD, bit for bit.
+
+**Deeper trees**: the cloud buffers the first K edge reports to reach the edges' parents
+(regions); each region holds its accepted reports and, once the last of them is in, sends
+one aggregate up its parent's link, as a synchronous region does, and the new model comes
+back down the same way. Inside the jobs the levels between aggregate on their schedule over
+the edges whose jobs started together (from the same global model); an edge outside that
+batch neither waits for nor joins such an aggregation. With K = N this is synchronous
+H-SGD bit for bit, traffic and simulated time included.
+
+Jobs train when they start (their result depends only on their start model, their round
+numbers and their clients), so executors run them as ordinary edge rounds restricted to the
+starting edges' clients.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -35,19 +51,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhier.aggregate import presence_weights
+from fedhier.aggregate import aggregator
+from fedhier.communication import Communication
 from fedhier.edge_tier import train_edges
 from fedhier.errors import ConfigError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import (
     CloudStep,
+    EdgeRoundWork,
     Executor,
     HierarchicalSGD,
     HSGDSettings,
     Params,
-    aggregate_levels,
 )
-from fedhier.staleness import staleness_weight
+from fedhier.plan import EdgeRoundPlan
+from fedhier.stale_reports import merge_reports
 from fedhier.topology import Hierarchy
 
 
@@ -59,7 +77,11 @@ class EdgeJob:
         edge: the edge; version: cloud aggregations before its start model;
         base: that start model (name -> [*shape]); finish: simulated second its training ends;
         models: its clients' last models that survived (name -> [s, *shape]; None: none did);
-        survivors: int64 [s], those clients, sorted.
+        survivors: int64 [s], those clients, sorted;
+        members: int64 [m], the clients it trained (its edge's when it started), sorted
+            (None in checkpoints written before membership could change: the edge's);
+        reference: the edge's model before its last edge round (name -> [*shape]), kept
+            only when an aggregator measures from a start model (``clip``), else None.
     """
 
     edge: int
@@ -68,78 +90,246 @@ class EdgeJob:
     finish: float
     models: Params | None
     survivors: np.ndarray
+    members: np.ndarray | None = None
+    reference: Params | None = None
 
 
 class AsyncHierarchicalSGD(HierarchicalSGD):
     """H-SGD whose cloud aggregates the first K edge reports (see the module docstring)."""
 
     def __init__(self, settings: HSGDSettings, cloud_step: CloudStep | None = None) -> None:
-        if cloud_step is not None:
-            raise ConfigError("asynchronous edges use the staleness-weighted average at the "
-                              "cloud; choose cloud_strategy 'average'")
         super().__init__(settings, cloud_step)
         self.version = 0  # cloud aggregations so far
         self.jobs: dict[int, EdgeJob] = {}  # edge -> its job in flight
         self.idle: dict[int, float] = {}  # edge -> simulated second it got the global model
         self.link_free = -math.inf  # the cloud link is busy uploading until then
+        self.relay_free: dict[str, float] = {}  # "level:node" -> the same for a node's link
         self.now = 0.0  # simulated second of the last cloud aggregation's broadcast
         self._restored_edge_models: Params | None = None  # from a checkpoint
+        #: int64 [R, n]: the mobility model's map of each edge round of the cloud round
+        #: (None: static clients); a batch's maps follow it for clients not in a job
+        self.round_maps: np.ndarray | None = None
+        self._batch_maps: np.ndarray | None = None
 
     # ---------------------------------------------------------------- one cloud round
     def cloud_round(self, executor: Executor, cloud_round: int) -> dict[str, Any]:
         """Wait for K fresh-enough reports, aggregate them; returns the training keys."""
         s = self.settings
-        clock = self._clock()
+        membership = self._change_membership(executor, cloud_round)
+        hierarchy = self._hierarchy()
+        if self.cloud_step is not None:  # the model its next update starts from
+            self.cloud_step.begin(cloud_round, self.global_params,
+                                  hierarchy.num_nodes(hierarchy.num_levels - 1))
         stats: dict[str, Any] = {"losses": [], "failed_clients": 0, "failed_edges": 0}
         accepted: list[tuple[EdgeJob, int]] = []
         dropped = 0
         arrival = self.now
+        arrivals: list[float] = []  # each accepted report's arrival at the edge's parent
         while len(accepted) < s.asynchronous.buffer:
             if self.idle:
                 self._start_jobs(executor, stats)
             job = self.jobs.pop(min(self.jobs, key=lambda e: (self.jobs[e].finish, e)))
-            arrivals, self.link_free = clock.upload_queue(np.array([job.finish]),
-                                                          self.link_free, self.model_bytes)
-            arrival = float(arrivals[0])
-            self.communication.add_edge_cloud(1, self.model_bytes)
+            arrival = self._send_up(job)
             staleness = self.version - job.version
             if staleness > s.asynchronous.max_staleness:  # too old: the edge starts over
                 dropped += 1
-                self.idle[job.edge] = arrival + float(clock.model.transfer_seconds(
-                    "edge-cloud", 1, self.model_bytes))
-                self.communication.add_edge_cloud(1, self.model_bytes)
+                self.idle[job.edge] = float(self._send_down([job.edge], arrival)[0])
                 continue
             accepted.append((job, staleness))
-        self._aggregate(accepted)
-        self.now = arrival + float(clock.model.transfer_seconds("edge-cloud", len(accepted),
-                                                                self.model_bytes))
-        self.communication.add_edge_cloud(len(accepted), self.model_bytes)
-        for job, _ in accepted:
-            self.idle[job.edge] = self.now
+            arrivals.append(arrival)
+        self._aggregate(accepted, cloud_round)
+        edges = [job.edge for job, _ in accepted]
+        reached = self._send_down(edges, self._forward(edges, arrivals) if edges else arrival)
+        self.now = float(reached.max())
+        for (job, _), when in zip(accepted, reached.tolist(), strict=True):
+            self.idle[job.edge] = when
         self.version += 1
         losses = stats["losses"]
-        return {"local_train_loss": float(np.mean(losses)) if losses else None,
-                "failed_clients": stats["failed_clients"],
-                "failed_edges": stats["failed_edges"],
-                "async_reports": [[job.edge, staleness] for job, staleness in accepted],
-                "stale_dropped": dropped}
+        out: dict[str, Any] = {
+            "local_train_loss": float(np.mean(losses)) if losses else None,
+            "failed_clients": stats["failed_clients"], "failed_edges": stats["failed_edges"],
+            "async_reports": [[job.edge, staleness] for job, staleness in accepted],
+            "stale_dropped": dropped, **membership}
+        if s.edge_periods:  # each edge's aggregations in its last job
+            out["edge_aggregations"] = self._edge_aggregations.tolist()
+        return out
+
+    def _link(self, level: int, node: int) -> float:
+        """When the link into level-``level`` node ``node`` is free (the cloud's: level L)."""
+        if level == self._hierarchy().num_levels:
+            return self.link_free
+        return self.relay_free.get(f"{level}:{node}", -math.inf)
+
+    def _queue_on(self, level: int, node: int, ready: float) -> float:
+        """One model ready at ``ready`` goes up the link into ``node`` (level ``level``)
+        after the models already queued there; returns its arrival."""
+        arrivals, free = self._clock().upload_queue(np.array([ready]), self._link(level, node),
+                                                    self.model_bytes)
+        if level == self._hierarchy().num_levels:
+            self.link_free = free
+        else:
+            self.relay_free[f"{level}:{node}"] = free
+        self.communication.add_edge_cloud(1, self.model_bytes)
+        return float(arrivals[0])
+
+    def _send_up(self, job: EdgeJob) -> float:
+        """A report goes up to the edge's parent (the cloud in a two-level tree, else its
+        region), queuing on that node's link; returns when it arrives there."""
+        return self._queue_on(2, int(self._hierarchy().edges_under(2)[job.edge]), job.finish)
+
+    def _forward(self, edges: list[int], arrivals: list[float]) -> float:
+        """Above the edges' parents, each node whose subtree holds accepted reports sends
+        one aggregate up once the last of them is in, queuing on its parent's link (as a
+        synchronous aggregation does); returns when the cloud has them all."""
+        hierarchy = self._hierarchy()
+        chosen = np.asarray(edges, dtype=np.int64)
+        ready = np.asarray(arrivals, dtype=np.float64)  # at each edge's level-2 node
+        for level in range(3, hierarchy.num_levels + 1):
+            below = hierarchy.edges_under(level - 1)[chosen]
+            nodes = np.unique(below)
+            last = np.array([ready[below == node].max() for node in nodes])
+            parent = hierarchy.edges_under(level)[chosen]
+            for i in np.lexsort((nodes, last)).tolist():
+                arrival = self._queue_on(level, int(parent[below == nodes[i]][0]), last[i])
+                ready[below == nodes[i]] = arrival
+        return float(ready.max())
+
+    def _send_down(self, edges: list[int], start: float) -> np.ndarray:
+        """float64 [len(edges)]: when the cloud's model, sent at ``start``, reaches each of
+        ``edges``: every node sends it to those of its children that lead to ``edges``, one
+        after another over its link (times summed from the edges up, as the synchronous
+        clock sums them)."""
+        hierarchy, clock = self._hierarchy(), self._clock()
+        chosen = np.asarray(edges, dtype=np.int64)
+        down = np.zeros(len(chosen))
+        for level in range(2, hierarchy.num_levels + 1):
+            sender = hierarchy.edges_under(level)[chosen]
+            pairs = np.unique(np.stack([sender, hierarchy.edges_under(level - 1)[chosen]]),
+                              axis=1)
+            children = np.bincount(pairs[0], minlength=hierarchy.num_nodes(level))
+            down = down + clock.model.transfer_seconds("edge-cloud", children[sender],
+                                                       self.model_bytes)
+            self.communication.add_edge_cloud(pairs.shape[1], self.model_bytes)
+        return start + down
+
+    def _aggregate(self, accepted: list[tuple[EdgeJob, int]], cloud_round: int = 0) -> None:
+        """The new global model from the accepted (job, staleness) reports
+        (:func:`fedhier.stale_reports.merge_reports`); it stays when none has a survivor."""
+        grouping = self._hierarchy().edge_of_client()
+        for job, _ in accepted:
+            if job.members is None:
+                job.members = np.flatnonzero(grouping == job.edge)
+        new = merge_reports(accepted, self.global_params, self.weights, self._hierarchy(),
+                            self.settings.aggregators, self.node_models, self.cloud_step,
+                            cloud_round)
+        if new is not None:
+            self.global_params = new
+
+    def _change_membership(self, executor: Executor, cloud_round: int) -> dict[str, Any]:
+        """The grouping of ``cloud_round``: a regrouping when due, then the mobility model's
+        maps of the round's edge rounds (:attr:`round_maps`; the grouping becomes the map at
+        the round's end); returns the record keys a synchronous round writes for them."""
+        s = self.settings
+        mobility = s.mobility
+        out: dict[str, Any] = {}
+        if self.regroup_due(cloud_round):
+            before = self._hierarchy()
+            self.hierarchy = self.group(executor, self.global_params, s.seed + cloud_round - 1)
+            if mobility.active and mobility.reachability is not None:
+                self.hierarchy = self.hierarchy.with_edge_map(mobility.respect(
+                    before.edge_of_client(), self.hierarchy.edge_of_client(),
+                    self.hierarchy.num_nodes(1)))
+            out = {"regrouped": True,
+                   "client_to_edge": self._hierarchy().edge_of_client().tolist()}
+        self.round_maps = None
+        if not mobility.active:
+            return out
+        hierarchy = self._hierarchy()
+        edge_rounds = s.edge_rounds_per_cloud_round
+        start = hierarchy.edge_of_client()
+        self.round_maps = mobility.maps(s.seed, cloud_round, edge_rounds, start,
+                                        hierarchy.num_nodes(1), self._info().label_histograms)
+        previous = np.vstack([start[None], self.round_maps[:-1]])
+        moves = [[(cloud_round - 1) * edge_rounds + k + 1, int(c), int(previous[k, c]),
+                  int(self.round_maps[k, c])]
+                 for k in range(edge_rounds)
+                 for c in np.flatnonzero(self.round_maps[k] != previous[k]).tolist()]
+        out["moved_clients"] = len(moves)
+        if moves:
+            self.hierarchy = hierarchy.with_edge_map(self.round_maps[-1])
+            out["moves"] = moves
+            out["client_to_edge"] = self.round_maps[-1].tolist()
+        return out
+
+    def plan(self, edge_round: int) -> tuple[EdgeRoundWork, EdgeRoundPlan]:
+        """As :meth:`HierarchicalSGD.plan`, with a batch's client -> edge map of
+        ``edge_round`` (mobility: :meth:`_start_jobs`) in force; a client that moved into its
+        edge in this edge round starts from its old edge's model under the ``carry``
+        handoff, as in a synchronous round."""
+        maps = self._batch_maps
+        if maps is None:
+            return super().plan(edge_round)
+        s = self.settings
+        k = (edge_round - 1) % s.edge_rounds_per_cloud_round
+        old = self._hierarchy().edge_of_client()
+        self.hierarchy = self._hierarchy().with_edge_map(maps[k])
+        moved = np.flatnonzero(maps[k] != old)
+        if s.mobility.handoff != "carry" and s.edge_periods:
+            self._has_carry[moved] = False  # fresh: a moved client drops its own model
+        work, plan = super().plan(edge_round)
+        if s.mobility.handoff != "carry" or k == 0 or not len(moved):
+            return work, plan
+        if work.carried is not None:  # per-edge periods: a carried model comes first
+            moved = np.setdiff1d(moved, work.carried)
+        start = work.start_edges.copy()
+        start[moved] = old[moved]
+        return dataclasses.replace(work, start_edge_of_client=start), plan
+
+    def training_map(self) -> np.ndarray:
+        """int64 [n]: each client's edge for a job starting now: its edge in the grouping,
+        or, while it is in a job in flight, that job's edge."""
+        edge_of = self._hierarchy().edge_of_client().copy()
+        for job in self.jobs.values():
+            if job.members is not None:
+                edge_of[job.members] = job.edge
+        return edge_of
 
     def _start_jobs(self, executor: Executor, stats: dict[str, Any]) -> None:
         """Train the jobs of every idle edge from the current global model: the G / I edge
         rounds of cloud round ``version + 1``, restricted to those edges' clients."""
-        hierarchy, clock = self._hierarchy(), self._clock()
+        grouping, clock = self._hierarchy(), self._clock()
         edges = np.array(sorted(self.idle), dtype=np.int64)
         for edge in edges.tolist():
             clock.edge_time[edge] = self.idle[edge]
             for key, value in self.edge_models.items():
                 value[edge] = self.global_params[key]
         self.idle = {}
-        edge_of = hierarchy.edge_of_client()
-        outcome = train_edges(self, executor, edges, self.version + 1)
+        edge_of = self.training_map()
+        if self.round_maps is not None:  # clients not in a job follow the round's moves
+            busy = np.zeros(len(edge_of), dtype=bool)
+            for job in self.jobs.values():
+                if job.members is not None:
+                    busy[job.members] = True
+            self._batch_maps = np.where(busy[None], edge_of[None], self.round_maps)
+            edge_of = self._batch_maps[0]
+        if self.settings.edge_periods:
+            self._start_periods(np.isin(edge_of, edges), edges)
+        self.hierarchy = grouping.with_edge_map(edge_of)
+        counts = self._edge_aggregations.copy()
+        try:
+            outcome = self._train_batch(executor, edges)
+            edge_of = self._hierarchy().edge_of_client()  # the map of the batch's last round
+        finally:
+            self.hierarchy, self._batch_maps = grouping, None
+        if self.settings.edge_periods:  # the schedule counts every edge: keep the batch's
+            others = np.setdiff1d(np.arange(len(counts)), edges)
+            self._edge_aggregations[others] = counts[others]
         stats["failed_clients"] += outcome.failed_clients
         stats["failed_edges"] += outcome.failed_edges
         stats["losses"].extend(outcome.losses[outcome.losses[:, 1] > 0, 0].tolist())
         held = outcome.held
+        keep_reference = any(aggregator(name).needs_reference
+                             for name in self.settings.aggregators)
         for edge in edges.tolist():
             models, survivors = None, np.zeros(0, dtype=np.int64)
             if held is not None:
@@ -148,42 +338,47 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                     index = torch.as_tensor(rows, device=next(iter(held[0].values())).device)
                     models = {k: v.index_select(0, index) for k, v in held[0].items()}
                     survivors = held[1][rows]
+            reference = ({k: v[edge].clone() for k, v in self.edge_models.items()}
+                         if keep_reference else None)
             self.jobs[edge] = EdgeJob(edge, self.version, dict(self.global_params),
-                                      float(clock.edge_time[edge]), models, survivors)
+                                      float(clock.edge_time[edge]), models, survivors,
+                                      np.flatnonzero(edge_of == edge), reference)
 
-    def _aggregate(self, accepted: list[tuple[EdgeJob, int]]) -> None:
-        """The new global model from the accepted reports (the module docstring's rule)."""
-        reports = [(job, staleness) for job, staleness in accepted if job.models is not None]
-        if not reports:
-            return  # nothing survived: the global model stays
-        hierarchy = self._hierarchy()
-        survivors = np.concatenate([job.survivors for job, _ in reports])
-        order = np.argsort(survivors, kind="stable")
-        survivors = survivors[order]
-        keys = list(self.global_params)
-        device = next(iter(self.global_params.values())).device
-        index = torch.as_tensor(order, device=device)
-        models = {k: torch.cat([job.models[k] for job, _ in reports  # type: ignore[index]
-                                ]).index_select(0, index) for k in keys}
-        present = np.zeros(hierarchy.num_clients, dtype=bool)
-        present[survivors] = True
-        edge_of = hierarchy.edge_of_client()
-        factor = np.ones(hierarchy.num_clients)
-        for job, staleness in reports:
-            factor[job.survivors] = staleness_weight(staleness)
-        weights = presence_weights(self.weights, present, edge_of) * factor
-        averaged, _ = aggregate_levels(models, survivors, weights, hierarchy,
-                                       hierarchy.num_levels, self.settings.aggregators,
-                                       self.node_models)
-        new = {k: v[0] for k, v in averaged.items()}
-        stale = [(job, float(weights[job.survivors].sum())) for job, s in reports if s > 0]
-        if stale:  # stale reports enter as updates relative to their own start model
-            total = float(weights[survivors].sum())
-            for key in keys:
-                correction = sum(mass * (self.global_params[key] - job.base[key])
-                                 for job, mass in stale)
-                new[key] = new[key] + correction / total
-        self.global_params = new
+    def _start_periods(self, members: np.ndarray, edges: np.ndarray) -> None:
+        """Per-edge periods: the clients ``members`` (bool [n]) of the starting ``edges``
+        start a cloud period: no planned steps left, no carried model, no edge aggregation
+        counted yet (what :meth:`HierarchicalSGD.begin_cloud_round` resets for all)."""
+        n, num_edges = self._hierarchy().num_clients, self._hierarchy().num_nodes(1)
+        if len(self._remaining) != n:
+            self._remaining = np.zeros(n, dtype=np.int64)
+            self._scale = np.ones(n, dtype=np.float64)
+            self._has_carry = np.zeros(n, dtype=bool)
+        if len(self._edge_aggregations) != num_edges:
+            self._edge_aggregations = np.zeros(num_edges, dtype=np.int64)
+        self._remaining[members] = 0
+        self._scale[members] = 1.0
+        self._has_carry[members] = False
+        self._edge_aggregations[edges] = 0
+
+    def _train_batch(self, executor: Executor, edges: np.ndarray) -> Any:
+        """:func:`train_edges` for a batch of edges starting together. Above the edges (a
+        deeper tree) an aggregation inside the jobs is the batch's: the other edges neither
+        hold it up on the clock nor count in its traffic."""
+        hierarchy, clock = self._hierarchy(), self._clock()
+        if hierarchy.num_levels <= 2:
+            return train_edges(self, executor, edges, self.version + 1)
+        others = np.setdiff1d(np.arange(hierarchy.num_nodes(1)), edges)
+        times = clock.edge_time.copy()
+        clock.edge_time[others] = -math.inf
+        counted, self.communication = self.communication, BatchCommunication(hierarchy, edges)
+        try:
+            return train_edges(self, executor, edges, self.version + 1)
+        finally:
+            batch, self.communication = self.communication, counted
+            for key, value in batch.as_dict().items():
+                setattr(counted, key, getattr(counted, key) + value)
+            clock.edge_time[others] = times[others]
+
 
     # ---------------------------------------------------------------- time and checkpoints
     def elapsed_seconds(self) -> float:
@@ -194,6 +389,8 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         state = super().state_dict()
         state["async"] = {"version": self.version, "jobs": list(self.jobs.values()),
                           "idle": dict(self.idle), "link_free": self.link_free,
+                          "relay_free": dict(self.relay_free),
+                          "edge_aggregations": self._edge_aggregations.tolist(),
                           "now": self.now, "edge_models": dict(self.edge_models)}
         return state
 
@@ -207,6 +404,8 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         self.jobs = {job.edge: job for job in saved["jobs"]}
         self.idle = dict(saved["idle"])
         self.link_free = saved["link_free"]
+        self.relay_free = dict(saved.get("relay_free", {}))  # {}: checkpoints of two levels
+        self._edge_aggregations = np.asarray(saved.get("edge_aggregations", []), dtype=np.int64)
         self.now = saved["now"]
         self._restored_edge_models = saved["edge_models"]
 
@@ -216,6 +415,10 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         initial model, a resumed one its checkpointed edges."""
         super().setup(executor, initial, info=info, hierarchy=hierarchy)
         restored = self._restored_edge_models
+        grouping = self._hierarchy().edge_of_client()
+        for job in self.jobs.values():
+            if job.members is None:
+                job.members = np.flatnonzero(grouping == job.edge)
         if restored is not None:
             device = next(iter(initial.values())).device
             self.edge_models = {k: v.to(device) for k, v in restored.items()}
@@ -224,6 +427,20 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         self.idle = dict.fromkeys(range(edges), 0.0)
         self.edge_models = {k: v.unsqueeze(0).repeat(edges, *([1] * v.dim()))
                             for k, v in self.global_params.items()}
+
+
+class BatchCommunication(Communication):
+    """Traffic counters for a batch of edges training together: an aggregation above the
+    edges counts the nodes that have an edge of the batch under them."""
+
+    def __init__(self, hierarchy: Hierarchy, edges: np.ndarray) -> None:
+        super().__init__()
+        self.hierarchy, self.edges = hierarchy, edges
+
+    def add_aggregation(self, hierarchy: Hierarchy, level: int, model_bytes: int) -> None:
+        for lower in range(1, level):
+            nodes = len(np.unique(self.hierarchy.edges_under(lower)[self.edges]))
+            self.add_edge_cloud(2 * nodes, model_bytes)
 
 
 def algorithm_for(settings: HSGDSettings,

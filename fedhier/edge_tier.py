@@ -102,8 +102,8 @@ def train_edges(algorithm: HierarchicalSGD, executor: Executor, edges: np.ndarra
         work = dataclasses.replace(work, clients=work.clients[mine], steps=work.steps[mine])
         if not len(work.clients):
             continue
-        outcome = algorithm.complete(work, plan, executor.train(work, algorithm.edge_models),
-                                     hold_cloud=True)
+        result = executor.train(work, algorithm.start_models(work))
+        outcome = algorithm.complete(work, plan, result, hold_cloud=True)
         failed += outcome["failed_clients"]
         failed_edge_count += outcome["failed_edges"]
         if outcome["train_loss"] is not None:

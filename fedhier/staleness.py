@@ -31,7 +31,9 @@ class AsyncEdges:
     def check(self, num_edges: int, num_levels: int, aggregators: tuple[str, ...] = ("mean",),
               moving: bool = False, regrouping: bool = False,
               edge_periods: bool = False) -> None:
-        """One-line ConfigErrors for settings no run could honour."""
+        """One-line ConfigErrors for settings no run could honour. Any depth, aggregators,
+        mobility, regrouping and per-edge periods compose with asynchronous edges
+        (:mod:`fedhier.async_edges`); those arguments stay for callers that pass them."""
         if self.buffer < 0 or self.max_staleness < 0:
             raise ConfigError(f"async_buffer and max_staleness must be >= 0, got "
                               f"{self.buffer} and {self.max_staleness}")
@@ -40,17 +42,6 @@ class AsyncEdges:
         if self.buffer > num_edges:
             raise ConfigError(f"async_buffer K={self.buffer} is more than the {num_edges} "
                               "edges; the cloud would wait for reports that never come")
-        if num_levels != 2:
-            raise ConfigError("asynchronous edges (async_buffer) need a two-level hierarchy "
-                              "(clients -> edges -> cloud)")
-        if any(name != "mean" for name in aggregators):
-            raise ConfigError("asynchronous edges (async_buffer) need the mean aggregator")
-        if edge_periods:
-            raise ConfigError("asynchronous edges (async_buffer) run one period per edge: "
-                              "edge_periods are not supported with them")
-        if moving or regrouping:
-            raise ConfigError("asynchronous edges (async_buffer) keep the grouping fixed: "
-                              "no mobility and no regroup_every")
 
 
 def staleness_weight(staleness: int) -> float:

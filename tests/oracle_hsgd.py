@@ -271,8 +271,9 @@ def local_sgd(problem: Problem, initial: Model, period: int, aggregations: int) 
 
 
 # --------------------------------------------------------------------------- asynchronous edges
-def async_hsgd(problem: Problem, initial: Model, reports: Sequence[Sequence[int]]) -> tuple[
-        Model, list[list[int]]]:
+def async_hsgd(problem: Problem, initial: Model, reports: Sequence[Sequence[int]],
+               edge_rule: str = "mean", cloud_step: CloudStep | None = None,
+               ) -> tuple[Model, list[list[int]]]:
     """Asynchronous two-level H-SGD: aggregation r takes the reports of edges ``reports[r]``.
 
     Every edge runs jobs: from the global model of version v, P_2 steps with edge
@@ -280,6 +281,12 @@ def async_hsgd(problem: Problem, initial: Model, reports: Sequence[Sequence[int]
     (versions count aggregations, so r - 1 >= v) is stale by s = r - 1 - v. The new model is
     Σ_j a_j x_j / Σ_j a_j + Σ_e A_e (w - w_base(e)) / Σ_e A_e with a_j = w̃_j / sqrt(1 + s),
     A_e = Σ_{j in e} a_j. Returns the final model and, per aggregation, [edge, s] pairs.
+
+    ``edge_rule`` "median" (aggregators median at the edges, mean at the cloud): each report's
+    models are moved to x_j + (w - w_base(e)), each edge takes their coordinate-wise median,
+    and the cloud the A_e-weighted mean of those (for "mean" that is the formula above).
+    ``cloud_step``: the cloud's update from w and the reporting edges' aggregates of their
+    moved models (in edge order) with weights A_e, instead of their weighted mean.
     """
     p = problem
     omega = p.weights()
@@ -289,7 +296,7 @@ def async_hsgd(problem: Problem, initial: Model, reports: Sequence[Sequence[int]
     for r, edges in enumerate(reports, start=1):
         w = versions[-1]
         xs, a, bases, big_a = [], [], [], []
-        pairs = []
+        pairs, children, child_weights = [], [], []
         for e in sorted(edges):
             s = r - 1 - int(version_of_edge[e])
             pairs.append([int(e), s])
@@ -300,16 +307,30 @@ def async_hsgd(problem: Problem, initial: Model, reports: Sequence[Sequence[int]
                 models = [gd_steps(m, p.xs[j], p.ys[j], p.lr, p.periods[0])
                           for m, j in zip(models, members, strict=True)]
                 if step_end < p.periods[-1]:  # edge aggregation inside the job
-                    avg = mean(models, omega[members])
+                    avg = (median(models) if edge_rule == "median"
+                           else mean(models, omega[members]))
                     models = [avg] * len(members)
             decay = 1.0 / math.sqrt(1.0 + s)
+            shifted = [{k: m[k] + w[k] - base[k] for k in w} for m in models]
+            children.append(median(shifted) if edge_rule == "median"
+                            else mean(shifted, omega[members]))
+            child_weights.append(float(omega[members].sum() * decay))
+            if edge_rule == "median":
+                xs.append(children[-1])
+                a.append(float(omega[members].sum() * decay))
+                continue
             xs += models
             a += list(omega[members] * decay)
             bases.append(base)
             big_a.append(float(omega[members].sum() * decay))
         first = mean(xs, a)
-        drift = mean([{k: w[k] - b[k] for k in w} for b in bases], big_a)
-        versions.append({k: first[k] + drift[k] for k in w})
+        if cloud_step is not None:
+            versions.append(cloud_step(r, w, children, child_weights))
+        elif edge_rule == "median":  # the shifts are inside the edges' medians
+            versions.append(first)
+        else:
+            drift = mean([{k: w[k] - b[k] for k in w} for b in bases], big_a)
+            versions.append({k: first[k] + drift[k] for k in w})
         for e in edges:
             version_of_edge[e] = r
         stalenesses.append(pairs)

@@ -122,11 +122,6 @@ def test_an_interrupted_async_run_resumes_bit_identically(engine, tmp_path, monk
 @pytest.mark.parametrize("flags,message", [
     (["--async-buffer", "5"], "more than the 4 edges"),
     (["--async-buffer", "-1"], ">= 0"),
-    (["--async-buffer", "2", "--groups", "4,2", "--periods", "2,4,8"], "two-level"),
-    (["--async-buffer", "2", "--aggregators", "median"], "mean aggregator"),
-    (["--async-buffer", "2", "--mobility-rate", "0.2"], "grouping fixed"),
-    (["--async-buffer", "2", "--regroup-every", "2"], "grouping fixed"),
-    (["--async-buffer", "2", "--cloud-strategy", "fedadam"], "cloud_strategy average"),
 ])
 def test_bad_async_settings_are_one_line_errors_before_any_work(flags, message, tmp_path,
                                                                 capsys):
