@@ -61,14 +61,9 @@ def validate(cfg: RunConfig) -> None:
     check_grouping(cfg.grouping)
     cfg.mobility()  # unreadable or inconsistent mobility files: stop before any output
     cfg.time_model().check_edges(cfg.num_edges)
-    cfg.asynchronous().check(cfg.num_edges, len(cfg.periods), cfg.aggregator_names,
-                             cfg.mobility_rate > 0 or bool(cfg.mobility_trace),
-                             cfg.regroup_every > 0, bool(cfg.edge_periods))
+    cfg.asynchronous().check(cfg.num_edges)
     if cfg.edge_servers:
         check_edge_servers(cfg)
-    if cfg.async_buffer and cfg.cloud_strategy != "average":
-        raise ConfigError("asynchronous edges (async_buffer) use the staleness-weighted "
-                          "average at the cloud; choose cloud_strategy average")
 
 
 def check_grouping(grouping: str) -> None:

@@ -233,9 +233,7 @@ class HSGDSettings:
                 raise ConfigError("normalize_updates (FedNova) is not supported with unequal "
                                   "edge_periods")
         self.time_model.check_edges(self.groups[0] if self.groups else 1)
-        self.asynchronous.check(self.groups[0] if self.groups else 1, len(self.periods),
-                                self.aggregators, self.mobility.active,
-                                bool(self.regroup_every), bool(self.edge_periods))
+        self.asynchronous.check(self.groups[0] if self.groups else 1)
         check_aggregators(self.aggregators, len(self.periods))
         if len(self.groups) != len(self.periods) - 1:
             raise ConfigError(f"{len(self.groups)} group level(s) need "

@@ -28,12 +28,10 @@ class AsyncEdges:
     def active(self) -> bool:
         return self.buffer > 0
 
-    def check(self, num_edges: int, num_levels: int, aggregators: tuple[str, ...] = ("mean",),
-              moving: bool = False, regrouping: bool = False,
-              edge_periods: bool = False) -> None:
+    def check(self, num_edges: int) -> None:
         """One-line ConfigErrors for settings no run could honour. Any depth, aggregators,
         mobility, regrouping and per-edge periods compose with asynchronous edges
-        (:mod:`fedhier.async_edges`); those arguments stay for callers that pass them."""
+        (:mod:`fedhier.async_edges`)."""
         if self.buffer < 0 or self.max_staleness < 0:
             raise ConfigError(f"async_buffer and max_staleness must be >= 0, got "
                               f"{self.buffer} and {self.max_staleness}")

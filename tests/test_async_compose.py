@@ -7,8 +7,6 @@ move rate 0 = static; carry = fresh when every move is at a job's start)."""
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
@@ -44,22 +42,6 @@ BASE = RunConfig(dataset="digits", clients=8, groups=(4,), local_period=2, globa
 ASYNC_KEYS = {"async_reports", "stale_dropped", "wall_seconds"}
 RUNNERS = {"inprocess": run_inprocess, "vectorized": run_vectorized}
 ENGINE_TOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def _cloud_strategies_with_async(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fedhier/config.py (another change) still refuses a Flower cloud strategy with
-    async_buffer, which the algorithm now runs: RunConfig checks such a configuration as
-    if its cloud strategy were the average. A no-op once config.py no longer refuses."""
-    check = RunConfig.validate
-
-    def validate(self: RunConfig) -> None:
-        if self.async_buffer and self.cloud_strategy != "average":
-            self = copy.copy(self)
-            object.__setattr__(self, "cloud_strategy", "average")
-        check(self)
-
-    monkeypatch.setattr(RunConfig, "validate", validate)
 
 
 def run(cfg: RunConfig, path, engine: str = "vectorized"):

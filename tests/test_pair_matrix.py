@@ -145,14 +145,6 @@ PAIRS: list[Pair] = list(itertools.combinations(FEATURES, 2))
 
 #: The pairs refused today, each with the reason docs/hsgd.md gives (same words, same order).
 REFUSED: dict[Pair, str] = {
-    ("three-level", "async"): "not yet: asynchronous edges need a two-level hierarchy",
-    ("async", "edge-periods"): "not yet: asynchronous edges run one period per edge",
-    ("async", "mobility-rate"): "not yet: asynchronous edges keep the grouping fixed",
-    ("async", "mobility-trace"): "not yet: asynchronous edges keep the grouping fixed",
-    ("async", "regroup"): "not yet: asynchronous edges keep the grouping fixed",
-    ("async", "median"): "not yet: asynchronous edges need the mean aggregator",
-    ("async", "cloud-strategy"): "not yet: asynchronous edges use the staleness-weighted "
-                                 "average at the cloud",
     ("edge-periods", "fednova"): "not yet: FedNova's start model (a client's model when its "
                                  "edge's period starts) is not kept with unequal periods",
     ("mobility-rate", "mobility-trace"): "no meaning: clients move by a rate or by a trace, "
