@@ -248,6 +248,7 @@ class RunConfig:
         resolved to the value used (see :meth:`resolved`).
         """
         kwargs = checked(values, where, _FIELDS)
+        given = set(kwargs)  # the keys the user set, before the card's defaults join them
         if "dataset" not in kwargs and str(kwargs.get("data_path", "")).lower().endswith(".npz"):
             kwargs["dataset"] = "npz"  # a local .npz describes itself (datasets_cfg/npz.toml)
         dataset = kwargs.get("dataset", FIELD_DEFAULTS["dataset"])
@@ -264,7 +265,13 @@ class RunConfig:
                     raise ConfigError(
                         f"{key}={kwargs[key]} contradicts periods={list(periods)} in {where}; "
                         "give one or the other")
-        return cls(**kwargs)
+        asked = (("local_period", kwargs["local_period"]) if "local_period" in given else
+                 ("periods", kwargs["periods"][0]) if given & {"periods"} and kwargs["periods"]
+                 else None)
+        cfg = cls(**kwargs)
+        if "edge_periods" in given:
+            _check_given_edge_round(cfg, asked, where)
+        return cfg
 
     @classmethod
     def from_app_config(cls, values: Mapping[str, Any], where: str = "run_config") -> RunConfig:
@@ -385,6 +392,20 @@ class RunConfig:
 #: The declared settings by name, and each one's default (what a setting missing from a
 #: mapping takes).
 _FIELDS = {f.name: f for f in fields(RunConfig)}
+def _check_given_edge_round(cfg: RunConfig, asked: tuple[str, int] | None,
+                            where: str) -> None:
+    """With per-edge periods the edge round is g = gcd(I_i) steps: an I the user gave
+    (``asked``: ``local_period`` or ``periods``' first entry, and its value) must be g, not
+    be replaced by it without a word."""
+    if asked is None or not cfg.edge_periods or asked[1] == cfg.local_period:
+        return
+    key, value = asked
+    raise ConfigError(
+        f"{key} gives I={value}, but with edge_periods={cfg.edge_periods} an edge round is "
+        f"their gcd, {cfg.local_period} steps, in {where}; leave {key} unset or give "
+        f"{cfg.local_period}")
+
+
 FIELD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(RunConfig)}
 
 

@@ -283,3 +283,25 @@ def test_flower_hooks_run_the_same_edge_rounds():
         final, _ = strategy.aggregate_train(edge_round, grid.send_and_receive(messages))
     assert final is not None
     assert max_abs_diff(final.to_torch_state_dict(), expected) == 0.0
+
+
+@pytest.mark.parametrize("given", [{"local_period": 5}, {"periods": "3,12"}])
+def test_an_edge_round_the_user_gave_that_is_not_the_gcd_is_refused(given):
+    """edge_periods 2,4,4,2 make an edge round gcd = 2 steps: a given I of 5 (or periods
+    starting at 3) is refused by name, not replaced by 2 without a word."""
+    key = next(iter(given))
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_mapping({"edge_periods": "2,4,4,2", "global_period": 12, **given})
+    message = str(err.value)
+    assert message.startswith(f"{key} gives I={5 if key == 'local_period' else 3}, but with "
+                              "edge_periods=2,4,4,2 an edge round is their gcd, 2 steps")
+    assert "\n" not in message
+
+
+def test_the_gcd_given_or_left_out_is_accepted_and_round_trips():
+    left_out = RunConfig.from_mapping({"edge_periods": "2,4,4,2", "global_period": 12})
+    given = RunConfig.from_mapping({"edge_periods": "2,4,4,2", "local_period": 2,
+                                    "global_period": 12})
+    assert left_out == given and left_out.local_period == 2 and left_out.periods == (2, 12)
+    # config.json holds the resolved I: reading it back is the same run
+    assert RunConfig.from_mapping(left_out.to_dict()) == left_out
