@@ -38,14 +38,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhier.aggregate import check_aggregators, client_weights, presence_weights
+from fedhier.aggregate import check_aggregators, presence_weights
 from fedhier.communication import Communication
 from fedhier.errors import ConfigError
-from fedhier.faults import RunFailureError, failed_edges
-from fedhier.grouping import ClientInfo, grouping_needs
+from fedhier.faults import failed_edges
+from fedhier.grouping import ClientInfo
 from fedhier.mobility import Mobility
 from fedhier.plan import EdgeRoundPlan, Workload
-from fedhier.reply_policy import ReplyPolicy, allowed_sizes
+from fedhier.reply_policy import ReplyPolicy
 from fedhier.round.aggregation import NodeModels, aggregate_levels, broadcast, needs_node_models
 from fedhier.round.cloud import CloudStep, cloud_update, cloud_update_of_children
 from fedhier.round.cloud import step_name as _step_name
@@ -57,17 +57,23 @@ from fedhier.round.executor import (
     TrainResult,
 )
 from fedhier.round.executor import device_of as _device
-from fedhier.round.membership import RoundPace, membership_for, regroup_due
+from fedhier.round.membership import (
+    RoundPace,
+    draw_hierarchy,
+    membership_for,
+    regroup_due,
+)
 from fedhier.round.records import client_accuracy_summary, diagnostics_record, evaluation_metrics
+from fedhier.round.restore import Restored
 from fedhier.round.schedule import schedule_for
 from fedhier.round.updates import all_finite as _all_finite
 from fedhier.round.updates import scale_updates, screen, survivors_loss
+from fedhier.round.weights import evaluation_weights, learned_sizes, weights_of
 from fedhier.round_diagnostics import diagnostics_due
 from fedhier.sim_clock import SimClock, TimeModel
 from fedhier.staleness import AsyncEdges
 from fedhier.topology import (
     Hierarchy,
-    build_hierarchy,
     validate_edge_periods,
     validate_periods,
 )
@@ -157,11 +163,8 @@ class HierarchicalSGD:
         self.inner_nodes = NodeModels()  # the levels between the edges and the cloud
         self.communication = Communication()
         self.model_bytes = 0
-        self._restored_hierarchy: Hierarchy | None = None
         self.clock: SimClock | None = None  # simulated time (fedhier.sim_clock)
-        self._restored_clock: dict[str, Any] | None = None
-        self._restored_sizes: list[int] | None = None  # rows learned before a checkpoint
-        self._restored_executor: Any = None  # the executor's state_dict() at a checkpoint
+        self._restored = Restored()  # what a checkpoint gives back (load_state_dict)
         self._executor: Executor | None = None
 
     # ---------------------------------------------------------------- set-up and grouping
@@ -174,93 +177,49 @@ class HierarchicalSGD:
         """
         s = self.settings
         self._executor = executor
-        self.info = executor.profiles() if info is None else info
-        if self._restored_sizes is not None:  # rows learned from replies before a checkpoint
-            if len(self._restored_sizes) != len(self.info.num_examples):
-                raise ConfigError(f"the checkpoint holds the rows of "
-                                  f"{len(self._restored_sizes)} clients, this run has "
-                                  f"{len(self.info.num_examples)}")
-            self.info = dataclasses.replace(
-                self.info, num_examples=np.array(self._restored_sizes, dtype=np.int64))
-        if self._restored_executor is not None:
-            try:
-                executor.load_state_dict(self._restored_executor)  # type: ignore[attr-defined]
-            except (TypeError, ValueError, KeyError, AttributeError) as exc:
-                raise ConfigError(f"the checkpoint's executor state does not fit this run "
-                                  f"({exc}); rerun the run from the start") from None
+        self.info = self._restored.info(executor.profiles() if info is None else info)
+        self._restored.restore_executor(executor)
         self.weights = self._weights_of(self.info.num_examples)
         self.global_params = dict(initial)
         self.model_bytes = executor.model_bytes(initial)
         if hierarchy is not None:
             self.hierarchy = hierarchy
-        elif self._restored_hierarchy is not None:  # a resumed run keeps its grouping
-            self.hierarchy = self._restored_hierarchy
+        elif self._restored.hierarchy is not None:  # a resumed run keeps its grouping
+            self.hierarchy = self._restored.hierarchy
         else:
             self.hierarchy = self.group(executor, initial, s.seed)
         self.clock = SimClock(s.time_model, s.seed, self.hierarchy.num_clients,
                               self.hierarchy.num_nodes(1))
-        if self._restored_clock is not None:
-            self.clock.load_state_dict(self._restored_clock)
+        if self._restored.clock is not None:
+            self.clock.load_state_dict(self._restored.clock)
 
     def group(self, executor: Executor, params: Params, seed: int) -> Hierarchy:
         """A hierarchy drawn by the configured grouping with ``seed`` (gradient groupings take
         the clients' gradients at ``params``)."""
-        s, info = self.settings, self._info()
-        needs = grouping_needs(s.grouping)
-        grads = None
-        if "gradients" in needs:
-            grads = executor.client_gradients(params)
-            if grads is None:
-                raise RunFailureError(f"the '{s.grouping}' grouping needs every client's "
-                                      "gradient (query.gradient)")
-        if "labels" in needs and not info.label_histograms.any():
-            raise ConfigError(f"the '{s.grouping}' grouping needs the clients' label "
-                              "histograms, which they did not report (docs/contract.md: "
-                              "the profile query); use grouping 'random' or 'contiguous'")
-        return build_hierarchy(s.periods, s.groups, s.grouping, info, seed,
-                               client_grads=grads, weights=self.weights)
+        return draw_hierarchy(self.settings, self._info(), self.weights, seed,
+                              lambda: executor.client_gradients(params))
 
     def learn_sizes(self, clients: np.ndarray, sizes: np.ndarray | None, *,
                     trained: bool = True) -> None:
-        """Take clients' rows (int64, aligned with ``clients``) from their replies.
-
-        A train reply's rows (``trained``) are its client's weight from then on, every
-        round: a client whose data change size is re-weighted. An evaluate reply's rows only
-        stand in for a client whose rows are not known yet (0: no profile, not trained yet);
-        the client's first train reply replaces them (docs/contract.md, "Which rows weigh").
-        """
+        """Take clients' rows (int64, aligned with ``clients``) from their replies
+        (:func:`fedhier.round.weights.learned_sizes`: a train reply's rows weigh from then
+        on, an evaluate reply's only for a client whose rows are not known yet)."""
         info = self._info()
-        if sizes is None:
-            return
-        known = info.num_examples
-        take = (sizes > 0) & (known[clients] != sizes)
-        if not trained:
-            take &= known[clients] <= 0
-        if not take.any():
-            return
-        known = known.copy()
-        known[clients[take]] = sizes[take]
-        self.info = dataclasses.replace(info, num_examples=known)
-        self.weights = self._weights_of(known)
+        known = learned_sizes(info.num_examples, clients, sizes, trained=trained)
+        if known is not None:
+            self.info = dataclasses.replace(info, num_examples=known)
+            self.weights = self._weights_of(known)
 
     def _weights_of(self, claimed: np.ndarray) -> np.ndarray:
-        """float64 [n] averaging weights from the clients' claimed sizes, as far as they may
-        claim them (:func:`fedhier.reply_policy.allowed_sizes`)."""
-        info = self._info()
-        sums = np.asarray(info.label_histograms).sum(axis=1) if len(claimed) == len(
-            info.label_histograms) else None
-        return client_weights(self.settings.weighting, allowed_sizes(
-            claimed, sums, self.settings.policy.max_weight_ratio))
+        """float64 [n] averaging weights from the clients' claimed sizes."""
+        return weights_of(claimed, self._info().label_histograms, self.settings.weighting,
+                          self.settings.policy.max_weight_ratio)
 
     def evaluation_weights(self, evaluation: ClientEvaluation) -> np.ndarray:
-        """float64 [n]: the weights of evaluation means: under ``samples`` the rows each
-        client evaluated (its evaluate reply's), else (or when not reported) the clients'
-        averaging weights."""
-        rows = evaluation.num_examples
-        if rows is None or self.settings.weighting != "samples" or not (rows > 0).any():
-            return self.weights
-        return client_weights(self.settings.weighting,  # a claim is capped here too
-                              allowed_sizes(rows, None, self.settings.policy.max_weight_ratio))
+        """float64 [n]: the weights of evaluation means (the rows each client evaluated
+        under ``samples``, else the clients' averaging weights)."""
+        return evaluation_weights(evaluation.num_examples, self.weights,
+                                  self.settings.weighting, self.settings.policy.max_weight_ratio)
 
     def regroup_due(self, cloud_round: int) -> bool:
         return regroup_due(self.settings.regroup_every, cloud_round)
@@ -493,18 +452,7 @@ class HierarchicalSGD:
         self.communication = Communication(**state["communication"])
         if state.get("cloud_step") is not None:
             self.cloud_step = state["cloud_step"]
-        # The grouping in force at the checkpoint (a regrouped or gradient-based one):
-        # setup() must not draw a new one.
-        self._restored_hierarchy = state.get("hierarchy")
-        self._restored_clock = state.get("clock")  # None in checkpoints before sim_seconds
-        # None in checkpoints written before these were kept: the profiles' sizes, a fresh guard
-        sizes, executor_state = state.get("num_examples"), state.get("executor")
-        if sizes is not None and (not isinstance(sizes, list) or not all(
-                type(n) is int and n >= 0 for n in sizes)):
-            raise TypeError("num_examples is not a list of row counts >= 0")
-        if executor_state is not None and not isinstance(executor_state, dict):
-            raise TypeError("the executor state is not a table")
-        self._restored_sizes, self._restored_executor = sizes, executor_state
+        self._restored = Restored.from_state(state)
 
     def _hierarchy(self) -> Hierarchy:
         if self.hierarchy is None:

@@ -3,6 +3,7 @@
 One part of the round (docs/index.md, "The round as parts"). The loop asks a
 :class:`Membership` three things and never which feature answers:
 
+* :func:`draw_hierarchy`: the tree the run's grouping draws (the first, and each regrouping);
 * :meth:`Membership.begin_cloud_round`: the tree a cloud round starts with (a regrouping
   draws a new one every K cloud rounds) and the record keys of that change;
 * :meth:`Membership.enter`: the client -> edge map of an edge round (a mobility model moves
@@ -25,12 +26,36 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 
+from fedhier.errors import ConfigError
+from fedhier.faults import RunFailureError
+from fedhier.grouping import ClientInfo, grouping_needs
 from fedhier.mobility import Mobility
-from fedhier.topology import Hierarchy
+from fedhier.topology import Hierarchy, build_hierarchy
 
 #: regroup(seed) -> a hierarchy drawn by the run's grouping (from the current model).
 Regroup = Callable[[int], Hierarchy]
+
+
+def draw_hierarchy(settings: Any, info: ClientInfo, weights: np.ndarray, seed: int,
+                   gradients: Callable[[], torch.Tensor | None]) -> Hierarchy:
+    """A hierarchy drawn by the grouping of ``settings`` (:class:`fedhier.hsgd.HSGDSettings`)
+    with ``seed``: ``gradients()`` gives every client's gradient [n, P] (None: some
+    missing), asked only by groupings that need them; ``weights``: float64 [n]."""
+    needs = grouping_needs(settings.grouping)
+    grads = None
+    if "gradients" in needs:
+        grads = gradients()
+        if grads is None:
+            raise RunFailureError(f"the '{settings.grouping}' grouping needs every client's "
+                                  "gradient (query.gradient)")
+    if "labels" in needs and not info.label_histograms.any():
+        raise ConfigError(f"the '{settings.grouping}' grouping needs the clients' label "
+                          "histograms, which they did not report (docs/contract.md: "
+                          "the profile query); use grouping 'random' or 'contiguous'")
+    return build_hierarchy(settings.periods, settings.groups, settings.grouping, info, seed,
+                           client_grads=grads, weights=weights)
 
 
 @dataclass(frozen=True)
