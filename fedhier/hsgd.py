@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,15 +47,14 @@ from fedhier.plan import EdgeRoundPlan, Workload
 from fedhier.reply_policy import ReplyPolicy
 from fedhier.round.aggregation import NodeModels, aggregate_levels, broadcast, needs_node_models
 from fedhier.round.cloud import CloudStep, cloud_update, cloud_update_of_children
-from fedhier.round.cloud import step_name as _step_name
 from fedhier.round.executor import (
     ClientEvaluation,
     EdgeRoundWork,
     Executor,
     Params,
     TrainResult,
+    device_of,
 )
-from fedhier.round.executor import device_of as _device
 from fedhier.round.membership import (
     RoundPace,
     draw_hierarchy,
@@ -78,12 +76,10 @@ from fedhier.topology import (
     validate_periods,
 )
 
+#: Importable from here as before the round was split into parts (engines, strategies, tests).
 __all__ = ["NO_TRAINING", "ClientEvaluation", "CloudStep", "EdgeRoundWork", "Executor",
            "HSGDSettings", "HierarchicalSGD", "Params", "TrainResult", "_all_finite",
-           "_device", "_step_name", "aggregate_levels", "client_accuracy_summary",
-           "evaluation_metrics"]
-
-log = logging.getLogger("fedhier")
+           "aggregate_levels", "client_accuracy_summary", "evaluation_metrics"]
 
 
 @dataclass(frozen=True)
@@ -320,7 +316,7 @@ class HierarchicalSGD:
                                    "failed_edges": failed_edge_count, "train_loss": train_loss,
                                    "loss_weight": loss_weight}
         if not alive.all() and len(survivors):
-            rows = torch.as_tensor(np.flatnonzero(alive), device=_device(models))
+            rows = torch.as_tensor(np.flatnonzero(alive), device=device_of(models))
             models = {k: v.index_select(0, rows) for k, v in models.items()}
         clock = self._clock()
         models, survivors, sent = self.schedule.settle(
