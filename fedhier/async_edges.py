@@ -65,6 +65,7 @@ from fedhier.hsgd import (
     Params,
 )
 from fedhier.plan import EdgeRoundPlan
+from fedhier.round.schedule import EdgePeriods
 from fedhier.stale_reports import merge_reports
 from fedhier.topology import Hierarchy
 
@@ -150,8 +151,8 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
             "failed_clients": stats["failed_clients"], "failed_edges": stats["failed_edges"],
             "async_reports": [[job.edge, staleness] for job, staleness in accepted],
             "stale_dropped": dropped, **membership}
-        if s.edge_periods:  # each edge's aggregations in its last job
-            out["edge_aggregations"] = self._edge_aggregations.tolist()
+        if (periods := self._edge_periods()) is not None:  # each edge's, in its last job
+            out["edge_aggregations"] = periods.aggregations.tolist()
         return out
 
     def _link(self, level: int, node: int) -> float:
@@ -274,8 +275,8 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         old = self._hierarchy().edge_of_client()
         self.hierarchy = self._hierarchy().with_edge_map(maps[k])
         moved = np.flatnonzero(maps[k] != old)
-        if s.mobility.handoff != "carry" and s.edge_periods:
-            self._has_carry[moved] = False  # fresh: a moved client drops its own model
+        if s.mobility.handoff != "carry":
+            self.schedule.forget(moved)  # fresh: a moved client drops its own model
         work, plan = super().plan(edge_round)
         if s.mobility.handoff != "carry" or k == 0 or not len(moved):
             return work, plan
@@ -312,18 +313,20 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                     busy[job.members] = True
             self._batch_maps = np.where(busy[None], edge_of[None], self.round_maps)
             edge_of = self._batch_maps[0]
-        if self.settings.edge_periods:
-            self._start_periods(np.isin(edge_of, edges), edges)
+        periods = self._edge_periods()
+        if periods is not None:
+            periods.restart(np.isin(edge_of, edges), edges, grouping.num_clients,
+                            grouping.num_nodes(1))
         self.hierarchy = grouping.with_edge_map(edge_of)
-        counts = self._edge_aggregations.copy()
+        counts = None if periods is None else periods.aggregations.copy()
         try:
             outcome = self._train_batch(executor, edges)
             edge_of = self._hierarchy().edge_of_client()  # the map of the batch's last round
         finally:
             self.hierarchy, self._batch_maps = grouping, None
-        if self.settings.edge_periods:  # the schedule counts every edge: keep the batch's
+        if periods is not None and counts is not None:  # it counts every edge: keep the batch's
             others = np.setdiff1d(np.arange(len(counts)), edges)
-            self._edge_aggregations[others] = counts[others]
+            periods.aggregations[others] = counts[others]
         stats["failed_clients"] += outcome.failed_clients
         stats["failed_edges"] += outcome.failed_edges
         stats["losses"].extend(outcome.losses[outcome.losses[:, 1] > 0, 0].tolist())
@@ -344,21 +347,9 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                                       float(clock.edge_time[edge]), models, survivors,
                                       np.flatnonzero(edge_of == edge), reference)
 
-    def _start_periods(self, members: np.ndarray, edges: np.ndarray) -> None:
-        """Per-edge periods: the clients ``members`` (bool [n]) of the starting ``edges``
-        start a cloud period: no planned steps left, no carried model, no edge aggregation
-        counted yet (what :meth:`HierarchicalSGD.begin_cloud_round` resets for all)."""
-        n, num_edges = self._hierarchy().num_clients, self._hierarchy().num_nodes(1)
-        if len(self._remaining) != n:
-            self._remaining = np.zeros(n, dtype=np.int64)
-            self._scale = np.ones(n, dtype=np.float64)
-            self._has_carry = np.zeros(n, dtype=bool)
-        if len(self._edge_aggregations) != num_edges:
-            self._edge_aggregations = np.zeros(num_edges, dtype=np.int64)
-        self._remaining[members] = 0
-        self._scale[members] = 1.0
-        self._has_carry[members] = False
-        self._edge_aggregations[edges] = 0
+    def _edge_periods(self) -> EdgePeriods | None:
+        """The per-edge-period schedule (None: equal periods)."""
+        return self.schedule if isinstance(self.schedule, EdgePeriods) else None
 
     def _train_batch(self, executor: Executor, edges: np.ndarray) -> Any:
         """:func:`train_edges` for a batch of edges starting together. Above the edges (a
@@ -390,7 +381,8 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         state["async"] = {"version": self.version, "jobs": list(self.jobs.values()),
                           "idle": dict(self.idle), "link_free": self.link_free,
                           "relay_free": dict(self.relay_free),
-                          "edge_aggregations": self._edge_aggregations.tolist(),
+                          "edge_aggregations": ([] if (periods := self._edge_periods()) is None
+                                                else periods.aggregations.tolist()),
                           "now": self.now, "edge_models": dict(self.edge_models)}
         return state
 
@@ -405,7 +397,9 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         self.idle = dict(saved["idle"])
         self.link_free = saved["link_free"]
         self.relay_free = dict(saved.get("relay_free", {}))  # {}: checkpoints of two levels
-        self._edge_aggregations = np.asarray(saved.get("edge_aggregations", []), dtype=np.int64)
+        if (periods := self._edge_periods()) is not None:
+            periods.aggregations = np.asarray(saved.get("edge_aggregations", []),
+                                              dtype=np.int64)
         self.now = saved["now"]
         self._restored_edge_models = saved["edge_models"]
 
