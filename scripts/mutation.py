@@ -40,6 +40,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     "fedhier/ranges.py": (["tests/test_ranges.py"], []),
     "fedhier/topology.py": (["tests/test_topology.py", "tests/test_topology_exact.py",
+                             "tests/test_topology_mutants.py",
                              "tests/test_oracle.py", "tests/test_grouping.py",
                              "tests/test_config.py"],
                             ["-k", "(test_topology or schedule or test_grouping or test_config) "
@@ -54,9 +55,9 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                               "tests/test_oracle.py"],
                              ["-k", "test_aggregate or presence_weights or ((median or "
                               "two_levels or participation) and vectorized)"]),
-    "fedhier/sim_clock.py": (["tests/test_sim_clock.py"],
+    "fedhier/sim_clock.py": (["tests/test_sim_clock.py", "tests/test_sim_clock_mutants.py"],
                              ["-k", "transfer or waits or queues or share or pay_only or "
-                              "bad_edge_slowdown"]),
+                              "bad_edge_slowdown or mutants"]),
 }
 COPY = ["fedhier", "strategies", "clients", "datasets_cfg", "examples", "tests", "docs",
         "fedhier_clientapp.py", "fedhier_serverapp.py", "setup.py"]
