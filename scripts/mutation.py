@@ -61,6 +61,16 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "fedhier/mobility.py": (["tests/test_mobility.py", "tests/test_mobility_mutants.py"],
                             ["-k", "mutants or markov or move_frequency or empty_edges or "
                              "reachability_reads_npy"]),
+    "fedhier/grouping/*": (["tests/test_grouping.py", "tests/test_grouping_divergence.py",
+                            "tests/test_grouping_mutants.py"],
+                           ["-k", "not places_clients and not on_digits and not beats_random "
+                            "and not gradient_grouping_is_balanced"]),
+    "fedhier/diagnostics.py": (["tests/test_diagnostics.py", "tests/test_diagnostics_mutants.py"],
+                               ["-k", "mutants or closed_forms or zero_sum or "
+                                "label_upward_divergence_by_hand"]),
+    "fedhier/data/partition.py": (["tests/test_data.py", "tests/test_partition_mutants.py"],
+                                  ["-k", "mutants or test_label_histogram or "
+                                   "partition_schemes_constant"]),
     "fedhier/sim_clock.py": (["tests/test_sim_clock.py", "tests/test_sim_clock_mutants.py"],
                              ["-k", "transfer or waits or queues or share or pay_only or "
                               "bad_edge_slowdown or mutants"]),

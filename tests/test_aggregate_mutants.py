@@ -85,6 +85,9 @@ def test_presence_weights_by_hand():
     # edge 1: W = 7, S = 4 -> 4 * 7 / 4 = 7
     out = presence_weights(weights, np.array([False, True, False, True, False]), edges)
     assert out.tolist() == [0.0, 3.0, 0.0, 7.0, 0.0]
+    # a present client of weight 0, alone present at its edge (S_e = 0): weight 0, not nan
+    out = presence_weights(np.array([0.0, 2.0]), np.array([True, False]), np.array([0, 0]))
+    assert out.tolist() == [0.0, 0.0]
     tenths = np.array([0.1, 0.2, 0.7])  # every client present: w exactly, not w * 1.000...
     assert presence_weights(tenths, np.ones(3, bool), np.array([0, 0, 0])).tolist() == \
         [0.1, 0.2, 0.7]
@@ -96,6 +99,9 @@ def test_median_by_hand():
     out = median_aggregate(values, torch.ones(5), segments, 2)
     # segment 0: [1, 4, 2] -> 2, [9, 2, 5] -> 5; segment 1 (even): [8, 6] -> 7, [0, 3] -> 1.5
     assert out.tolist() == [[2.0, 5.0], [7.0, 1.5]] and out.dtype == torch.float32
+    tenth = torch.tensor([[0.1], [0.3], [0.2]], dtype=torch.float64)  # float64 kept as is
+    out = median_aggregate(tenth, torch.ones(3), torch.zeros(3, dtype=torch.int64), 1)
+    assert out.dtype == torch.float64 and out.item() == 0.2
     four = torch.tensor([[4.0], [1.0], [10.0], [2.0]])
     assert median_aggregate(four, torch.ones(4), torch.zeros(4, dtype=torch.int64),
                             1).tolist() == [[3.0]]
@@ -110,6 +116,9 @@ def test_rule_table():
     assert aggregator("median").name == "median"
     assert aggregator("trimmed-mean:0.1").name == "trimmed-mean:0.1"
     assert aggregator("clip:2x").needs_reference
+    # built at run time from a parameter: never linear (False itself, as the table's)
+    for name in ("trimmed-mean:0.1", "clip:2", "krum:2", "multi-krum:0"):
+        assert aggregator(name).linear is False, name
 
 
 def test_defaults_are_their_documented_parameters():

@@ -52,6 +52,8 @@ def test_active_and_reaches():
     given = ((True, True, False), (False, True, True), (True, False, False))
     assert Mobility(reachability=given).reaches(3).tolist() == \
         [[False, True, False], [False, False, True], [True, False, False]]
+    as_ints = Mobility(reachability=((0, 1), (1, 1))).reaches(2)  # 0/1 ints, not bools
+    assert as_ints.dtype == bool and as_ints.tolist() == [[False, True], [True, False]]
 
 
 def _documented_maps(seed, cloud_round, edge_rounds, start, num_edges, rate, reach):
@@ -88,6 +90,77 @@ def test_markov_maps_are_the_documented_draws(rate, reach):
         assert moves == 24  # every client moves in each cloud round
 
 
+def _u(edge_hist: np.ndarray) -> float:
+    """Σ_i P_i ||π_i − π||² of edge label histograms [N, C] (an empty edge adds nothing)."""
+    rows = edge_hist.sum(1)
+    pi = edge_hist.sum(0) / rows.sum()
+    return float(sum(r / rows.sum() * np.sum((h / r - pi) ** 2)
+                     for h, r in zip(edge_hist, rows, strict=True) if r > 0))
+
+
+def _documented_min_divergence_maps(seed, cloud_round, edge_rounds, start, num_edges, rate,
+                                    histograms):
+    """Markov moves admitted in (edge round, client) order, each to the option whose
+    admission leaves the label upward divergence lowest (ties: the move's draw)."""
+    maps = np.tile(np.asarray(start), (edge_rounds, 1))
+    moves = []
+    for client, edge in enumerate(start):
+        draw = generator(seed, "mobility", cloud_round, client)
+        moved, when, which = draw.random(), int(draw.integers(1, edge_rounds + 1)), draw.random()
+        if moved < rate:
+            moves.append((when, client, which, [e for e in range(num_edges) if e != edge]))
+    for when, client, which, options in sorted(moves):
+        current = maps[when - 1]
+        scores = []
+        for option in options:
+            placed = current.copy()
+            placed[client] = option
+            edge_hist = np.zeros((num_edges, histograms.shape[1]))
+            np.add.at(edge_hist, placed, histograms)
+            scores.append(_u(edge_hist))
+        best = min(scores)
+        tied = [o for o, u in zip(options, scores, strict=True)
+                if u <= best + 1e-12 * max(max(scores), 1e-300)]
+        maps[when - 1:, client] = tied[int(which * len(tied))]
+    return maps
+
+
+def test_markov_min_divergence_maps_are_the_documented_admissions():
+    rng = np.random.default_rng(5)  # fixed data
+    histograms = rng.integers(0, 6, size=(10, 3))
+    histograms[:, 0] += 1  # every client holds rows
+    model = Mobility(rate=0.7, admission="min-divergence")
+    start = np.array([0, 1, 2, 3, 0, 1, 2, 3, 0, 1], dtype=np.int32)
+    current = start
+    for cloud_round in (1, 2, 3):
+        maps = model.maps(2, cloud_round, 3, current, 4, histograms)
+        assert maps.dtype == np.int64
+        expected = _documented_min_divergence_maps(2, cloud_round, 3, current, 4, 0.7,
+                                                   histograms)
+        assert maps.tolist() == expected.tolist()
+        current = maps[-1]
+    # the map in force in edge round 8 (cloud round 3, its 2nd edge round), from scratch
+    assert model.edge_of_client(8, start, 2, 3, 4, histograms).tolist() == \
+        model.maps(2, 3, 3, model.edge_of_client(6, start, 2, 3, 4, histograms), 4,
+                   histograms)[1].tolist()
+
+
+def test_markov_edge_of_client_composes_the_cloud_rounds():
+    model = Mobility(rate=0.5)
+    start = np.array([0, 1, 2, 0, 1, 2], dtype=np.int32)
+    current, by_round = start, {}
+    for cloud_round in (1, 2, 3):
+        maps = model.maps(4, cloud_round, 2, current, 3)
+        by_round[2 * cloud_round - 1], by_round[2 * cloud_round] = maps[0], maps[1]
+        current = maps[-1]
+    for edge_round, expected in by_round.items():
+        got = model.edge_of_client(edge_round, start, 4, 2, 3)
+        assert got.tolist() == expected.tolist() and got.dtype == np.int64
+    assert not all(by_round[k].tolist() == start.tolist() for k in by_round)  # clients moved
+    before = model.edge_of_client(0, start, 4, 2, 3)  # before the first edge round: the start
+    assert before.tolist() == start.tolist() and before.dtype == np.int64
+
+
 # clients 0..3 at edges 0, 1, 2, 0; 4 edge rounds per cloud round (rounds 1: 1..4, 2: 5..8)
 START = np.array([0, 1, 2, 0])
 TRACE = ((2, 0, 2), (5, 1, 0), (8, 3, 1))
@@ -116,6 +189,11 @@ def test_traced_move_candidates_under_min_divergence():
     for admission, edge in [("min-divergence", 0), ("random", 1)]:
         model = Mobility(trace=((1, 3, 1),), reachability=reach, admission=admission)
         assert model.maps(0, 1, 2, start, 3, histograms)[0].tolist() == [0, 1, 2, edge]
+    # traced to edge 0, which reaches only edge 1: candidates 0 (U = 0.25) and 1 (U = 0.5);
+    # edge 2 (also U = 0.25) is not one
+    reach = ((False, True, False), (True, False, False), (True, False, False))
+    model = Mobility(trace=((1, 3, 0),), reachability=reach, admission="min-divergence")
+    assert model.maps(0, 1, 2, start, 3, histograms)[0].tolist() == [0, 1, 2, 0]
 
 
 def test_respect():
@@ -146,6 +224,18 @@ def test_read_reachability(tmp_path):
     stuck = _write(tmp_path / "s.csv", "0,1,1\n0,1,0\n1,0,0\n")
     _refused(lambda: read_reachability(stuck, 3),
              f"reachability matrix {stuck}: edge 1 reaches no other edge")
+    pickled = tmp_path / "p.npy"
+    np.save(pickled, np.array([[0, 1], [1, 0]], dtype=object), allow_pickle=True)
+    _refused(lambda: read_reachability(str(pickled), 2),
+             f"cannot read reachability matrix {pickled}: Object arrays cannot be loaded when "
+             "allow_pickle=False")
+    row = _write(tmp_path / "row.csv", "0,1\n")
+    _refused(lambda: read_reachability(row, 2),
+             f"reachability matrix {row} has shape [1, 2]; the run has 2 edges, so it must be "
+             "2 x 2")
+    one = _write(tmp_path / "one.csv", "0\n")
+    _refused(lambda: read_reachability(one, 1), f"reachability matrix {one}: edge 0 reaches no "
+             "other edge")
     text = _write(tmp_path / "t.csv", "a,b\n")
     with pytest.raises(ConfigError) as caught:
         read_reachability(text, 2)
@@ -191,6 +281,10 @@ def test_bad_trace_header_and_missing_file(tmp_path):
     _refused(lambda: read_trace(path, 3, 2, 2, 3),
              f"mobility trace {path}: the header must be 'round,client,edge' or "
              "'edge_round,client,edge', got 'when,who,where'")
+    xpath = _write(tmp_path / "x.csv", "X1,0,0\n")  # not a number: a (bad) header
+    _refused(lambda: read_trace(xpath, 3, 2, 2, 3),
+             f"mobility trace {xpath}: the header must be 'round,client,edge' or "
+             "'edge_round,client,edge', got 'X1,0,0'")
     missing = str(tmp_path / "missing.csv")
     _refused(lambda: read_trace(missing, 3, 2, 2, 3),
              f"cannot read mobility trace {missing}: No such file or directory")
