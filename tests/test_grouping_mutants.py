@@ -24,6 +24,7 @@ from fedhier.grouping import (
     ClientInfo,
     assign_groups,
     available_groupings,
+    divergence,
     get_grouping,
     grouping_needs,
     load_plugin,
@@ -136,6 +137,17 @@ def test_assign_groups_checks_the_result():
                  "grouping '<lambda>' must use every group id 0..1 at least once")
     _refused(lambda: assign_groups(lambda i, n, s: np.array([0, 1, 1, 1]), info, 3, 0),
              "grouping '<lambda>' must use every group id 0..2 at least once")
+    _refused(lambda: assign_groups(lambda i, n, s: np.array([-1, 0, 0, 0]), info, 2, 0),
+             "grouping '<lambda>' must use every group id 0..1 at least once")
+    _refused(lambda: assign_groups(lambda i, n, s: np.array([0, 2, 2, 2]), info, 2, 0),
+             "grouping '<lambda>' must use every group id 0..1 at least once")
+
+    class Unnamed:
+        def __call__(self, info, num_groups, seed):
+            return np.zeros(3, np.int64)
+
+    _refused(lambda: assign_groups(Unnamed(), info, 2, 0),
+             "grouping 'custom' must return 4 integer group ids, got shape (3,) dtype int64")
     callable_object = SimpleNamespace()
     _refused(lambda: assign_groups(lambda i, n, s: callable_object, info, 2, 0),
              "grouping '<lambda>' must return 4 integer group ids, got shape () dtype object")
@@ -200,6 +212,8 @@ def test_module_reference_plugins(tmp_path, monkeypatch):
     (tmp_path / "fedhier_t31_plugins.py").write_text(textwrap.dedent("""
         import numpy as np
         LIMIT = 3
+        def short(info, num_groups, seed):
+            return np.zeros(2, np.int64)
         def halves(info, num_groups, seed):
             return (np.arange(info.num_clients) * num_groups // info.num_clients)
     """))
@@ -214,6 +228,9 @@ def test_module_reference_plugins(tmp_path, monkeypatch):
     assert assign_groups("fedhier_t31_plugins:halves", _info(6), 3, 0).tolist() == \
         [0, 0, 1, 1, 2, 2]
     assert load_plugin("fedhier_t31_plugins:halves") is halves
+    _refused(lambda: assign_groups("fedhier_t31_plugins:short", _info(6), 3, 0),
+             "grouping 'fedhier_t31_plugins:short' must return 6 integer group ids, got shape "
+             "(2,) dtype int64")
     _refused(lambda: get_grouping("fedhier_t31_plugins:LIMIT"),
              "grouping plugin 'fedhier_t31_plugins:LIMIT' from module reference "
              "fedhier_t31_plugins:LIMIT is a int, not a function (info, num_groups, seed)")
@@ -258,16 +275,49 @@ def _u(z: np.ndarray, w: np.ndarray, assign) -> float:
     return total
 
 
+def _sweeps(z, w, assign, order, maximise: bool, max_sweeps: int = 100) -> list[int]:
+    """The docstring's local search: sweeps over the clients in order; for each client the
+    best swap partner in another group (ties: the lowest index) is taken if it improves U."""
+    assign = list(assign)
+    sign = -1.0 if maximise else 1.0
+    scale = 1e-12 * float(np.sum(w * np.sum((z - w @ z / w.sum()) ** 2, 1)))
+    for _ in range(max_sweeps):
+        improved = False
+        for j in order:
+            here = sign * _u(z, w, assign)
+            best, best_k = np.inf, -1
+            for k in range(len(w)):
+                if assign[k] == assign[j]:
+                    continue
+                swapped = list(assign)
+                swapped[j], swapped[k] = assign[k], assign[j]
+                delta = sign * _u(z, w, swapped) - here
+                if delta < best:
+                    best, best_k = delta, k
+            if best_k >= 0 and best < -scale:
+                assign[j], assign[best_k] = assign[best_k], assign[j]
+                improved = True
+        if not improved:
+            break
+    return assign
+
+
 @pytest.mark.parametrize("maximise", [False, True])
-@pytest.mark.parametrize("n, groups", [(7, 3), (8, 2), (9, 4)])
-def test_the_greedy_pass_is_the_documented_one(n, groups, maximise):
+@pytest.mark.parametrize("n, groups", [(7, 3), (8, 2), (9, 4), (16, 3)])
+def test_the_search_is_the_documented_one(n, groups, maximise):
+    """Greedy pass and swap sweeps, each against a plain re-implementation (U by brute
+    force): the same grouping, client for client."""
     rng = np.random.default_rng(n * 10 + groups)
     z, w = rng.normal(size=(n, 3)), rng.uniform(0.5, 3.0, size=n)
     order = rng.permutation(n)
     gram = weighted_gram(z, w, seed=0)
+    greedy = _greedy(z, w, groups, order, maximise)
     got = search_grouping(gram, w, groups, order, maximise=maximise, max_sweeps=0)
-    assert got.tolist() == _greedy(z, w, groups, order, maximise)
-    assert got.dtype == np.int64
+    assert got.tolist() == greedy and got.dtype == np.int64
+    full = search_grouping(gram, w, groups, order, maximise=maximise)
+    assert full.tolist() == _sweeps(z, w, greedy, order, maximise)
+    one = search_grouping(gram, w, groups, order, maximise=maximise, max_sweeps=1)
+    assert one.tolist() == _sweeps(z, w, greedy, order, maximise, max_sweeps=1)
 
 
 def test_the_swap_search_ends_at_a_swap_optimum():
@@ -310,6 +360,7 @@ def test_positive_weights():
     assert _positive_weights(np.array([[2.0, 0.0, 4.0]])).tolist() == [2.0, 4e-9, 4.0]
     assert _positive_weights(np.zeros(3)).tolist() == [1.0, 1.0, 1.0]
     assert _positive_weights(np.array([1, 2])).dtype == np.float64
+    assert _positive_weights(np.array([0, 0])).dtype == np.float64
     for bad in ([1.0, -1.0], [1.0, np.nan], [np.inf, 1.0]):
         _refused(lambda bad=bad: _positive_weights(np.array(bad)),
                  "client weights must be finite and non-negative", ValueError)
@@ -335,6 +386,12 @@ def test_weighted_gram_by_hand():
     for max_dim in (2, 3):
         np.testing.assert_allclose(weighted_gram(torch.from_numpy(z).float(), w, seed=0,
                                                  max_dim=max_dim), u @ u.T, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(weighted_gram(z, np.array([1, 1, 2]), seed=0), u @ u.T, rtol=0,
+                               atol=1e-12)  # integer weights
+    wide = np.random.default_rng(2).normal(size=(3, 5))
+    uw = wide - wide.mean(0)
+    np.testing.assert_allclose(weighted_gram(wide, np.ones(3), seed=0, max_dim=3), uw @ uw.T,
+                               rtol=0, atol=1e-12)  # n = max_dim < D: still exact
     # both n and D above max_dim: the seeded projection R / sqrt(max_dim), blocks of columns
     big = np.random.default_rng(1).normal(size=(4, 6))
     wb = np.array([1.0, 2.0, 1.0, 3.0])
@@ -342,6 +399,18 @@ def test_weighted_gram_by_hand():
     r = generator(9, "gradient-grouping-projection").standard_normal((6, 2), dtype=np.float32)
     v = (ub.astype(np.float32) @ r).astype(np.float64) / np.sqrt(2)
     np.testing.assert_allclose(weighted_gram(big, wb, seed=9, max_dim=2), v @ v.T, rtol=1e-5,
+                               atol=1e-5)
+    assert not np.allclose(weighted_gram(big, wb, seed=10, max_dim=2), v @ v.T, atol=1e-3)
+
+
+def test_weighted_gram_in_column_blocks(monkeypatch):
+    """Blocks of 2 columns (6 columns: 3 blocks) give the one-block numbers."""
+    big = np.random.default_rng(1).normal(size=(4, 6))
+    wb = np.array([1.0, 2.0, 1.0, 3.0])
+    exact, projected = weighted_gram(big, wb, 0), weighted_gram(big, wb, 9, max_dim=2)
+    monkeypatch.setattr(divergence, "_COLUMN_BLOCK", 2)
+    np.testing.assert_allclose(weighted_gram(big, wb, 0), exact, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(weighted_gram(big, wb, 9, max_dim=2), projected, rtol=1e-5,
                                atol=1e-5)
 
 
@@ -381,3 +450,76 @@ def test_gradient_grouping_weights_and_errors():
              "need 4 client weights, got shape (3,)", ValueError)
     _refused(lambda: gradient_grouping(info, 5, 0, grads),
              "need 1 <= num_groups <= 4 clients, got 5", ValueError)
+
+
+def _documented_order(seed: int, purpose: str, *keys: np.ndarray) -> list[int]:
+    """Clients by keys ascending (first key primary), ties in generator(seed, purpose)'s
+    permutation order."""
+    rank = {int(c): i for i, c in enumerate(generator(seed, purpose).permutation(len(keys[0])))}
+    return sorted(range(len(keys[0])), key=lambda j: (*(float(k[j]) for k in keys), rank[j]))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """What the groupings hand to weighted_gram and search_grouping."""
+    calls: dict[str, list] = {"gram": [], "search": []}
+    real_gram, real_search = divergence.weighted_gram, divergence.search_grouping
+
+    def gram(features, weights, seed, max_dim=divergence.PROJECTION_DIM):
+        calls["gram"].append((np.asarray(weights, dtype=np.float64).copy(), seed, max_dim))
+        return real_gram(features, weights, seed, max_dim)
+
+    def search(g, weights, num_groups, order, *, maximise=False, max_sweeps=100):
+        calls["search"].append((np.asarray(order).tolist(), maximise))
+        return real_search(g, weights, num_groups, order, maximise=maximise,
+                           max_sweeps=max_sweeps)
+
+    monkeypatch.setattr(divergence, "weighted_gram", gram)
+    monkeypatch.setattr(divergence, "search_grouping", search)
+    return calls
+
+
+def test_label_search_orders(recorded):
+    # rows 5, 3, 5, 2, 3, 5; dominant labels 1, 0, 0, 2, 1, 1
+    hist = np.array([[1, 4, 0], [3, 0, 0], [4, 1, 0], [0, 0, 2], [1, 2, 0], [0, 5, 0]])
+    info = ClientInfo(label_histograms=hist, num_examples=hist.sum(1))
+    rows = hist.sum(1).astype(np.float64)
+    min_divergence_grouping(info, 2, 3)
+    max_divergence_grouping(info, 2, 3)
+    assert recorded["search"] == [
+        (_documented_order(3, "grouping-min-divergence", -rows), False),
+        (_documented_order(3, "grouping-max-divergence", hist.argmax(1), -rows), True)]
+    assert [(g[1], g[2]) for g in recorded["gram"]] == [(3, 256), (3, 256)]
+    np.testing.assert_array_equal(recorded["gram"][0][0], rows)
+
+
+def test_gradient_search_orders(recorded):
+    grads = torch.from_numpy(np.random.default_rng(6).normal(size=(6, 4)))
+    info = ClientInfo(label_histograms=np.ones((6, 1), np.int64),
+                      num_examples=np.array([2, 5, 5, 1, 2, 5]))
+    w = np.array([2.0, 5.0, 5.0, 1.0, 2.0, 5.0])
+    default = gradient_grouping(info, 2, 4, grads)  # weights default to uniform
+    assert default.tolist() == gradient_grouping(info, 2, 4, grads, "uniform").tolist()
+    gradient_grouping(info, 2, 4, grads, "samples", max_dim=3)
+    gradient_grouping(info, 2, 4, grads, torch.tensor(w, requires_grad=True), maximise=True)
+    vectors = np.linalg.eigh(weighted_gram(grads, w, 4))[1]
+    assert recorded["search"][1:] == [
+        (_documented_order(4, "grouping-gradient", -np.ones(6)), False),
+        (_documented_order(4, "grouping-gradient", -w), False),
+        (_documented_order(4, "grouping-gradient", vectors[:, -1]), True)]
+    assert [(g[1], g[2]) for g in recorded["gram"][:4]] == [(4, 256), (4, 256), (4, 3), (4, 256)]
+    np.testing.assert_array_equal(recorded["gram"][2][0], w)
+
+
+def test_make_gradient_grouping_passes_everything_on():
+    grads = torch.from_numpy(np.random.default_rng(8).normal(size=(12, 10)))
+    info = ClientInfo(label_histograms=np.ones((12, 1), np.int64),
+                      num_examples=np.arange(1, 13) ** 2)
+    for kwargs in ({}, {"weights": "samples"}, {"maximise": True}, {"max_dim": 4},
+                   {"weights": np.arange(1.0, 13.0), "maximise": True, "max_dim": 3}):
+        made = make_gradient_grouping(grads, **kwargs)(info, 3, 1)
+        assert made.tolist() == gradient_grouping(info, 3, 1, grads, **kwargs).tolist(), kwargs
+    # and the arguments matter here: each differs from the default
+    plain = gradient_grouping(info, 3, 1, grads)
+    for kwargs in ({"weights": "samples"}, {"maximise": True}, {"max_dim": 4}):
+        assert gradient_grouping(info, 3, 1, grads, **kwargs).tolist() != plain.tolist(), kwargs
