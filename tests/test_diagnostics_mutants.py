@@ -88,7 +88,7 @@ def test_row_checks():
     params = _params(model, 0)
     _refused(lambda: flat_gradient(model, params, X[:0], Y[:0]),
              "gradient of an empty data set: x and y have no rows")
-    _refused(lambda: flat_gradient(model, params, X[:3], Y[:2]), "x has 3 rows but y has 2")
+    _refused(lambda: flat_gradient(model, params, X[:4], Y[:2]), "x has 4 rows but y has 2")
     _refused(lambda: per_example_gradients(model, params, X[:3], Y[:4]),
              "x has 3 rows but y has 4")
 
@@ -160,6 +160,13 @@ def test_sample_gradient_diversity_by_reference(build):
     delta, used = sample_gradient_diversity(model, params, X, Y, 3, seed=4, chunk=2)
     assert used == 3
     assert delta == pytest.approx(float((sub ** 2).sum() / (sub.sum(0) ** 2).sum()), rel=1e-12)
+    # six of seven rows: drawn without replacement (a draw with replacement repeats rows)
+    picked = np.sort(generator(1, "diversity-sample").choice(7, size=6, replace=False))
+    sub = reference[picked]
+    assert sample_gradient_diversity(model, params, X, Y, 6, seed=1, chunk=4) == \
+        pytest.approx((float((sub ** 2).sum() / (sub.sum(0) ** 2).sum()), 6), rel=1e-12)
+    # one row: Δ = ||g||² / ||g||² = 1
+    assert sample_gradient_diversity(model, params, X, Y, 1, seed=0) == pytest.approx((1.0, 1))
     for bad in (0, -2):
         _refused(lambda bad=bad: sample_gradient_diversity(model, params, X, Y, bad, seed=0),
                  f"max_samples must be at least 1 (or None for all rows), got {bad}")
@@ -209,3 +216,30 @@ def test_label_distributions():
     dists = label_distributions(np.array([[2, 6], [0, 0], [1, 0]]))
     assert dists.tolist() == [[0.25, 0.75], [0.0, 0.0], [1.0, 0.0]]
     assert dists.dtype == np.float64
+
+
+def test_divergences_are_computed_in_float64():
+    """float32 gradients whose values float32 cannot hold exactly: every quantity as the
+    formulas give it in float64 from those float32 values (a float32 computation is off by
+    ~1e-8 relative)."""
+    g32 = (GRADS / 3 + 0.1).float()
+    g = g32.double().numpy()
+    p = np.array([1.0, 1.0, 1.0, 3.0]) / 6
+    edges = EDGES.numpy()
+    mean = p @ g
+    share = np.array([p[edges == e].sum() for e in (0, 1)])
+    edge_means = np.stack([p[edges == e] @ g[edges == e] / share[e] for e in (0, 1)])
+    down = [float(p[edges == e] / share[e] @ ((g[edges == e] - edge_means[e]) ** 2).sum(1))
+            for e in (0, 1)]
+    got = divergences(g32, WEIGHTS, EDGES, 2)
+    assert got["upward_divergence"] == pytest.approx(
+        float(share @ ((edge_means - mean) ** 2).sum(1)), rel=1e-13)
+    assert got["downward_divergence_by_edge"] == pytest.approx(down, rel=1e-13)
+    assert got["global_divergence"] == pytest.approx(float(p @ ((g - mean) ** 2).sum(1)),
+                                                     rel=1e-13)
+    # weights summing to 1 (or less) are fine: only their ratios count
+    quarter = divergences(GRADS, torch.full((4,), 0.25), EDGES, 2)
+    assert quarter["upward_divergence"] == pytest.approx(
+        divergences(GRADS, torch.ones(4), EDGES, 2)["upward_divergence"], rel=1e-14)
+    assert divergences(GRADS, WEIGHTS / 100, EDGES, 2)["upward_divergence"] == \
+        pytest.approx(58 / 9, rel=1e-14)
