@@ -58,6 +58,8 @@ def test_auto_min_partition_size():
     assert auto_min_partition_size(40, 2, 1.0) == 10   # floor(10.0) = 10: at the cap
     assert auto_min_partition_size(36, 2, 1.0) == 9    # floor(9.0)
     assert auto_min_partition_size(100, 1, 0.001) == 1  # floor(0.05) = 0 -> at least 1
+    assert auto_min_partition_size(40, 1, 1.0) == 10    # one client: floor(20) -> 10
+    assert auto_min_partition_size(6, 1, 1.0) == 3      # floor(3.0)
     assert auto_min_partition_size(100, 0, 0.5) == 1
     assert auto_min_partition_size(100, -3, 0.5) == 1
 
@@ -199,6 +201,42 @@ def test_shards_with_too_few_rows_per_class():
     assert text.startswith("shards partition failed: some class has fewer rows than the 8 "
                            "clients x 2 classes need (")
     assert text.endswith("); use fewer clients or fewer classes per client")
+
+
+def test_defaults():
+    # alpha 0.5 and at least 10 rows per client by default (5 x 10 > 40 rows)
+    _refused(lambda: partition_clients(_bundle(), "dirichlet", 5, seed=0),
+             "Dirichlet partition failed: could not give every one of 5 clients at least 10 "
+             "rows with alpha=0.5; raise --alpha, lower --min-partition-size or use fewer "
+             "clients", DataError)
+    big = _bundle(np.tile(LABELS, 5), name="big")  # 200 rows
+    assert [p.tolist() for p in partition_clients(big, "dirichlet", 4, seed=2)] == \
+        [p.tolist() for p in partition_clients(_bundle(np.tile(LABELS, 5), name="big"),
+                                               "dirichlet", 4, seed=2, alpha=0.5,
+                                               min_partition_size=10, self_balancing=False)]
+    # two classes per client by default
+    assert [len(set(LABELS[p].tolist())) for p in partition_clients(_bundle(), "shards", 4,
+                                                                     seed=0)] == [2] * 4
+
+
+def test_one_bundle_many_schemes():
+    """Results memoized on the bundle are told apart by every argument."""
+    bundle = _bundle()
+    iid = partition_clients(bundle, "iid", 3, seed=0)
+    ordered = partition_clients(bundle, "sorted", 3, seed=0)
+    order = np.argsort(LABELS, kind="stable")
+    assert [p.tolist() for p in ordered] == [sorted(b.tolist())
+                                            for b in np.array_split(order, 3)]
+    assert [p.tolist() for p in iid] != [p.tolist() for p in ordered]
+    assert [p.tolist() for p in partition_clients(bundle, "iid", 3, seed=1)] != \
+        [p.tolist() for p in iid]
+
+
+def test_natural_partition_prints_nothing(capfd):
+    ids = ["b", "a", "c", "a", "b", "b", "c", "a"] * 5
+    partition_clients(_bundle(ids=ids, name="quiet"), "natural", 0, seed=0)
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
 
 
 def test_natural_is_one_client_per_id_in_sorted_order():
