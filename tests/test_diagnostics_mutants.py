@@ -47,6 +47,12 @@ def _by_example(model: nn.Module, params: dict[str, torch.Tensor]) -> torch.Tens
     return torch.stack(rows)
 
 
+def _close(got: torch.Tensor, expected: torch.Tensor, atol: float) -> None:
+    """Same shape, every entry within ``atol`` (torch.testing's first call costs seconds)."""
+    assert got.shape == expected.shape
+    assert float((got.double() - expected.double()).abs().max()) <= atol
+
+
 def _refused(call, message: str) -> None:
     with pytest.raises(ValueError) as caught:
         call()
@@ -71,14 +77,13 @@ def test_flat_gradient_closed_form():
     for chunk in (4096, 7, 3, 1):
         got = flat_gradient(model, params, X, Y, chunk=chunk)
         assert got.dtype == torch.float64
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-14)
+        _close(got, expected, 1e-14)
     single = flat_gradient(model, {k: v.float() for k, v in params.items()}, X.float(), Y)
     assert single.dtype == torch.float32
-    torch.testing.assert_close(single.double(), expected, rtol=0, atol=1e-6)
+    _close(single.double(), expected, 1e-6)
     counted = _Counted()
     with_int = {**params, "count": torch.tensor(5)}
-    torch.testing.assert_close(flat_gradient(counted, with_int, X, Y), expected, rtol=0,
-                               atol=1e-14)
+    _close(flat_gradient(counted, with_int, X, Y), expected, 1e-14)
     _refused(lambda: flat_gradient(counted, {"count": torch.tensor(5)}, X, Y),
              "params has no floating-point entries to differentiate")
 
@@ -99,9 +104,8 @@ def test_per_example_gradients_are_autograd_one_by_one(chunk):
     params = _params(model, 1)
     expected = _by_example(model, params)
     got = per_example_gradients(model, params, X, Y, chunk=chunk)
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
-    torch.testing.assert_close(got.mean(0), flat_gradient(model, params, X, Y), rtol=0,
-                               atol=1e-12)
+    _close(got, expected, 1e-12)
+    _close(got.mean(0), flat_gradient(model, params, X, Y), 1e-12)
 
 
 def test_diversity_by_hand():
@@ -130,7 +134,7 @@ def test_linear_chain_sums_are_those_of_the_per_example_gradients():
     for chunk in (4096, 3, 1):
         sum_sq, total = _linear_chain_sums(layers, params, X, Y, chunk=chunk)
         assert sum_sq == pytest.approx(float((reference ** 2).sum()), rel=1e-12)
-        torch.testing.assert_close(total, reference.sum(0), rtol=0, atol=1e-12)
+        _close(total, reference.sum(0), 1e-12)
 
 
 class _TanhNet(nn.Module):
