@@ -52,14 +52,23 @@ class PromptGrid(Grid):
     def send_and_receive(self, messages: Iterable[Message], *,
                          timeout: float | None = None) -> Iterable[Message]:
         """Push ``messages``; return the replies that arrive within ``timeout`` seconds."""
+        from fedhier.engines.deployment.trace import trace  # deploy's opt-in timestamps
+
+        messages = list(messages)
+        start = time.time()
         pending = set(self.grid.push_messages(messages))
+        kind = messages[0].metadata.message_type if messages else ""
+        trace("push", pending, kind=kind)
         end = time.time() + (timeout if timeout is not None else 0.0)
         replies: list[Message] = []
         while pending:
             arrived = list(self.grid.pull_messages(pending))
             replies.extend(arrived)
             pending.difference_update(m.metadata.reply_to_message_id for m in arrived)
+            if arrived:
+                trace("reply", [m.metadata.reply_to_message_id for m in arrived])
             if not pending or (timeout is not None and time.time() >= end):
                 break
             time.sleep(POLL_SECONDS)
+        trace("exchange", [], kind=kind, n=len(messages), s=time.time() - start)
         return replies

@@ -1,0 +1,151 @@
+"""How often fedhier deploy's processes ask for work: promptly while a run is in flight,
+Flower's own pace when idle.
+
+Flower 1.42's SuperNode asks its SuperLink for a message, and when there is none sleeps 3 s
+(``time.sleep(3)`` in ``flwr.supernode.start_client_internal.start_client_internal``), then
+waits for its ClientApp's reply in 0.5 s sleeps (``_push_messages``). Every message leg paid
+1.5 s on average for it. :class:`Poll` is the pace fedhier uses instead, in the processes it
+starts (:mod:`.supernode`, :func:`.task_runtime.acquire`): every ``interval`` seconds while
+the process has had a message within the last ``window`` seconds (or started less than
+``window`` seconds ago), every ``idle`` seconds otherwise. The interval is
+``fedhier deploy local --poll-interval`` (environment :data:`POLL_ENV` in every process);
+0 keeps Flower's pace everywhere.
+
+Cost on a SuperLink: a SuperNode asks once per ``interval`` between its messages while busy
+(20 requests per second at the default 0.05 s), once per 3 s (Flower's) when idle.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import select
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+#: Environment variable holding the busy poll interval (seconds) of every process started.
+POLL_ENV = "FEDHIER_POLL_INTERVAL"
+#: Default busy poll interval (seconds): ``--poll-interval``.
+DEFAULT_INTERVAL = 0.05
+#: Flower 1.42's SuperNode's idle sleep (seconds); fedhier's pace when idle.
+FLOWER_IDLE = 3.0
+#: Seconds after its last message a process still counts as busy.
+BUSY_WINDOW = 30.0
+
+
+@dataclass
+class Poll:
+    """The pace of one process: ``wait()`` seconds before it asks again."""
+
+    interval: float = DEFAULT_INTERVAL
+    idle: float = FLOWER_IDLE
+    window: float = BUSY_WINDOW
+    last: float = field(default_factory=time.monotonic)  # a process starts busy
+
+    @classmethod
+    def from_env(cls, idle: float = FLOWER_IDLE) -> Poll:
+        """The pace :data:`POLL_ENV` sets (default :data:`DEFAULT_INTERVAL`; 0: always
+        ``idle``)."""
+        raw = os.environ.get(POLL_ENV, "")
+        interval = float(raw) if raw else DEFAULT_INTERVAL
+        return cls(interval=interval if interval > 0 else idle, idle=idle)
+
+    def busy(self) -> None:
+        """A message arrived: ask promptly for the next ``window`` seconds."""
+        self.last = time.monotonic()
+
+    def wait(self) -> float:
+        """Seconds to sleep before asking again."""
+        return self.interval if time.monotonic() - self.last < self.window else self.idle
+
+
+#: Environment variable: the path prefix of the FIFOs that a SuperNode and the task runtime
+#: serving it (on the same machine) wake each other with (:class:`Wake`).
+WAKE_ENV = "FEDHIER_WAKE"
+#: The FIFOs' suffixes: a task for the runtime to claim; a reply for the SuperNode to send.
+TASK, REPLY = "task", "reply"
+
+
+class Wake:
+    """A named pipe one process waits on and another pokes: the local legs between a
+    SuperNode and its task runtime (a task to claim, a reply to send) without polling.
+
+    ``Wake(path)`` makes the FIFO and listens; :func:`poke` writes one byte if someone
+    listens (and does nothing otherwise: the listener's timeout is the fallback).
+    """
+
+    def __init__(self, path: Path) -> None:
+        with suppress(FileExistsError):
+            os.mkfifo(path, 0o600)
+        # read-write: the pipe never reads as closed when a poker goes away (Linux)
+        self.fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+
+    @classmethod
+    def from_env(cls, suffix: str) -> Wake | None:
+        """The FIFO ``$FEDHIER_WAKE.suffix`` (None without :data:`WAKE_ENV`)."""
+        prefix = os.environ.get(WAKE_ENV)
+        return cls(Path(f"{prefix}.{suffix}")) if prefix else None
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep until poked or ``timeout`` seconds; True if poked (pokes are drained)."""
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        if ready:
+            with suppress(BlockingIOError):
+                while os.read(self.fd, 4096):
+                    pass
+        return bool(ready)
+
+
+def poke(suffix: str) -> None:
+    """Wake the listener of ``$FEDHIER_WAKE.suffix``, if there is one."""
+    prefix = os.environ.get(WAKE_ENV)
+    if not prefix:
+        return
+    try:
+        fd = os.open(f"{prefix}.{suffix}", os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # no such FIFO, or nobody listening
+        return
+    try:
+        os.write(fd, b"!")
+    except OSError:  # full: it will wake anyway
+        pass
+    finally:
+        os.close(fd)
+
+
+#: Flower 1.42's functions that retry pulling a message's content, ``PULL_INITIAL_BACKOFF``
+#: (1 s, doubling) after finding it not there yet: module globals, as (module, name).
+FLOWER_PULLS = (("flwr.supernode.start_client_internal", "pull_objects"),  # SuperNode
+                ("flwr.superlink.grid.http_grid", "pull_objects"),  # a Grid's replies
+                ("flwr.supernode.runtime.run_clientapp",  # a task runtime's input
+                 "pull_and_inflate_object_from_tree"))
+
+
+def shorten_pull_backoff(seconds: float) -> Callable[[], None]:
+    """In this process, Flower's content pulls (:data:`FLOWER_PULLS`) retry ``seconds``
+    after a miss instead of 1 s (then doubling, as Flower's). A message is visible before
+    its content has arrived (pushed next), so a prompt asker often misses once. Returns the
+    undo (a monkeypatch of Flower's module globals; docs/deployment.md#latency)."""
+    originals = []
+    for module_name, name in FLOWER_PULLS:
+        module = importlib.import_module(module_name)
+        original = getattr(module, name)
+        originals.append((module, name, original))
+        setattr(module, name, partial(original, initial_backoff=seconds))
+
+    def undo() -> None:
+        for module, name, original in originals:
+            setattr(module, name, original)
+
+    return undo
+
+
+def pace_flower_pulls() -> None:
+    """:func:`shorten_pull_backoff` to the busy interval of :data:`POLL_ENV` (not with 0)."""
+    poll = Poll.from_env()
+    if poll.interval < FLOWER_IDLE:
+        shorten_pull_backoff(poll.interval)
