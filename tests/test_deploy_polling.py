@@ -70,25 +70,28 @@ def test_flower_content_pulls_are_what_the_backoff_patch_replaces():
 
 
 def test_paced_sleeps_follow_the_poll():
-    poll = Poll(interval=0.01, idle=FLOWER_IDLE, window=30)
+    poll = Poll(interval=0.01, idle=FLOWER_IDLE)
     clock = PacedTime(poll)
     t0 = time.monotonic()
     clock.sleep(3)  # Flower's idle sleep: the busy interval
     clock.sleep(0.5)  # Flower's reply wait: never longer than the interval
     assert time.monotonic() - t0 < 0.5 and clock.empty_pulls == 1
     assert clock.monotonic is time.monotonic  # the rest of ``time`` passes through
-    poll.last -= 31  # no message for longer than the window: Flower's pace
-    assert poll.wait() == FLOWER_IDLE
+    # each empty ask waits 1.5 times longer, up to Flower's 3 s; a message resets it
+    waits = [poll.wait() for _ in range(20)]
+    assert waits[:3] == [0.01 * 1.5, 0.01 * 1.5 ** 2, 0.01 * 1.5 ** 3]
+    assert waits[-1] == FLOWER_IDLE and waits.index(FLOWER_IDLE) == 14
     poll.busy()
     assert poll.wait() == 0.01
 
 
 def test_poll_from_environment(monkeypatch):
     monkeypatch.setenv(POLL_ENV, "0")
-    assert Poll.from_env().wait() == FLOWER_IDLE  # 0: Flower's pace throughout
+    assert Poll.from_env().wait() == Poll.from_env().wait() == FLOWER_IDLE  # Flower's pace
     assert Poll.from_env(idle=0.2).wait() == 0.2
     monkeypatch.setenv(POLL_ENV, "0.02")
     assert Poll.from_env().wait() == 0.02
+    assert Poll.from_env(idle=0.01).wait() == 0.01  # never slower than the idle pace
 
 
 def test_install_wraps_the_pull_and_undo_restores_flower(monkeypatch, tmp_path):
@@ -101,16 +104,16 @@ def test_install_wraps_the_pull_and_undo_restores_flower(monkeypatch, tmp_path):
         return 7 if receive() is not None else None
 
     monkeypatch.setattr(sci, "_pull_and_store_message", fake_pull)
-    poll = Poll(interval=0.01, window=30)
-    poll.last -= 100
+    poll = Poll(interval=0.01)
+    poll.misses = 100  # long idle
     undo = install(poll)
     try:
         assert isinstance(sci.time, PacedTime)
         assert sci._pull_and_store_message(receive=lambda: None, state="s") is None
-        assert poll.wait() == FLOWER_IDLE  # nothing arrived: still idle
+        assert poll.misses == 100  # nothing arrived: still idle
         message = SimpleNamespace(metadata=SimpleNamespace(message_id="m1"))
         assert sci._pull_and_store_message(receive=lambda: (message, None), state="s") == 7
-        assert poll.wait() == 0.01  # a message arrived: busy
+        assert poll.misses == 0 and poll.wait() == 0.01  # a message arrived: busy
     finally:
         undo()
     assert sci.time is time and sci._pull_and_store_message is fake_pull

@@ -58,7 +58,7 @@ class PromptGrid(Grid):
         start = time.time()
         pending = set(self.grid.push_messages(messages))
         kind = messages[0].metadata.message_type if messages else ""
-        trace("push", pending, kind=kind)
+        trace("push", pending, kind=kind, t=start)
         end = time.time() + (timeout if timeout is not None else 0.0)
         replies: list[Message] = []
         while pending:

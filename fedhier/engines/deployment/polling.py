@@ -5,14 +5,17 @@ Flower 1.42's SuperNode asks its SuperLink for a message, and when there is none
 (``time.sleep(3)`` in ``flwr.supernode.start_client_internal.start_client_internal``), then
 waits for its ClientApp's reply in 0.5 s sleeps (``_push_messages``). Every message leg paid
 1.5 s on average for it. :class:`Poll` is the pace fedhier uses instead, in the processes it
-starts (:mod:`.supernode`, :func:`.task_runtime.acquire`): every ``interval`` seconds while
-the process has had a message within the last ``window`` seconds (or started less than
-``window`` seconds ago), every ``idle`` seconds otherwise. The interval is
+starts (:mod:`.supernode`, :func:`.task_runtime.acquire`): ``interval`` seconds after a
+message, each further empty ask 1.5 times later, up to Flower's 3 s. The interval is
 ``fedhier deploy local --poll-interval`` (environment :data:`POLL_ENV` in every process);
-0 keeps Flower's pace everywhere.
+0 keeps Flower's pace everywhere. A SuperNode and the task runtime serving it wake each other
+through FIFOs (:class:`Wake`) instead of polling, and Flower's 1 s retry of a content pull
+that came too early starts at the interval (:func:`shorten_pull_backoff`).
 
-Cost on a SuperLink: a SuperNode asks once per ``interval`` between its messages while busy
-(20 requests per second at the default 0.05 s), once per 3 s (Flower's) when idle.
+Cost on a SuperLink (docs/deployment.md#latency): an idle SuperNode asks every 3 s, as
+Flower's; after a message it asks at 0.05, 0.075, 0.11, ... s, 11 times in the first 9 s
+before it is back at 3 s: about 1 + log(gap / interval) / log(1.5) requests per gap between
+two messages instead of gap / 3.
 """
 
 from __future__ import annotations
@@ -20,10 +23,9 @@ from __future__ import annotations
 import importlib
 import os
 import select
-import time
 from collections.abc import Callable
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -33,18 +35,23 @@ POLL_ENV = "FEDHIER_POLL_INTERVAL"
 DEFAULT_INTERVAL = 0.05
 #: Flower 1.42's SuperNode's idle sleep (seconds); fedhier's pace when idle.
 FLOWER_IDLE = 3.0
-#: Seconds after its last message a process still counts as busy.
-BUSY_WINDOW = 30.0
+#: Each empty ask waits this much longer than the one before (up to the idle pace).
+GROWTH = 1.5
 
 
 @dataclass
 class Poll:
-    """The pace of one process: ``wait()`` seconds before it asks again."""
+    """The pace of one process: ``wait()`` seconds before it asks again.
+
+    After a message (:meth:`busy`, and at start) the waits are ``interval``, then
+    ``GROWTH`` times longer after each empty ask, up to ``idle``: a node asks promptly while
+    a round is in flight and at Flower's pace when it has been idle for a while.
+    """
 
     interval: float = DEFAULT_INTERVAL
     idle: float = FLOWER_IDLE
-    window: float = BUSY_WINDOW
-    last: float = field(default_factory=time.monotonic)  # a process starts busy
+    growth: float = GROWTH
+    misses: int = 0  # empty asks since the last message
 
     @classmethod
     def from_env(cls, idle: float = FLOWER_IDLE) -> Poll:
@@ -52,15 +59,17 @@ class Poll:
         ``idle``)."""
         raw = os.environ.get(POLL_ENV, "")
         interval = float(raw) if raw else DEFAULT_INTERVAL
-        return cls(interval=interval if interval > 0 else idle, idle=idle)
+        return cls(interval=min(interval, idle) if interval > 0 else idle, idle=idle)
 
     def busy(self) -> None:
-        """A message arrived: ask promptly for the next ``window`` seconds."""
-        self.last = time.monotonic()
+        """A message arrived: ask promptly again."""
+        self.misses = 0
 
     def wait(self) -> float:
-        """Seconds to sleep before asking again."""
-        return self.interval if time.monotonic() - self.last < self.window else self.idle
+        """Seconds to sleep before asking again (one more empty ask counted)."""
+        seconds = min(self.idle, self.interval * self.growth ** min(self.misses, 64))
+        self.misses += 1
+        return seconds
 
 
 #: Environment variable: the path prefix of the FIFOs that a SuperNode and the task runtime

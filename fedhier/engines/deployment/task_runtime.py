@@ -78,7 +78,7 @@ def serve_tasks(node_address: str, secret: bytes | None,
     pace_flower_pulls()
     node = runtime_client(node_address, None, "SuperExec", secret)
     wake = Wake.from_env(TASK)  # poked by our SuperNode: no need to ask often
-    poll = Poll(IDLE_ACQUIRE, IDLE_ACQUIRE) if wake else Poll.from_env(idle=IDLE_ACQUIRE)
+    poll = Poll(IDLE_ACQUIRE) if wake else Poll.from_env(idle=IDLE_ACQUIRE)
     while True:
         _, token = acquire(node, TaskType.CLIENT_APP, poll, wake)
         claimed = time.time()
