@@ -4,10 +4,13 @@ Flower 1.42's :class:`flwr.superlink.grid.HttpGrid` (the Deployment Engine's Gri
 between polls in ``send_and_receive``: with edge servers every edge round and every evaluation
 pays it (an edge round of two clients took 19 s, most of it waiting). :class:`PromptGrid`
 delegates everything to the wrapped Grid and only polls sooner; the messages are the same.
+Under ``fedhier deploy`` it also retries a reply's content sooner than Flower's 1 s
+(:func:`fedhier.engines.deployment.polling.pace_flower_pulls`, docs/deployment.md#latency).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
 
@@ -25,6 +28,10 @@ class PromptGrid(Grid):
 
     def __init__(self, grid: Grid) -> None:
         self.grid = grid
+        from fedhier.engines.deployment.polling import POLL_ENV, pace_flower_pulls
+
+        if os.environ.get(POLL_ENV):  # started by fedhier deploy: retry content pulls sooner
+            pace_flower_pulls()
 
     def set_run(self, run: Run) -> None:
         self.grid.set_run(run)

@@ -144,6 +144,8 @@ def shorten_pull_backoff(seconds: float) -> Callable[[], None]:
         module = importlib.import_module(module_name)
         original = getattr(module, name)
         originals.append((module, name, original))
+        if isinstance(original, partial) and "initial_backoff" in original.keywords:
+            original = original.func  # shortened before: shorten again, not twice
         setattr(module, name, partial(original, initial_backoff=seconds))
 
     def undo() -> None:
