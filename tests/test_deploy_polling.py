@@ -57,13 +57,14 @@ def test_flower_content_pulls_are_what_the_backoff_patch_replaces():
     for module_name, name in FLOWER_PULLS:
         module = importlib.import_module(module_name)
         assert f"{name}(" in inspect.getsource(module).split(f"def {name}", 1)[-1]  # called
-        assert "initial_backoff" in inspect.signature(getattr(module, name)).parameters
+        parameters = inspect.signature(getattr(module, name)).parameters
+        assert "initial_backoff" in parameters and "backoff_cap" in parameters
     undo = shorten_pull_backoff(0.02)
     shorten_pull_backoff(0.01)  # again: replaces, does not stack
     try:
         for module_name, name in FLOWER_PULLS:
             patched = getattr(importlib.import_module(module_name), name)
-            assert patched.keywords == {"initial_backoff": 0.01}
+            assert patched.keywords == {"initial_backoff": 0.01, "backoff_cap": 0.04}
             assert not hasattr(patched.func, "keywords")
     finally:
         undo()

@@ -24,14 +24,17 @@ POLL_SECONDS = 0.1
 
 
 class PromptGrid(Grid):
-    """``grid`` with a ``send_and_receive`` that polls every :data:`POLL_SECONDS`."""
+    """``grid`` with a ``send_and_receive`` that polls every :data:`POLL_SECONDS` (or
+    ``fedhier deploy --poll-interval``, if shorter)."""
 
     def __init__(self, grid: Grid) -> None:
         self.grid = grid
-        from fedhier.engines.deployment.polling import POLL_ENV, pace_flower_pulls
+        self.poll_seconds = POLL_SECONDS
+        from fedhier.engines.deployment.polling import POLL_ENV, Poll, pace_flower_pulls
 
-        if os.environ.get(POLL_ENV):  # started by fedhier deploy: retry content pulls sooner
+        if os.environ.get(POLL_ENV):  # started by fedhier deploy: its pace
             pace_flower_pulls()
+            self.poll_seconds = min(POLL_SECONDS, Poll.from_env().interval)
 
     def set_run(self, run: Run) -> None:
         self.grid.set_run(run)
@@ -76,6 +79,6 @@ class PromptGrid(Grid):
                 trace("reply", [m.metadata.reply_to_message_id for m in arrived])
             if not pending or (timeout is not None and time.time() >= end):
                 break
-            time.sleep(POLL_SECONDS)
+            time.sleep(self.poll_seconds)
         trace("exchange", [], kind=kind, n=len(messages), s=time.time() - start)
         return replies

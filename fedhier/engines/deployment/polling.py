@@ -134,11 +134,16 @@ FLOWER_PULLS = (("flwr.supernode.start_client_internal", "pull_objects"),  # Sup
                  "pull_and_inflate_object_from_tree"))
 
 
+#: The longest wait between two content pulls, in poll intervals (Flower's: 10 s).
+BACKOFF_CAP_INTERVALS = 4
+
+
 def shorten_pull_backoff(seconds: float) -> Callable[[], None]:
     """In this process, Flower's content pulls (:data:`FLOWER_PULLS`) retry ``seconds``
-    after a miss instead of 1 s (then doubling, as Flower's). A message is visible before
-    its content has arrived (pushed next), so a prompt asker often misses once. Returns the
-    undo (a monkeypatch of Flower's module globals; docs/deployment.md#latency)."""
+    after a miss instead of 1 s, then doubling up to :data:`BACKOFF_CAP_INTERVALS` times
+    ``seconds`` (Flower's: 10 s). A message is visible before its content has arrived
+    (pushed next), so a prompt asker often misses once. Returns the undo (a monkeypatch of
+    Flower's module globals; docs/deployment.md#latency)."""
     originals = []
     for module_name, name in FLOWER_PULLS:
         module = importlib.import_module(module_name)
@@ -146,7 +151,8 @@ def shorten_pull_backoff(seconds: float) -> Callable[[], None]:
         originals.append((module, name, original))
         if isinstance(original, partial) and "initial_backoff" in original.keywords:
             original = original.func  # shortened before: shorten again, not twice
-        setattr(module, name, partial(original, initial_backoff=seconds))
+        setattr(module, name, partial(original, initial_backoff=seconds,
+                                      backoff_cap=BACKOFF_CAP_INTERVALS * seconds))
 
     def undo() -> None:
         for module, name, original in originals:
