@@ -1017,12 +1017,16 @@ def test_fuzz_experiment(workdir, monkeypatch, name, options, values):
 
 def stub_deployment(monkeypatch: pytest.MonkeyPatch) -> None:
     from fedhier.engines.deployment import cli as deploy_cli
+    from fedhier.engines.deployment import edge_servers
 
     class Stub:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             raise ReachedError
 
     monkeypatch.setattr(deploy_cli, "LocalDeployment", Stub)
+    # --edge-servers (a run flag) starts the edge tier instead: once, a real deployment of
+    # the default 30 rounds ran 9 minutes here and was reported as a hang
+    monkeypatch.setattr(edge_servers, "EdgeTierDeployment", Stub)
 
 
 @fuzz_settings("deploy")
@@ -1056,7 +1060,8 @@ def test_fuzz_deploy(workdir, monkeypatch, nodes, options, action, values):
     values = {k: v for k, v in values.items() if k not in ("out", "engine", "clients")}
     flags, more, _ = run_argv(values, workdir, case_dir, base={"groups": "2",
                                                              "local_period": "1",
-                                                             "global_period": "2"})
+                                                             "global_period": "2",
+                                                             "rounds": "1"})
     flags = flags[2:]
     flags = flags[: flags.index("--out")] + flags[flags.index("--out") + 2:]
     argv += flags

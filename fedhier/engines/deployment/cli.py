@@ -35,6 +35,7 @@ from fedhier.engines.deployment.local import (
     LocalDeployment,
     contiguous_edges,
 )
+from fedhier.engines.deployment.polling import DEFAULT_INTERVAL, FLOWER_IDLE
 from fedhier.engines.deployment.ports import check_ports, ports_needed
 from fedhier.errors import ConfigError
 
@@ -113,6 +114,9 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         raise ConfigError(f"--certs {args.certs}: no such folder")
     if not args.timeout > 0:  # NaN too
         raise ConfigError(f"--timeout must be positive, got {args.timeout}")
+    if not 0 <= args.poll_interval <= FLOWER_IDLE:
+        raise ConfigError(f"--poll-interval must be between 0 and {FLOWER_IDLE:g} seconds, "
+                          f"got {args.poll_interval}")
     app = Path(args.app).resolve()
     if cfg.edge_servers and app != REPO_ROOT.resolve():
         raise ConfigError("--edges runs fedhier's own app (its ServerApp drives the edge "
@@ -148,6 +152,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         certs_dir=Path(args.certs) if args.certs else None, app=app, echo=echo,
         wait_online=False, wire_dir=work / "wire",
         resume_dir=out if args.resume is not None else None,
+        poll_interval=args.poll_interval,
         client_runtime=app == REPO_ROOT.resolve())  # fedhier's own ClientApp: one process
     try:
         deployment: LocalDeployment
@@ -251,6 +256,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="stop everything if the run takes longer (default 3600)")
     proc.add_argument("--app", type=Path, default=REPO_ROOT, metavar="DIR",
                       help="the Flower app to run (default: the fedhier source tree)")
+    proc.add_argument("--poll-interval", type=float, default=DEFAULT_INTERVAL,
+                      metavar="SECONDS",
+                      help="while a run is in flight, SuperNodes ask their SuperLink for work "
+                      f"this often (default {DEFAULT_INTERVAL:g}; idle and 0: Flower's "
+                      f"{FLOWER_IDLE:g} s; docs/deployment.md#latency)")
     proc.add_argument("--verbose", action="store_true", help="echo the whole ServerApp log")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     add_config_flags(parser)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -24,8 +25,10 @@ from fedhier.engines.deployment.connection import (
     write_run_config,
 )
 from fedhier.engines.deployment.errors import DeployError, DeployTimeoutError
+from fedhier.engines.deployment.polling import DEFAULT_INTERVAL, POLL_ENV, WAKE_ENV
 from fedhier.engines.deployment.ports import HOST, check_ports, free_port_block, port_open
 from fedhier.engines.deployment.processes import FLOWER_ENV, Managed, ProcessGroup, executable
+from fedhier.engines.deployment.trace import NAME_ENV, TRACE_ENV
 from fedhier.engines.deployment.wire import wire_env
 from fedhier.errors import ConfigError
 
@@ -86,6 +89,11 @@ class LocalDeployment:
     client_runtime: bool = False
     #: Continue this run folder from its checkpoint (``fedhier deploy local --resume``).
     resume_dir: Path | None = None
+    #: Seconds between a busy SuperNode's (and task runtime's) requests for work
+    #: (``--poll-interval``, :mod:`.polling`); 0: Flower's own 3 s.
+    poll_interval: float = DEFAULT_INTERVAL
+    #: Write every process's message timestamps into this folder (:mod:`.trace`).
+    trace_dir: Path | None = None
     _next_extra_port: int = 0
     _online: bool = False
     procs: ProcessGroup = field(default_factory=ProcessGroup)
@@ -106,6 +114,8 @@ class LocalDeployment:
         if self.edges is not None and len(self.edges) != self.nodes:
             raise ConfigError(f"{len(self.edges)} edge tags for {self.nodes} SuperNodes")
         self.work = Path(self.work).resolve()
+        if self.trace_dir is None and os.environ.get(TRACE_ENV):
+            self.trace_dir = Path(os.environ[TRACE_ENV]).resolve()
 
     # -- paths and environment ---------------------------------------------------------------
     @property
@@ -118,7 +128,16 @@ class LocalDeployment:
         return path
 
     def env(self, name: str) -> dict[str, str]:
-        env = {**os.environ, **FLOWER_ENV, "FLWR_HOME": str(self.home(name))}
+        env = {**os.environ, **FLOWER_ENV, "FLWR_HOME": str(self.home(name)),
+               POLL_ENV: str(self.poll_interval)}
+        if self.trace_dir is not None:
+            self.trace_dir.mkdir(parents=True, exist_ok=True)
+            env.update({TRACE_ENV: str(self.trace_dir), NAME_ENV: name})
+        pair = re.fullmatch(r"(?:supernode|clientapp)-(\d+)|(?:supernode-)?edge-(\d+)", name)
+        if pair and self.poll_interval > 0:  # a SuperNode and its task runtime wake each other
+            key = f"client-{pair[1]}" if pair[1] is not None else f"edge-{pair[2]}"
+            (self.work / "wake").mkdir(parents=True, exist_ok=True)
+            env[WAKE_ENV] = str(self.work / "wake" / key)
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         return env
 
@@ -159,6 +178,7 @@ class LocalDeployment:
     def stop(self) -> list[int]:
         """Stop every process started here; returns pids that survived (should be [])."""
         left = self.procs.stop_all()
+        shutil.rmtree(self.work / "wake", ignore_errors=True)  # the FIFOs of .polling.Wake
         if left:
             self.echo(f"fedhier deploy: warning: processes {left} did not stop")
         return left
@@ -292,7 +312,8 @@ class LocalDeployment:
             port = free_port_block(1, start=max(self._next_extra_port,
                                                 self.superlink_port + self.nodes + 1))
             self._next_extra_port = port + 1
-        cmd = [executable("flower-supernode"), "--superlink",
+        executable("flower-supernode")  # Flower's SuperNode, paced (.supernode)
+        cmd = [sys.executable, "-m", "fedhier.engines.deployment.supernode", "--superlink",
                f"{HOST}:{superlink_port or self.superlink_port}",
                "--host", HOST, "--port", str(port), "--node-config", node_config, *extra_args]
         ca = root_certificates or self.ca_cert

@@ -29,6 +29,12 @@ from flwr.supercore.retry import make_simple_http_retry_invoker
 from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
 
+from fedhier.engines.deployment.polling import REPLY, TASK, Poll, Wake, pace_flower_pulls, poke
+from fedhier.engines.deployment.trace import trace
+
+#: Seconds between two AcquireTask calls of an idle task runtime (its SuperNode is local).
+IDLE_ACQUIRE = 0.2
+
 
 def runtime_client(address: str, root_certificates: bytes | None, component: str,
                    secret: bytes | None = None, token: str | None = None) -> RuntimeHttpClient:
@@ -46,13 +52,21 @@ def runtime_client(address: str, root_certificates: bytes | None, component: str
         retry_invoker=make_simple_http_retry_invoker())
 
 
-def acquire(client: RuntimeHttpClient, task_type: str, poll: float = 0.2) -> tuple[object, str]:
-    """Wait for a task of ``task_type`` and claim it; returns (task, token)."""
+def acquire(client: RuntimeHttpClient, task_type: str, poll: Poll | None = None,
+            wake: Wake | None = None) -> tuple[object, str]:
+    """Wait for a task of ``task_type`` and claim it; returns (task, token). Asks every
+    ``poll.wait()`` seconds (default: :meth:`Poll.from_env`, 0.2 s when idle), and at once
+    when the SuperNode pokes ``wake``; a claimed task marks ``poll`` busy."""
+    poll = poll or Poll.from_env(idle=IDLE_ACQUIRE)
     while True:
         res = client.AcquireTask(AcquireTaskRequest(supported_task_types=[task_type]))
         if res.HasField("task") and res.token:
+            poll.busy()
             return res.task, res.token
-        time.sleep(poll)
+        if wake is None:
+            time.sleep(poll.wait())
+        else:
+            wake.wait(poll.wait())
 
 
 def serve_tasks(node_address: str, secret: bytes | None,
@@ -61,14 +75,20 @@ def serve_tasks(node_address: str, secret: bytes | None,
     (started with ``--isolation process``) and answer each in this process, one at a time:
     what Flower's ``flwr-clientapp`` does for one message, without a process per message.
     An exception in ``answer`` becomes an error reply."""
+    pace_flower_pulls()
     node = runtime_client(node_address, None, "SuperExec", secret)
+    wake = Wake.from_env(TASK)  # poked by our SuperNode: no need to ask often
+    poll = Poll(IDLE_ACQUIRE) if wake else Poll.from_env(idle=IDLE_ACQUIRE)
     while True:
-        _, token = acquire(node, TaskType.CLIENT_APP)
+        _, token = acquire(node, TaskType.CLIENT_APP, poll, wake)
+        claimed = time.time()
         client = runtime_client(node_address, None, "flwr-clientapp", token=token)
         heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
         heartbeat.start()
         try:
             msg, context, _, _ = pull_task_input(client)  # sets the task's identity
+            trace("claimed", [msg.metadata.message_id], t=claimed)
+            trace("acquired", [msg.metadata.message_id])
             config = msg.content.config_records.get("config")
             cloud_round = config.get("server-round", "-") if config is not None else "-"
             kind = msg.metadata.message_type
@@ -83,6 +103,9 @@ def serve_tasks(node_address: str, secret: bytes | None,
                 print(f"{name}: {kind} failed: {exc}", flush=True)
             push_message(client, reply, context)
             push_task_output(client, context, SubStatus.COMPLETED, "")
+            poke(REPLY)  # the SuperNode sends it now
+            trace("answered", [msg.metadata.message_id])
+            poll.busy()
             print(f"{name}: answered {kind} in {time.time() - started:.1f} s", flush=True)
         finally:
             heartbeat.stop()
