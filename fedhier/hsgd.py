@@ -70,11 +70,7 @@ from fedhier.round.weights import evaluation_weights, learned_sizes, weights_of
 from fedhier.round_diagnostics import diagnostics_due
 from fedhier.sim_clock import SimClock, TimeModel
 from fedhier.staleness import AsyncEdges
-from fedhier.topology import (
-    Hierarchy,
-    validate_edge_periods,
-    validate_periods,
-)
+from fedhier.topology import Hierarchy, check_schedule
 
 #: Importable from here as before the round was split into parts (engines, strategies, tests).
 __all__ = ["NO_TRAINING", "ClientEvaluation", "CloudStep", "EdgeRoundWork", "Executor",
@@ -104,19 +100,11 @@ class HSGDSettings:
     policy: ReplyPolicy = field(default_factory=ReplyPolicy)
 
     def __post_init__(self) -> None:
-        validate_periods(self.periods)
-        if self.edge_periods:
-            validate_edge_periods(self.edge_periods, self.periods,
-                                  self.groups[0] if self.groups else 0)
-            if self.workload.normalize_updates and len(set(self.edge_periods)) > 1:
-                raise ConfigError("normalize_updates (FedNova) is not supported with unequal "
-                                  "edge_periods")
+        check_schedule(self.periods, self.groups, self.edge_periods,
+                       self.workload.normalize_updates)
         self.time_model.check_edges(self.groups[0] if self.groups else 1)
         self.asynchronous.check(self.groups[0] if self.groups else 1)
         check_aggregators(self.aggregators, len(self.periods))
-        if len(self.groups) != len(self.periods) - 1:
-            raise ConfigError(f"{len(self.groups)} group level(s) need "
-                              f"{len(self.groups) + 1} periods, got {list(self.periods)}")
         if self.weighting not in ("samples", "uniform"):
             raise ConfigError(f"unknown weighting '{self.weighting}'; choose samples or uniform")
         if self.on_nan not in ("stop", "skip-client"):

@@ -138,15 +138,14 @@ def test_settings_for_carries_every_setting_the_algorithm_reads():
 
 #: lead: once HSGDSettings.__post_init__ calls fedhier.topology.check_schedule (fedhier/hsgd.py
 #: is helper t23a's file; see the t23c report) these pass: drop the mark
-NOT_YET = pytest.mark.xfail(strict=True, reason="fedhier/hsgd.py checks the periods itself")
 
 
 @pytest.mark.parametrize("values,algorithm", [
-    pytest.param({"global_period": 7}, {"periods": (5, 7), "groups": (4,)}, marks=NOT_YET),
-    pytest.param({"groups": (4, 2)}, {"periods": (5, 20), "groups": (4, 2)}, marks=NOT_YET),
+    pytest.param({"global_period": 7}, {"periods": (5, 7), "groups": (4,)}),
+    pytest.param({"groups": (4, 2)}, {"periods": (5, 20), "groups": (4, 2)}),
     ({"periods": (2, 6, 9), "groups": (4, 2)}, {"periods": (2, 6, 9), "groups": (4, 2)}),
     pytest.param({"edge_periods": "3,6,6,6"}, {"periods": (3, 20), "groups": (4,),
-                                               "edge_periods": (3, 6, 6, 6)}, marks=NOT_YET),
+                                               "edge_periods": (3, 6, 6, 6)}),
     ({"local_period": 2, "edge_periods": "2,4", "groups": (2,), "normalize_updates": True},
      {"periods": (2, 20), "groups": (2,), "edge_periods": (2, 4),
       "workload": Workload(normalize_updates=True)})])
