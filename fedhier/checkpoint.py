@@ -176,7 +176,7 @@ def load_checkpoint(run_dir: Path) -> Checkpoint:
 def resumed_checkpoint(run_dir: Path | str) -> Checkpoint | None:
     """What ``--resume`` continues from: the folder's checkpoint, or None (start again at
     round 0 in the same folder) when the run stopped before its first checkpoint or holds a
-    round-0 one (checked by :func:`fedhier.cli_flags.resumable_checkpoint` beforehand)."""
+    round-0 one (checked by :func:`fedhier.engines.resume.resumable_checkpoint` beforehand)."""
     if not (Path(run_dir) / CHECKPOINT).exists():
         return None
     checkpoint = load_checkpoint(Path(run_dir))
@@ -205,7 +205,7 @@ def restore_state(algorithm: Any, checkpoint: Checkpoint, run_dir: Path,
     state is one :class:`DamagedFileError` naming checkpoint.pt, never a traceback.
 
     The one place a checkpoint's strategy state enters an algorithm: the CLI rehearses it on
-    a fresh algorithm before the run starts (:func:`fedhier.cli_flags.resumable_checkpoint`),
+    a fresh algorithm before the run starts (:func:`fedhier.engines.resume.resumable_checkpoint`),
     the engine does it for real (:func:`fedhier.recorded_run.run_recorded`)."""
     state = checkpoint.strategy_state
     try:

@@ -27,7 +27,6 @@ from fedhier.cli_flags import (
     error_text,
     exit_code_for,
     prepare_data,
-    resumable_checkpoint,
     resumed_config,
     run_command,
 )
@@ -104,6 +103,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.overwrite:
             raise FedhierError("--resume continues a run in its own folder; drop --overwrite")
         folder = RunFolder.claim_existing(args.resume)  # refused while another run writes it
+        from fedhier.engines.resume import resumable_checkpoint
+
         try:
             cfg = resumed_config(args)
             resume = resumable_checkpoint(args.resume, cfg)

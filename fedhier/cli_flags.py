@@ -28,7 +28,7 @@ from fedhier.faults import RunFailureError
 from fedhier.settings_table import settings
 
 if TYPE_CHECKING:
-    from fedhier.checkpoint import Checkpoint
+    pass
 
 #: Exit codes of every fedhier command (docs/faults.md has the table).
 EXIT_OK = 0
@@ -210,46 +210,6 @@ def config_from_args(args: argparse.Namespace,
                      defaults: Mapping[str, Any] | None = None) -> RunConfig:
     """The validated configuration of :func:`config_values` (TOML file, then flags)."""
     return RunConfig.from_mapping(config_values(args, defaults), where="command line")
-
-
-def resumable_checkpoint(path: Path, cfg: RunConfig) -> Checkpoint | None:
-    """The checkpoint of run folder ``path`` (configuration ``cfg``), checked against the
-    folder's metrics and the model ``cfg`` builds; a one-line FedhierError if it does not fit.
-
-    None when the run stopped before its first checkpoint (no checkpoint.pt, no summary.json):
-    the resumed run starts again at round 0 in the same folder. A round-0 checkpoint is the
-    same as none (it holds nothing a fresh start lacks)."""
-    from fedhier.async_edges import algorithm_for
-    from fedhier.checkpoint import CHECKPOINT, check_model, load_checkpoint, restore_state
-    from fedhier.run_folder import read_metrics
-    from fedhier.run_setup import initial_model, settings_for
-    from fedhier.train import resolve_device
-
-    # the strategy layer registers the Flower cloud strategies' classes with the checkpoint
-    # reader (fedhier.state_codec.allow) when imported: before the file is read
-    from fedhier_strategies.cloud_step import as_cloud_step, make_cloud_strategy
-
-    resume: Checkpoint | None = None
-    if (path / CHECKPOINT).exists() or (path / "summary.json").exists():
-        resume = load_checkpoint(path)
-        if not 0 <= resume.round <= cfg.rounds:
-            raise FedhierError(f"{path}/{CHECKPOINT} is after cloud round {resume.round} of "
-                               f"a {cfg.rounds}-round run; it does not belong to this run "
-                               "folder")
-        recorded = {r["round"] for r in read_metrics(path)}
-        if not set(range(resume.round + 1)) <= recorded:
-            raise FedhierError(f"{path}/metrics.jsonl lacks rounds of the checkpoint's "
-                               f"0..{resume.round}; the folder is damaged")
-    resolve_device(cfg.device)
-    fed = prepare_data(cfg)
-    if resume is not None:
-        check_model(resume, initial_model(cfg, fed).state_dict(), path)
-        # rehearse the restore on a fresh algorithm: a state that does not fit is one line
-        # now, before the run folder is touched, not an error in the middle of the run
-        restore_state(algorithm_for(settings_for(cfg), as_cloud_step(make_cloud_strategy(
-            cfg.cloud_strategy, cfg.server_lr, cfg.server_momentum))), resume, path,
-            cfg.clients)
-    return resume if resume is not None and resume.round > 0 else None
 
 
 def resumed_config(args: argparse.Namespace, engine: str | None = None) -> RunConfig:

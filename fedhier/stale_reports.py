@@ -42,7 +42,7 @@ cloud aggregation, bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -53,8 +53,18 @@ from fedhier.hsgd import CloudStep, Params, aggregate_levels
 from fedhier.staleness import staleness_weight
 from fedhier.topology import Hierarchy
 
-if TYPE_CHECKING:
-    from fedhier.async_edges import EdgeJob
+
+class EdgeJob(Protocol):
+    """What a report is read for here (:class:`fedhier.async_edges.EdgeJob` has it): the edge,
+    the start model ``base``, the survivors' models and ids, the clients it trained, and the
+    edge's model before its last edge round (``reference``, for ``clip``)."""
+
+    edge: int
+    base: Params
+    models: Params | None
+    survivors: np.ndarray
+    members: np.ndarray | None
+    reference: Params | None
 
 #: (level, node ids int64 [m]) -> name -> [m, *shape]: nodes' models before an aggregation.
 NodeModels = Callable[[int, np.ndarray], Params]

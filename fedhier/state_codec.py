@@ -14,7 +14,7 @@ is a :class:`TypeError` (a programming error: register the type first with :func
 This module imports no Flower and nothing of the strategy layer: the layers that create
 Flower objects register them when imported (``fedhier_strategies.cloud_step`` calls
 :func:`allow` and :func:`adapter`), and whoever reads a checkpoint that may hold them imports
-that layer first (:func:`fedhier.cli_flags.resumable_checkpoint`, the engines). A file naming
+that layer first (:func:`fedhier.engines.resume.resumable_checkpoint`, the engines). A file naming
 a class nobody registered is refused as damaged.
 """
 

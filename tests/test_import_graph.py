@@ -277,23 +277,12 @@ def test_every_import_of_the_packages_names_one_of_their_modules():
     assert not offenders, f"imports of names that are no module: {offenders}"
 
 
-#: Core modules that still import the Flower layer, each with the reason it is allowed.
-CORE_TO_FLOWER_ALLOWED: dict[str, str] = {
-    "fedhier.cli_flags": "a resumed run imports fedhier_strategies.cloud_step to register the "
-                         "Flower cloud strategies with the checkpoint reader (to move into "
-                         "the engine layer)",
-}
-
-
 def test_the_core_imports_nothing_of_the_flower_layer():
     """fedhier outside fedhier.engines runs without Flower's ServerApp and ClientApp side."""
     flower = {name: sorted(t for t in edges if t.startswith(UPPER_LAYERS))
               for name, edges in import_graph().items() if is_core(name)}
-    offenders = {n: f for n, f in flower.items() if f and n not in CORE_TO_FLOWER_ALLOWED}
+    offenders = {n: f for n, f in flower.items() if f}
     assert not offenders, f"the core imports the Flower layer: {offenders}"
-    for name in CORE_TO_FLOWER_ALLOWED:
-        assert flower.get(name), f"{name} no longer imports the Flower layer: drop it from " \
-                                 "CORE_TO_FLOWER_ALLOWED"
 
 
 def test_the_client_side_needs_no_server_side():
@@ -310,8 +299,6 @@ def test_no_package_edits_its_import_path():
     (the source tree, the FAB, the editable install and the wheel import the same files)."""
     edits = [name for name, path in modules().items() if "__path__" in path.read_text()]
     assert not edits, f"modules touching __path__: {edits}"
-
-
 
 
 def upper_layer_strings(path: Path) -> list[tuple[int, str]]:

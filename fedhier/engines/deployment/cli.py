@@ -22,7 +22,6 @@ from fedhier.cli_flags import (
     add_config_flags,
     config_from_args,
     prepare_data,
-    resumable_checkpoint,
     resumed_config,
     run_command,
 )
@@ -123,6 +122,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
                           "servers; clients follow docs/contract.md); drop --app")
     run_config_overrides(cfg, app)  # every flag must reach the ServerApp
     out = Path(cfg.out or default_run_dir(f"{cfg.dataset}-deploy")).resolve()
+    from fedhier.engines.resume import resumable_checkpoint
     from fedhier.run_folder import RunFolder
     from fedhier.train import resolve_device
 
