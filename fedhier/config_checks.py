@@ -48,7 +48,7 @@ def validate(cfg: RunConfig) -> None:
         below, below_name = count, f"level-{level} groups"
     from fedhier.topology import check_schedule
 
-    check_schedule(cfg.periods, cfg.groups, cfg.edge_period_list, cfg.normalize_updates)
+    check_schedule(cfg.periods, cfg.groups, cfg.edge_period_list)
     if cfg.mobility_rate > 0 and cfg.mobility_trace:
         raise ConfigError("give mobility_rate or mobility_trace, not both")
     if cfg.reachability and cfg.num_edges < 2:

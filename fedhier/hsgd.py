@@ -65,7 +65,7 @@ from fedhier.round.records import client_accuracy_summary, diagnostics_record, e
 from fedhier.round.restore import Restored
 from fedhier.round.schedule import schedule_for
 from fedhier.round.updates import all_finite as _all_finite
-from fedhier.round.updates import scale_updates, screen, survivors_loss
+from fedhier.round.updates import screen, survivors_loss
 from fedhier.round.weights import evaluation_weights, learned_sizes, weights_of
 from fedhier.round_diagnostics import diagnostics_due
 from fedhier.sim_clock import SimClock, TimeModel
@@ -100,8 +100,7 @@ class HSGDSettings:
     policy: ReplyPolicy = field(default_factory=ReplyPolicy)
 
     def __post_init__(self) -> None:
-        check_schedule(self.periods, self.groups, self.edge_periods,
-                       self.workload.normalize_updates)
+        check_schedule(self.periods, self.groups, self.edge_periods)
         self.time_model.check_edges(self.groups[0] if self.groups else 1)
         self.asynchronous.check(self.groups[0] if self.groups else 1)
         check_aggregators(self.aggregators, len(self.periods))
@@ -286,7 +285,7 @@ class HierarchicalSGD:
         """
         s, hierarchy = self.settings, self._hierarchy()
         models = result.models
-        scale_updates(models, work, plan.scale[work.clients], self.edge_models)
+        self.schedule.scale(models, work, plan.scale[work.clients], self.edge_models)
         alive = screen(work, result, s.on_nan, s.edge_rounds_per_cloud_round)
         if result.num_examples is not None:
             self.learn_sizes(work.clients[alive], result.num_examples[alive])

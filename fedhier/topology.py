@@ -96,19 +96,16 @@ def validate_edge_periods(edge_periods: tuple[int, ...], periods: tuple[int, ...
 
 
 def check_schedule(periods: tuple[int, ...], groups: tuple[int, ...],
-                   edge_periods: tuple[int, ...] = (), normalize_updates: bool = False) -> None:
+                   edge_periods: tuple[int, ...] = ()) -> None:
     """Every rule on the aggregation periods, in one place (``RunConfig.validate`` and
     ``HSGDSettings`` call it): one period per group level plus the cloud's, per-edge periods
-    (:func:`validate_edge_periods`), FedNova only with equal edge periods, and each period a
-    multiple of the one below (:func:`validate_periods`)."""
+    (:func:`validate_edge_periods`), and each period a multiple of the one below
+    (:func:`validate_periods`)."""
     if len(periods) != len(groups) + 1:
         raise ConfigError(
             f"{len(groups)} group level(s) {list(groups)} need {len(groups) + 1} periods "
             f"(edge ... cloud), got {list(periods)}; set --periods")
     validate_edge_periods(edge_periods, periods, groups[0] if groups else 0)
-    if normalize_updates and len(set(edge_periods)) > 1:
-        raise ConfigError("normalize_updates (FedNova) is not supported with unequal "
-                          "edge_periods")
     if len(periods) == 2 and min(periods) >= 1 and periods[1] % periods[0] != 0:
         raise ConfigError(f"global_period G={periods[1]} must be a multiple of local_period "
                           f"I={periods[0]}")

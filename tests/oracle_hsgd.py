@@ -11,7 +11,10 @@ turns those facts into numbers is computed here:
   (renormalised within the edge, each edge keeping its full weight above the edges);
 - the aggregation schedule: after global step t the highest level l with (t+1) % P_l == 0
   aggregates its subtree; per-edge periods replace P_1 by the edge's own I_i;
-- stragglers' fewer steps and FedNova's rescale w_start + (τ_eff/τ_j)(w_j - w_start);
+- stragglers' fewer steps and FedNova's rescale w_start + (τ_eff/τ_j)(w_j - w_start), with
+  τ_eff/τ_j fixed when the client's edge plans its period and applied to the client's whole
+  update over that period when its edge aggregates (w_start: the model it started the
+  period's work from);
 - mobility: a moved client starts from its new edge's model (``fresh``) or keeps its own
   (``carry``) and aggregates at the new edge;
 - the coordinate-wise median, level by level;
@@ -155,7 +158,7 @@ def hsgd(problem: Problem, initial: Model, rounds: int, *,
     remaining = np.zeros(n, dtype=np.int64)  # steps left in the client's edge period
     period_start: list[Model] = [clients[j] for j in range(n)]  # FedNova's w_start
     trained = np.zeros(n, dtype=bool)  # took part since its edge last aggregated
-    tau = np.zeros(n)  # τ_j: steps planned for the client's current period
+    scale = np.ones(n)  # FedNova's τ_eff / τ_j of the client's current plan
     global_model = initial
     for r in range(1, rounds * rounds_per_cloud + 1):
         start_step = (r - 1) * g
@@ -163,8 +166,9 @@ def hsgd(problem: Problem, initial: Model, rounds: int, *,
         moved = np.flatnonzero(new_map != edge_of)
         edge_of = np.asarray(new_map).copy()
         for j in moved:
-            if handoff == "fresh":
+            if handoff == "fresh":  # it starts its work over from the new edge's model
                 clients[j] = {k: v.copy() for k, v in edges[edge_of[j]].items()}
+                period_start[j] = {k: v.copy() for k, v in clients[j].items()}
                 trained[j] = False
         for i in range(num_edges):  # edges whose period starts plan it
             if start_step % e_period[i]:
@@ -175,7 +179,11 @@ def hsgd(problem: Problem, initial: Model, rounds: int, *,
             for j in chosen:
                 remaining[j] = steps(r, j) if steps else e_period[i]
                 period_start[j] = {k: v.copy() for k, v in clients[j].items()}
-            tau[members] = remaining[members]
+            scale[members] = 1.0
+            if fednova and len(chosen):  # τ_eff = Σ p_j τ_j over the edge's chosen clients
+                pj = omega[chosen] / omega[chosen].sum()
+                tau_eff = float(np.dot(pj, remaining[chosen]))
+                scale[chosen] = tau_eff / remaining[chosen]
         for j in range(n):
             k = min(int(remaining[j]), g)
             if k:
@@ -188,14 +196,12 @@ def hsgd(problem: Problem, initial: Model, rounds: int, *,
             continue
         # members aggregating now, per edge, and their presence weights
         present = [np.flatnonzero((edge_of == i) & trained) for i in range(num_edges)]
-        if fednova:
+        if fednova:  # each aggregating client's whole update over its period
             for i in range(num_edges):
-                if level[i] == 0 or not len(present[i]):
+                if level[i] == 0:
                     continue
-                pj = omega[present[i]] / omega[present[i]].sum()
-                tau_eff = float(np.dot(pj, tau[present[i]]))
                 for j in present[i]:
-                    s = tau_eff / tau[j]
+                    s = scale[j]
                     clients[j] = {k: period_start[j][k] + s * (clients[j][k] - period_start[j][k])
                                   for k in clients[j]}
         full = np.array([omega[edge_of == i].sum() for i in range(num_edges)])

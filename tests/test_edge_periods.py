@@ -6,7 +6,8 @@
   participation, stragglers, FedNova, faults and moving clients;
 - unequal I_i match a plain step-by-step H-SGD loop (a toy affine "training" executor), and
   the traffic counters count only what aggregating edges exchange;
-- every engine gives the same numbers with unequal periods (also with mobility);
+- every engine gives the same numbers with unequal periods (also with mobility, and FedNova
+  with moving clients and faults);
 - bad periods stop with one line and exit code 2 before anything is written.
 """
 
@@ -225,6 +226,10 @@ ENGINE_CASES = {
         participation=0.7, rounds=3),
     "three-level": BASE.replace(groups=(4, 2), periods=(2, 4, 8), edge_periods="2,4,2,4",
                                 rounds=2),
+    "fednova-mobility-carry-faults": BASE.replace(
+        groups=(3,), edge_periods="2,4,8", global_period=8, normalize_updates=True,
+        straggler_fraction=0.5, participation=0.7, fail_rate=0.2, mobility_rate=0.5,
+        handoff="carry", rounds=2),
 }
 
 
@@ -248,7 +253,7 @@ def test_engines_agree_with_per_edge_periods(case, tmp_path):
     (["--edge-periods", "0,2"], "must be positive"),
     (["--edge-periods=-2,2"], "must be positive"),
     (["--edge-periods", "2,x"], "comma-separated integers"),
-    (["--edge-periods", "2,4", "--normalize-updates"], "not supported with unequal"),
+    (["--edge-periods", "2,4", "--local-period", "1"], "an edge round is their gcd, 2 steps"),
 ])
 def test_bad_edge_periods_one_line_exit_2(flags, message, tmp_path, capsys):
     out = tmp_path / "out"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -179,12 +180,18 @@ def test_participation(data, engine):
     assert gap(r, oracle.hsgd(p, initial(r), rounds=2)) > 1e-4
 
 
-def straggler_steps(fraction: float, period: int, min_steps: int = 1):
+def straggler_steps(fraction: float, period: int | Callable[[int, int], int],
+                    min_steps: int = 1):
     """docs/hsgd.md: a seeded share of clients (generator(seed, "stragglers")) does a seeded
-    number of steps in [k, I-1] (generator(seed, "straggler-steps", edge round, client))."""
+    number of steps in [k, I-1] (generator(seed, "straggler-steps", edge round, client));
+    ``period``: I, or (edge round, client) -> the period of the edge planning the client."""
     slow = generator(SEED, "stragglers").random(len(SIZES)) < fraction
 
     def steps(edge_round: int, client: int) -> int:
+        period_of = period(edge_round, client) if callable(period) else period
+        return one_client(edge_round, client, period_of)
+
+    def one_client(edge_round: int, client: int, period: int) -> int:
         if not slow[client]:
             return period
         low = min(min_steps, max(period - 1, 1))
@@ -208,12 +215,54 @@ def test_stragglers_and_fednova(data, engine, fednova):
     assert gap(r, other) > 1e-4  # the rescale changes the numbers measurably
 
 
+# --------------------------------------------------------------------------- FedNova, per-edge
+#: Edge i aggregates every I_i steps (g = 2, G = 8); contiguous edges {0,1} {2,3} {4,5} {6,7}.
+#: Moves: client 2 leaves edge 1 (I = 4) for edge 2 (I = 8) mid-period, and edge 1 aggregates
+#: (its model changes) before edge 2 does; client 5 goes the other way; client 6 joins edge 0
+#: when edge 0 starts a period (it is planned there).
+EDGE_PERIODS = (2, 4, 8, 8)
+PERIOD_TRACE = "edge_round,client,edge\n2,2,2\n2,5,1\n3,6,0\n"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("handoff", [None, "fresh", "carry"])
+def test_fednova_with_per_edge_periods(data, engine, handoff):
+    """FedNova under per-edge periods: τ_eff/τ_j fixed when the edge plans its period,
+    applied to the client's whole update over the period when its edge aggregates, from the
+    model it started the period's work from (docs/hsgd.md#per-edge-periods)."""
+    flags = ["--groups", "4", "--grouping", "contiguous", "--edge-periods",
+             ",".join(map(str, EDGE_PERIODS)), "--global-period", "8",
+             "--straggler-fraction", "0.5", "--normalize-updates"]
+    edge_map = None
+    if handoff is not None:
+        trace = data["folder"] / "period-trace.csv"
+        trace.write_text(PERIOD_TRACE)
+        flags += ["--mobility-trace", str(trace), "--handoff", handoff]
+    r = run(data, engine, *flags)
+    start = r["groups"]["client_to_edge"]
+    assert start == contiguous(8, 4)
+    edge_map = trace_map(start, PERIOD_TRACE) if handoff else None
+
+    def period(edge_round: int, client: int) -> int:
+        edges = edge_map(edge_round) if edge_map else np.asarray(start)
+        return EDGE_PERIODS[int(edges[client])]
+    steps, slow = straggler_steps(0.5, period)
+    assert 0 < slow.sum() < len(SIZES)
+    p = problem(data, r, (2, 8))
+    kwargs = {"edge_periods": EDGE_PERIODS, "steps": steps, "edge_map": edge_map,
+              "handoff": handoff or "fresh"}
+    want = oracle.hsgd(p, initial(r), rounds=2, fednova=True, **kwargs)
+    assert gap(r, want) <= TOL
+    assert moved(r, want) > 1e-2
+    assert gap(r, oracle.hsgd(p, initial(r), rounds=2, **kwargs)) > 1e-4  # FedNova matters
+
+
 # --------------------------------------------------------------------------- mobility
 TRACE = "edge_round,client,edge\n2,0,3\n2,5,0\n3,2,0\n4,7,1\n"
 
 
-def trace_map(start: list[int]):
-    moves = [tuple(map(int, line.split(","))) for line in TRACE.splitlines()[1:]]
+def trace_map(start: list[int], text: str = TRACE):
+    moves = [tuple(map(int, line.split(","))) for line in text.splitlines()[1:]]
 
     def edge_map(edge_round: int) -> np.ndarray:
         edge_of = np.asarray(start, dtype=np.int64).copy()

@@ -145,8 +145,6 @@ PAIRS: list[Pair] = list(itertools.combinations(FEATURES, 2))
 
 #: The pairs refused today, each with the reason docs/hsgd.md gives (same words, same order).
 REFUSED: dict[Pair, str] = {
-    ("edge-periods", "fednova"): "not yet: FedNova's start model (a client's model when its "
-                                 "edge's period starts) is not kept with unequal periods",
     ("mobility-rate", "mobility-trace"): "no meaning: clients move by a rate or by a trace, "
                                          "not both",
 }

@@ -146,8 +146,8 @@ def test_settings_for_carries_every_setting_the_algorithm_reads():
     ({"periods": (2, 6, 9), "groups": (4, 2)}, {"periods": (2, 6, 9), "groups": (4, 2)}),
     pytest.param({"edge_periods": "3,6,6,6"}, {"periods": (3, 20), "groups": (4,),
                                                "edge_periods": (3, 6, 6, 6)}),
-    ({"local_period": 2, "edge_periods": "2,4", "groups": (2,), "normalize_updates": True},
-     {"periods": (2, 20), "groups": (2,), "edge_periods": (2, 4),
+    ({"local_period": 2, "edge_periods": "2,4,4", "groups": (2,), "normalize_updates": True},
+     {"periods": (2, 20), "groups": (2,), "edge_periods": (2, 4, 4),
       "workload": Workload(normalize_updates=True)})])
 def test_periods_are_checked_by_one_function(values, algorithm):
     """RunConfig and the algorithm's settings refuse a bad schedule with the same line."""

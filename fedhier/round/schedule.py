@@ -5,13 +5,17 @@ the run's :class:`Schedule` who trains (:meth:`~Schedule.plan`: partial particip
 stragglers through :func:`fedhier.plan.plan_edge_round`), from which models
 (:meth:`~Schedule.start_models`), at which level each edge aggregates after it
 (:meth:`~Schedule.levels`: :func:`fedhier.topology.edge_levels_after`, the one schedule of
-every engine), and which of the returned models aggregate now (:meth:`~Schedule.settle`,
-which also charges the round to the simulated clock and says how many models went down).
+every engine), which of the returned models aggregate now (:meth:`~Schedule.settle`,
+which also charges the round to the simulated clock and says how many models went down),
+and when a client's update is complete for FedNova's scaling (:meth:`~Schedule.scale`:
+every edge round, or when the client's edge aggregates).
 
 * :class:`EqualPeriods`: every edge aggregates every I steps (H-SGD);
 * :class:`EdgePeriods`: edge i every I_i steps (docs/hsgd.md#per-edge-periods); an edge round
   is then g = gcd(I_i) steps, each edge plans at the start of its own period, and the clients
-  of edges that do not aggregate continue from their own (carried) models.
+  of edges that do not aggregate continue from their own (carried) models; FedNova scales a
+  client's whole update over its period, w_start + s_j (w_end - w_start), when its edge
+  aggregates (w_start: the model it started the period from, kept per client).
 
 Buffered asynchronous reports are a schedule of the level above the edges
 (:mod:`fedhier.async_edges`). A new schedule is one class here and one line of
@@ -29,6 +33,7 @@ import torch
 
 from fedhier.plan import EdgeRoundPlan, plan_edge_round
 from fedhier.round.executor import EdgeRoundWork, Params, device_of
+from fedhier.round.updates import scale_rows, scale_updates
 from fedhier.sim_clock import SimClock
 from fedhier.topology import Hierarchy, edge_levels_after
 
@@ -58,6 +63,13 @@ class Schedule(Protocol):
 
     def levels(self, edge_round: int, num_edges: int) -> np.ndarray:
         """int64 [E]: the level each edge aggregates at after ``edge_round`` (0 = not)."""
+        ...
+
+    def scale(self, models: Params, work: EdgeRoundWork, scale: np.ndarray,
+              edge_models: Params) -> None:
+        """FedNova on the returned models (name -> [k, *shape], ``work.clients``' order;
+        ``scale`` float64 [k], the plan's s_j), in place, where the updates are complete now
+        (a schedule that scales later, in :meth:`settle`, leaves them)."""
         ...
 
     def settle(self, work: EdgeRoundWork, models: Params, survivors: np.ndarray,
@@ -101,6 +113,12 @@ class EqualPeriods:
         return edge_levels_after(edge_round * s.local_period - 1, s.periods, s.edge_periods,
                                  num_edges)
 
+    def scale(self, models: Params, work: EdgeRoundWork, scale: np.ndarray,
+              edge_models: Params) -> None:
+        """Every edge round ends a period: w_start is the edge model each client started
+        from (:func:`scale_updates`)."""
+        scale_updates(models, work, scale, edge_models)
+
     def settle(self, work: EdgeRoundWork, models: Params, survivors: np.ndarray,
                failed: np.ndarray, levels: np.ndarray, clock: SimClock, model_bytes: int,
                ) -> tuple[Params, np.ndarray, int]:
@@ -120,15 +138,19 @@ class EdgePeriods(EqualPeriods):
         # Each client's planned steps left in its edge's period (int64 [n]), its FedNova
         # scale (float64 [n]), its model not yet aggregated (name -> [n, *shape], valid where
         # has_carry, bool [n]) and each edge's aggregations this cloud round (int64 [E]).
+        # FedNova only: which clients' plans start this edge round (bool [n]) and the model
+        # each client started its planned work from (w_start, name -> [n, *shape]).
         self.remaining = np.zeros(0, dtype=np.int64)
-        self.scale = np.ones(0, dtype=np.float64)
+        self.factor = np.ones(0, dtype=np.float64)
         self.carried: Params = {}
         self.has_carry = np.zeros(0, dtype=bool)
         self.aggregations = np.zeros(0, dtype=np.int64)
+        self.plan_starts = np.zeros(0, dtype=bool)
+        self.starts: Params = {}
 
     def begin_cloud_round(self, num_clients: int, num_edges: int) -> None:
         self.remaining = np.zeros(num_clients, dtype=np.int64)
-        self.scale = np.ones(num_clients, dtype=np.float64)
+        self.factor = np.ones(num_clients, dtype=np.float64)
         self.has_carry = np.zeros(num_clients, dtype=bool)
         self.aggregations = np.zeros(num_edges, dtype=np.int64)
 
@@ -142,20 +164,22 @@ class EdgePeriods(EqualPeriods):
         start_step = (edge_round - 1) * s.local_period
         periods = np.asarray(s.edge_periods, dtype=np.int64)
         starting = np.flatnonzero(start_step % periods == 0)
+        self.plan_starts = np.zeros(hierarchy.num_clients, dtype=bool)
         if len(starting):
             period_plan = plan_edge_round(hierarchy, s.workload, weights, s.seed,
                                           edge_round, starting, s.edge_periods)
             planned = np.isin(hierarchy.edge_of_client(), starting)
             self.remaining[planned] = period_plan.steps[planned]
-            self.scale[planned] = period_plan.scale[planned]
+            self.factor[planned] = period_plan.scale[planned]
+            self.plan_starts[planned] = period_plan.steps[planned] > 0
         steps = np.minimum(self.remaining, s.local_period)
         self.remaining -= steps
         carried = np.flatnonzero(self.has_carry & (steps > 0))
         if not len(carried):
-            return EdgeRoundPlan(steps=steps, scale=self.scale.copy()), start_edges, None
+            return EdgeRoundPlan(steps=steps, scale=self.factor.copy()), start_edges, None
         rows = hierarchy.edge_of_client() if start_edges is None else start_edges.copy()
         rows[carried] = hierarchy.num_nodes(1) + np.arange(len(carried))
-        return EdgeRoundPlan(steps=steps, scale=self.scale.copy()), rows, carried
+        return EdgeRoundPlan(steps=steps, scale=self.factor.copy()), rows, carried
 
     def forget(self, clients: np.ndarray) -> None:
         if len(self.has_carry):
@@ -168,22 +192,54 @@ class EdgePeriods(EqualPeriods):
         counted yet: what :meth:`begin_cloud_round` does for every client and edge)."""
         if len(self.remaining) != num_clients:
             self.remaining = np.zeros(num_clients, dtype=np.int64)
-            self.scale = np.ones(num_clients, dtype=np.float64)
+            self.factor = np.ones(num_clients, dtype=np.float64)
             self.has_carry = np.zeros(num_clients, dtype=bool)
         if len(self.aggregations) != num_edges:
             self.aggregations = np.zeros(num_edges, dtype=np.int64)
         self.remaining[members] = 0
-        self.scale[members] = 1.0
+        self.factor[members] = 1.0
         self.has_carry[members] = False
         self.aggregations[edges] = 0
 
     def start_models(self, work: EdgeRoundWork, edge_models: Params) -> Params:
-        """The E edges' models, then the c carried client models (rows E..E+c-1)."""
-        if work.carried is None:
-            return edge_models
-        index = torch.as_tensor(work.carried, device=device_of(self.carried))
-        return {k: torch.cat([v, self.carried[k].index_select(0, index)])
-                for k, v in edge_models.items()}
+        """The E edges' models, then the c carried client models (rows E..E+c-1).
+
+        With FedNova each sent client's start row is kept as its w_start when its work
+        starts over from it: its plan starts now, or it starts from an edge's model (after a
+        failure, a ``fresh`` move or a ``carry`` move without a model of its own); a client
+        that continues its plan from its carried model keeps the w_start it had.
+        """
+        starts = edge_models
+        if work.carried is not None:
+            index = torch.as_tensor(work.carried, device=device_of(self.carried))
+            starts = {k: torch.cat([v, self.carried[k].index_select(0, index)])
+                      for k, v in edge_models.items()}
+        if self.settings.workload.normalize_updates:
+            self._keep_starts(work, starts, len(next(iter(edge_models.values()))))
+        return starts
+
+    def _keep_starts(self, work: EdgeRoundWork, starts: Params, num_edges: int) -> None:
+        """Copy the start rows (``starts``: name -> [E + c, *shape]) of the sent clients whose
+        work starts over this edge round into :attr:`starts` (see :meth:`start_models`)."""
+        rows = work.start_edges[work.clients]
+        over = (rows < num_edges) | self.plan_starts[work.clients]
+        if not over.any():
+            return
+        device = device_of(starts)
+        if not self.starts:
+            n = len(self.has_carry)
+            self.starts = {k: torch.zeros(n, *v.shape[1:], dtype=v.dtype, device=device)
+                           for k, v in starts.items()}
+        into = torch.as_tensor(work.clients[over], device=device)
+        source = torch.as_tensor(rows[over], device=device)
+        for key, value in starts.items():
+            self.starts[key].index_copy_(0, into, value.index_select(0, source))
+
+    def scale(self, models: Params, work: EdgeRoundWork, scale: np.ndarray,
+              edge_models: Params) -> None:
+        """Nothing yet: a client's update is complete when its edge aggregates
+        (:meth:`settle` scales it then, from the w_start of :meth:`start_models`)."""
+        return None
 
     def settle(self, work: EdgeRoundWork, models: Params, survivors: np.ndarray,
                failed: np.ndarray, levels: np.ndarray, clock: SimClock, model_bytes: int,
@@ -191,6 +247,11 @@ class EdgePeriods(EqualPeriods):
         self.aggregations += levels > 0
         sent = len(work.clients) - (0 if work.carried is None else len(work.carried))
         models, survivors = self._carry(work, models, survivors, levels[work.edge_of_client])
+        rows = np.flatnonzero(self.factor[survivors] != 1.0) if len(survivors) else survivors
+        if len(rows):  # FedNova: the whole period's update, w_start + s (w_end - w_start)
+            index = torch.as_tensor(survivors[rows], device=device_of(self.starts))
+            scale_rows(models, rows, self.factor[survivors[rows]],
+                       {k: v.index_select(0, index) for k, v in self.starts.items()})
         self._time(work, levels, np.union1d(survivors, failed), clock, model_bytes)
         return models, survivors, sent
 

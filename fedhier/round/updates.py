@@ -2,7 +2,9 @@
 
 Between the executor's :class:`~fedhier.round.executor.TrainResult` and the aggregation, the
 round (:meth:`fedhier.hsgd.HierarchicalSGD.complete`) scales each client's update by its plan's
-FedNova factor (:class:`fedhier.plan.Workload`, ``normalize_updates``) and keeps the clients
+FedNova factor (:class:`fedhier.plan.Workload`, ``normalize_updates``; with per-edge
+periods the schedule does it when the client's edge aggregates,
+:class:`fedhier.round.schedule.EdgePeriods`) and keeps the clients
 whose update is usable: returned and finite (``on_nan``: a non-finite one stops the run naming
 the client, or is dropped). No state; no Flower import.
 """
@@ -32,12 +34,21 @@ def scale_updates(models: Params, work: EdgeRoundWork, scale: np.ndarray,
     rows = np.flatnonzero(scale != 1.0)
     if not len(rows):
         return
+    edges = torch.as_tensor(work.start_edges[work.clients[rows]],
+                            device=device_of(edge_models))
+    scale_rows(models, rows, scale[rows],
+               {k: v.index_select(0, edges) for k, v in edge_models.items()})
+
+
+def scale_rows(models: Params, rows: np.ndarray, scale: np.ndarray, starts: Params) -> None:
+    """Rows ``rows`` (int64 [r]) of ``models`` (name -> [k, *shape]) become
+    w_start + s (w - w_start), in place: ``scale`` float64 [r], ``starts`` name ->
+    [r, *shape] their start models (w_start)."""
     device = device_of(models)
     index = torch.as_tensor(rows, device=device)
-    edges = torch.as_tensor(work.start_edges[work.clients[rows]], device=device)
-    factor = torch.as_tensor(scale[rows], device=device)
+    factor = torch.as_tensor(scale, device=device)
     for key, value in models.items():
-        start = edge_models[key].index_select(0, edges)
+        start = starts[key].to(device)
         local = value.index_select(0, index)
         f = factor.reshape(-1, *([1] * (local.dim() - 1))).to(local.dtype)
         value.index_copy_(0, index, start + f * (local - start))
