@@ -71,6 +71,14 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "fedhier/data/partition.py": (["tests/test_data.py", "tests/test_partition_mutants.py"],
                                   ["-k", "mutants or test_label_histogram or "
                                    "partition_schemes_constant"]),
+    "fedhier/round/updates.py": (["tests/test_oracle.py", "tests/test_round_parts.py",
+                                  "tests/test_knobs.py", "tests/test_updates_mutants.py"],
+                                 ["-k", "(test_round_parts and not over_500_lines) or mutants or "
+                                  "((stragglers_and or fednova) and vectorized) or nan"]),
+    "fedhier/round/weights.py": (["tests/test_oracle.py", "tests/test_round_parts.py",
+                                  "tests/test_weights_mutants.py"],
+                                 ["-k", "(test_round_parts and not over_500_lines) or mutants or "
+                                  "((two_levels or participation) and vectorized)"]),
     "fedhier/sim_clock.py": (["tests/test_sim_clock.py", "tests/test_sim_clock_mutants.py"],
                              ["-k", "transfer or waits or queues or share or pay_only or "
                               "bad_edge_slowdown or mutants"]),
