@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp.strategy import Strategy
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 
 from fedhier.config import RunConfig
 from fedhier.engines.inprocess_grid import InProcessGrid
+from fedhier.errors import ConfigError
 from fedhier.run_setup import initial_model, prepare
 from fedhier_clients.app import app as client_app
 from fedhier_strategies.cloud_step import make_cloud_strategy
@@ -90,3 +92,14 @@ def interruptible() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def assert_refused(call, message: str, error: type[Exception] = ConfigError,
+                   exact: bool = False) -> None:
+    """``call()`` raises ``error`` (that very class with ``exact``) whose text is exactly
+    ``message``."""
+    with pytest.raises(error) as caught:
+        call()
+    assert str(caught.value) == message
+    if exact:
+        assert type(caught.value) is error

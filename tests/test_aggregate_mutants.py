@@ -23,13 +23,7 @@ from fedhier.aggregate import (
     presence_weights,
     segment_weighted_mean,
 )
-from fedhier.errors import ConfigError
-
-
-def _refused(call, message: str, error: type[Exception] = ConfigError) -> None:
-    with pytest.raises(error) as caught:
-        call()
-    assert str(caught.value) == message
+from tests.helpers import assert_refused as refused
 
 
 def test_segment_weighted_mean_by_hand():
@@ -39,10 +33,10 @@ def test_segment_weighted_mean_by_hand():
                                 2)
     assert out.dtype == torch.float32 and out.shape == (2, 2, 1)
     assert out.flatten().tolist() == [2.5, -1.0, 5.0, 7.0]
-    _refused(lambda: segment_weighted_mean(values, torch.tensor([1.0, 0.0, 1.0]),
+    refused(lambda: segment_weighted_mean(values, torch.tensor([1.0, 0.0, 1.0]),
                                            torch.tensor([0, 1, 0]), 2),
              "segment_weighted_mean: a segment has zero total weight", ValueError)
-    _refused(lambda: segment_weighted_mean(values, torch.ones(3), torch.tensor([0, 0, 0]), 2),
+    refused(lambda: segment_weighted_mean(values, torch.ones(3), torch.tensor([0, 0, 0]), 2),
              "segment_weighted_mean: a segment has zero total weight", ValueError)
 
 
@@ -71,7 +65,7 @@ def test_client_weights():
     samples = client_weights("samples", np.array([3, 5]))
     assert uniform.tolist() == [1.0, 1.0] and uniform.dtype == np.float64
     assert samples.tolist() == [3.0, 5.0] and samples.dtype == np.float64
-    _refused(lambda: client_weights("rows", np.array([3])), "unknown weighting 'rows'",
+    refused(lambda: client_weights("rows", np.array([3])), "unknown weighting 'rows'",
              ValueError)
 
 
@@ -105,7 +99,7 @@ def test_median_by_hand():
     four = torch.tensor([[4.0], [1.0], [10.0], [2.0]])
     assert median_aggregate(four, torch.ones(4), torch.zeros(4, dtype=torch.int64),
                             1).tolist() == [[3.0]]
-    _refused(lambda: median_aggregate(values, torch.ones(5), segments, 3),
+    refused(lambda: median_aggregate(values, torch.ones(5), segments, 3),
              "median_aggregate: a segment has no members", ValueError)
 
 
@@ -150,7 +144,7 @@ def test_apply_paths():
     w, seg = torch.tensor([1.0, 3.0], dtype=torch.float64), torch.tensor([0, 0])
     out = aggregator("mean").apply(x, w, seg, 1)
     assert out["a"].tolist() == [[2.5]] and out["b"].tolist() == [[5.0, 7.0]]
-    _refused(lambda: aggregator("clip:2").apply(x, w, seg, 1),
+    refused(lambda: aggregator("clip:2").apply(x, w, seg, 1),
              "aggregator 'clip:2' needs each node's start model, which this path does not "
              "provide")
     seen = []
@@ -178,7 +172,7 @@ def test_apply_paths():
     ("krum:nan", "aggregator krum: 'nan' is not a finite number"),
 ])
 def test_refused_rule_names(name, message):
-    _refused(lambda: aggregator(name), message)
+    refused(lambda: aggregator(name), message)
 
 
 def test_accepted_rule_edges():
@@ -190,9 +184,9 @@ def test_accepted_rule_edges():
 def test_check_aggregators():
     assert check_aggregators(("mean",), 3) is None
     assert check_aggregators(("mean", "median", "krum"), 3) is None
-    _refused(lambda: check_aggregators(("mean", "median"), 3),
+    refused(lambda: check_aggregators(("mean", "median"), 3),
              "aggregators: give one name for every level or 3 (edge ... cloud), got 2: "
              "mean,median")
-    _refused(lambda: check_aggregators(("mean", "mode"), 2),
+    refused(lambda: check_aggregators(("mean", "mode"), 2),
              "unknown aggregator 'mode'; choose one of mean, median, trimmed-mean, clip, krum, "
              "multi-krum")

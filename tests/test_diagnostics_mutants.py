@@ -6,6 +6,8 @@ time with plain autograd, and divergences worked out by hand.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -23,6 +25,7 @@ from fedhier.diagnostics import (
 )
 from fedhier.models import MLP, LogReg, linear_chain
 from fedhier.rng import generator
+from tests.helpers import assert_refused
 
 X = torch.tensor([[0.5, -1.0, 2.0], [1.5, 0.2, -0.3], [-2.0, 1.0, 0.0], [0.1, 0.1, 0.1],
                   [3.0, -0.5, 1.0], [-1.0, -1.0, 0.5], [0.7, 2.2, -1.4]], dtype=torch.float64)
@@ -53,10 +56,7 @@ def _close(got: torch.Tensor, expected: torch.Tensor, atol: float) -> None:
     assert float((got.double() - expected.double()).abs().max()) <= atol
 
 
-def _refused(call, message: str) -> None:
-    with pytest.raises(ValueError) as caught:
-        call()
-    assert str(caught.value) == message
+_refused = functools.partial(assert_refused, error=ValueError)
 
 
 class _Counted(LogReg):

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 import fedhier.grouping as registry
-from fedhier.errors import ConfigError
 from fedhier.grouping import (
     ClientInfo,
     assign_groups,
@@ -43,12 +42,7 @@ from fedhier.grouping.divergence import (
 )
 from fedhier.grouping.simple import contiguous_grouping, edge_tag_grouping, random_grouping
 from fedhier.rng import generator
-
-
-def _refused(call, message: str, error: type[Exception] = ConfigError) -> None:
-    with pytest.raises(error) as caught:
-        call()
-    assert str(caught.value) == message
+from tests.helpers import assert_refused as refused
 
 
 def _info(n: int, tags=None) -> ClientInfo:
@@ -71,7 +65,7 @@ def test_balanced_sizes_and_needs():
 
     assert needs_of(marked) == frozenset({"gradients", "edge-tags"})
     assert needs_of(declares()(lambda i, n, s: None)) == frozenset()
-    _refused(lambda: declares("labels", "votes", "age"),
+    refused(lambda: declares("labels", "votes", "age"),
              "unknown grouping needs ['age', 'votes']; choose from ('labels', 'gradients', "
              "'edge-tags')", ValueError)
     assert _info(5).num_clients == 5 and isinstance(_info(5).num_clients, int)
@@ -94,10 +88,10 @@ def test_edge_tag_grouping():
     assert edge_tag_grouping(_info(4), 2, 0).tolist() == [0, 0, 1, 1]  # untagged level: blocks
     tagged = edge_tag_grouping(_info(4, np.array([1, 0, 0, 1], dtype=np.int32)), 2, 0)
     assert tagged.tolist() == [1, 0, 0, 1] and tagged.dtype == np.int64
-    _refused(lambda: edge_tag_grouping(_info(4, np.array([1, -1, 0, -1])), 2, 0),
+    refused(lambda: edge_tag_grouping(_info(4, np.array([1, -1, 0, -1])), 2, 0),
              "grouping 'edge-tag' needs every SuperNode tagged with --node-config 'edge=k'; "
              "2 client(s) are not (e.g. partition 1)")
-    _refused(lambda: edge_tag_grouping(_info(3, np.array([0, 2, 2])), 3, 0),
+    refused(lambda: edge_tag_grouping(_info(3, np.array([0, 2, 2])), 3, 0),
              "grouping 'edge-tag': the SuperNodes' edge tags [0, 2] must be exactly 0..2 for 3 "
              "edges (--groups)")
 
@@ -110,11 +104,11 @@ def test_names_and_needs():
     assert grouping_needs("min-divergence") == frozenset({"labels"})
     assert grouping_needs("edge-tag") == frozenset({"edge-tags"})
     assert get_grouping("contiguous") is contiguous_grouping
-    _refused(lambda: get_grouping("gradient"),
+    refused(lambda: get_grouping("gradient"),
              "the 'gradient' grouping needs client gradients: build it with "
              "fedhier.grouping.make_gradient_grouping(grads)")
     names = ", ".join(available_groupings())
-    _refused(lambda: get_grouping("nope"), f"unknown grouping 'nope'; choose one of {names}")
+    refused(lambda: get_grouping("nope"), f"unknown grouping 'nope'; choose one of {names}")
 
 
 def test_assign_groups_checks_the_result():
@@ -122,34 +116,34 @@ def test_assign_groups_checks_the_result():
     assert assign_groups(lambda i, n, s: np.array([1, 0, 1, 0], np.int32), info, 2, 0).dtype \
         == np.int64
     assert assign_groups("contiguous", info, 4, 0).tolist() == [0, 1, 2, 3]  # n groups is fine
-    _refused(lambda: assign_groups("random", info, 5, 0), "more groups (5) than clients (4)")
+    refused(lambda: assign_groups("random", info, 5, 0), "more groups (5) than clients (4)")
 
     def short(i, n, s):
         return np.zeros(3, np.int64)
 
-    _refused(lambda: assign_groups(short, info, 2, 0),
+    refused(lambda: assign_groups(short, info, 2, 0),
              "grouping 'short' must return 4 integer group ids, got shape (3,) dtype int64")
-    _refused(lambda: assign_groups(lambda i, n, s: np.zeros(4), info, 2, 0),
+    refused(lambda: assign_groups(lambda i, n, s: np.zeros(4), info, 2, 0),
              "grouping '<lambda>' must return 4 integer group ids, got shape (4,) dtype "
              "float64")
     for bad in ([0, 1, 2, 0], [0, -1, 1, 0], [0, 0, 0, 0]):
-        _refused(lambda bad=bad: assign_groups(lambda i, n, s: np.array(bad), info, 2, 0),
+        refused(lambda bad=bad: assign_groups(lambda i, n, s: np.array(bad), info, 2, 0),
                  "grouping '<lambda>' must use every group id 0..1 at least once")
-    _refused(lambda: assign_groups(lambda i, n, s: np.array([0, 1, 1, 1]), info, 3, 0),
+    refused(lambda: assign_groups(lambda i, n, s: np.array([0, 1, 1, 1]), info, 3, 0),
              "grouping '<lambda>' must use every group id 0..2 at least once")
-    _refused(lambda: assign_groups(lambda i, n, s: np.array([-1, 0, 0, 0]), info, 2, 0),
+    refused(lambda: assign_groups(lambda i, n, s: np.array([-1, 0, 0, 0]), info, 2, 0),
              "grouping '<lambda>' must use every group id 0..1 at least once")
-    _refused(lambda: assign_groups(lambda i, n, s: np.array([0, 2, 2, 2]), info, 2, 0),
+    refused(lambda: assign_groups(lambda i, n, s: np.array([0, 2, 2, 2]), info, 2, 0),
              "grouping '<lambda>' must use every group id 0..1 at least once")
 
     class Unnamed:
         def __call__(self, info, num_groups, seed):
             return np.zeros(3, np.int64)
 
-    _refused(lambda: assign_groups(Unnamed(), info, 2, 0),
+    refused(lambda: assign_groups(Unnamed(), info, 2, 0),
              "grouping 'custom' must return 4 integer group ids, got shape (3,) dtype int64")
     callable_object = SimpleNamespace()
-    _refused(lambda: assign_groups(lambda i, n, s: callable_object, info, 2, 0),
+    refused(lambda: assign_groups(lambda i, n, s: callable_object, info, 2, 0),
              "grouping '<lambda>' must return 4 integer group ids, got shape () dtype object")
 
 
@@ -195,7 +189,7 @@ def test_plugins_from_entry_points(monkeypatch):
     assert get_grouping("blocks") is contiguous_grouping  # the first one declared wins
     assert get_grouping("old") is contiguous_grouping  # the legacy group is read too
     assert get_grouping("random") is random_grouping  # a plugin cannot replace a built-in
-    _refused(lambda: get_grouping("broken"),
+    refused(lambda: get_grouping("broken"),
              "grouping plugin 'broken' from package demo 0.3 (fedhier_no_such_module:f) failed "
              "to import: ModuleNotFoundError: No module named 'fedhier_no_such_module'; fix or "
              "uninstall that package")
@@ -228,16 +222,16 @@ def test_module_reference_plugins(tmp_path, monkeypatch):
     assert assign_groups("fedhier_t31_plugins:halves", _info(6), 3, 0).tolist() == \
         [0, 0, 1, 1, 2, 2]
     assert load_plugin("fedhier_t31_plugins:halves") is halves
-    _refused(lambda: assign_groups("fedhier_t31_plugins:short", _info(6), 3, 0),
+    refused(lambda: assign_groups("fedhier_t31_plugins:short", _info(6), 3, 0),
              "grouping 'fedhier_t31_plugins:short' must return 6 integer group ids, got shape "
              "(2,) dtype int64")
-    _refused(lambda: get_grouping("fedhier_t31_plugins:LIMIT"),
+    refused(lambda: get_grouping("fedhier_t31_plugins:LIMIT"),
              "grouping plugin 'fedhier_t31_plugins:LIMIT' from module reference "
              "fedhier_t31_plugins:LIMIT is a int, not a function (info, num_groups, seed)")
-    _refused(lambda: get_grouping("fedhier_t31_noisy:f"),
+    refused(lambda: get_grouping("fedhier_t31_noisy:f"),
              "grouping plugin 'fedhier_t31_noisy:f' from module reference fedhier_t31_noisy:f "
              "failed to import: ValueError: first line; fix or uninstall that package")
-    _refused(lambda: get_grouping("fedhier_t31_silent:f"),
+    refused(lambda: get_grouping("fedhier_t31_silent:f"),
              "grouping plugin 'fedhier_t31_silent:f' from module reference fedhier_t31_silent:f "
              "failed to import: RuntimeError; fix or uninstall that package")
 
@@ -350,9 +344,9 @@ def test_search_edge_cases():
     gram = weighted_gram(z, w, seed=0)
     assert search_grouping(gram, w, 1, np.arange(5)).tolist() == [0] * 5
     assert search_grouping(gram, w, 5, np.array([4, 3, 2, 1, 0])).tolist() == [4, 3, 2, 1, 0]
-    _refused(lambda: search_grouping(gram, w, 6, np.arange(5)),
+    refused(lambda: search_grouping(gram, w, 6, np.arange(5)),
              "need 1 <= num_groups <= 5 clients, got 6", ValueError)
-    _refused(lambda: search_grouping(gram, w, 0, np.arange(5)),
+    refused(lambda: search_grouping(gram, w, 0, np.arange(5)),
              "need 1 <= num_groups <= 5 clients, got 0", ValueError)
 
 
@@ -362,7 +356,7 @@ def test_positive_weights():
     assert _positive_weights(np.array([1, 2])).dtype == np.float64
     assert _positive_weights(np.array([0, 0])).dtype == np.float64
     for bad in ([1.0, -1.0], [1.0, np.nan], [np.inf, 1.0]):
-        _refused(lambda bad=bad: _positive_weights(np.array(bad)),
+        refused(lambda bad=bad: _positive_weights(np.array(bad)),
                  "client weights must be finite and non-negative", ValueError)
 
 
@@ -427,7 +421,7 @@ def test_label_groupings_by_hand():
     pure = max_divergence_grouping(info, 3, 0)
     assert len({(pure[0], pure[1]), (pure[2], pure[3]), (pure[4], pure[5])}) == 3
     assert pure[0] == pure[1] and pure[2] == pure[3] and pure[4] == pure[5]
-    _refused(lambda: min_divergence_grouping(info, 7, 0),
+    refused(lambda: min_divergence_grouping(info, 7, 0),
              "need 1 <= num_groups <= 6 clients, got 7", ValueError)
 
 
@@ -444,11 +438,11 @@ def test_gradient_grouping_weights_and_errors():
     far = gradient_grouping(info, 2, 0, grads, "uniform", maximise=True)
     assert _u(grads.numpy().astype(np.float64), np.ones(4), far) > \
         _u(grads.numpy().astype(np.float64), np.ones(4), [0, 1, 0, 1])
-    _refused(lambda: gradient_grouping(info, 2, 0, grads[:3]),
+    refused(lambda: gradient_grouping(info, 2, 0, grads[:3]),
              "3 client gradients for 4 clients", ValueError)
-    _refused(lambda: gradient_grouping(info, 2, 0, grads, np.ones(3)),
+    refused(lambda: gradient_grouping(info, 2, 0, grads, np.ones(3)),
              "need 4 client weights, got shape (3,)", ValueError)
-    _refused(lambda: gradient_grouping(info, 5, 0, grads),
+    refused(lambda: gradient_grouping(info, 5, 0, grads),
              "need 1 <= num_groups <= 4 clients, got 5", ValueError)
 
 

@@ -21,12 +21,7 @@ from fedhier.mobility import (
     read_trace,
 )
 from fedhier.rng import generator
-
-
-def _refused(call, message: str) -> None:
-    with pytest.raises(ConfigError) as caught:
-        call()
-    assert str(caught.value) == message
+from tests.helpers import assert_refused as refused
 
 
 def test_handoffs():
@@ -35,10 +30,10 @@ def test_handoffs():
     assert parse_handoff("fresh") == ("fresh", "random")
     assert parse_handoff("carry:min-divergence") == ("carry", "min-divergence")
     assert parse_handoff("carry:random") == ("carry", "random")
-    _refused(lambda: parse_handoff("keep:random"),
+    refused(lambda: parse_handoff("keep:random"),
              "unknown handoff 'keep' in 'keep:random'; choose one of fresh, carry, optionally "
              "followed by :ADMISSION (random, min-divergence)")
-    _refused(lambda: parse_handoff("fresh:best"),
+    refused(lambda: parse_handoff("fresh:best"),
              "unknown admission 'best' in handoff 'fresh:best'; choose one of random, "
              "min-divergence")
 
@@ -216,25 +211,25 @@ def test_read_reachability(tmp_path):
     npy = tmp_path / "r.npy"
     np.save(npy, np.array([[0, 1], [1, 0]]))
     assert read_reachability(str(npy), 2) == ((False, True), (True, False))
-    _refused(lambda: read_reachability(path, 2),
+    refused(lambda: read_reachability(path, 2),
              f"reachability matrix {path} has shape [3, 3]; the run has 2 edges, so it must be "
              "2 x 2")
     bad = _write(tmp_path / "b.csv", "0,2\n1,0\n")
-    _refused(lambda: read_reachability(bad, 2), f"reachability matrix {bad} must hold only 0 and 1")
+    refused(lambda: read_reachability(bad, 2), f"reachability matrix {bad} must hold only 0 and 1")
     stuck = _write(tmp_path / "s.csv", "0,1,1\n0,1,0\n1,0,0\n")
-    _refused(lambda: read_reachability(stuck, 3),
+    refused(lambda: read_reachability(stuck, 3),
              f"reachability matrix {stuck}: edge 1 reaches no other edge")
     pickled = tmp_path / "p.npy"
     np.save(pickled, np.array([[0, 1], [1, 0]], dtype=object), allow_pickle=True)
-    _refused(lambda: read_reachability(str(pickled), 2),
+    refused(lambda: read_reachability(str(pickled), 2),
              f"cannot read reachability matrix {pickled}: Object arrays cannot be loaded when "
              "allow_pickle=False")
     row = _write(tmp_path / "row.csv", "0,1\n")
-    _refused(lambda: read_reachability(row, 2),
+    refused(lambda: read_reachability(row, 2),
              f"reachability matrix {row} has shape [1, 2]; the run has 2 edges, so it must be "
              "2 x 2")
     one = _write(tmp_path / "one.csv", "0\n")
-    _refused(lambda: read_reachability(one, 1), f"reachability matrix {one}: edge 0 reaches no "
+    refused(lambda: read_reachability(one, 1), f"reachability matrix {one}: edge 0 reaches no "
              "other edge")
     text = _write(tmp_path / "t.csv", "a,b\n")
     with pytest.raises(ConfigError) as caught:
@@ -242,7 +237,7 @@ def test_read_reachability(tmp_path):
     assert str(caught.value).startswith(f"cannot read reachability matrix {text}: ")
     assert str(caught.value).endswith("could not convert string 'a' to float64 at row 0, column 1.")
     missing = str(tmp_path / "missing.npy")
-    _refused(lambda: read_reachability(missing, 2),
+    refused(lambda: read_reachability(missing, 2),
              f"cannot read reachability matrix {missing}: [Errno 2] No such file or directory: "
              f"'{missing}'")
 
@@ -273,18 +268,18 @@ def test_read_trace(tmp_path):
 ])
 def test_bad_traces(rows, message, tmp_path):
     path = _write(tmp_path / "t.csv", rows)
-    _refused(lambda: read_trace(path, 3, 2, 2, 3), message)
+    refused(lambda: read_trace(path, 3, 2, 2, 3), message)
 
 
 def test_bad_trace_header_and_missing_file(tmp_path):
     path = _write(tmp_path / "t.csv", "when,who,where\n1,0,1\n")
-    _refused(lambda: read_trace(path, 3, 2, 2, 3),
+    refused(lambda: read_trace(path, 3, 2, 2, 3),
              f"mobility trace {path}: the header must be 'round,client,edge' or "
              "'edge_round,client,edge', got 'when,who,where'")
     xpath = _write(tmp_path / "x.csv", "X1,0,0\n")  # not a number: a (bad) header
-    _refused(lambda: read_trace(xpath, 3, 2, 2, 3),
+    refused(lambda: read_trace(xpath, 3, 2, 2, 3),
              f"mobility trace {xpath}: the header must be 'round,client,edge' or "
              "'edge_round,client,edge', got 'X1,0,0'")
     missing = str(tmp_path / "missing.csv")
-    _refused(lambda: read_trace(missing, 3, 2, 2, 3),
+    refused(lambda: read_trace(missing, 3, 2, 2, 3),
              f"cannot read mobility trace {missing}: No such file or directory")

@@ -8,6 +8,8 @@ exact message of every refused argument.
 
 from __future__ import annotations
 
+import functools
+
 import datasets
 import numpy as np
 import pytest
@@ -21,7 +23,8 @@ from fedhier.data.partition import (
     partition_clients,
     quiet_progress,
 )
-from fedhier.errors import ConfigError, DataError
+from fedhier.errors import DataError
+from tests.helpers import assert_refused
 
 # 40 rows, 4 classes: labels 0..3 in a scrambled but fixed order, 10 rows each
 LABELS = np.array([3, 0, 2, 1, 1, 3, 0, 2, 0, 0, 3, 1, 2, 2, 1, 3, 0, 1, 2, 3,
@@ -35,10 +38,7 @@ def _bundle(labels: np.ndarray = LABELS, ids=None, name: str = "tiny") -> DataBu
                               fingerprint_key=f"t31-{name}-{len(labels)}")
 
 
-def _refused(call, message: str, error: type[Exception] = ConfigError) -> None:
-    with pytest.raises(error) as caught:
-        call()
-    assert type(caught.value) is error and str(caught.value) == message
+_refused = functools.partial(assert_refused, exact=True)
 
 
 def _light(labels: np.ndarray) -> datasets.Dataset:

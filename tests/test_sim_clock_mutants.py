@@ -9,31 +9,27 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedhier.errors import ConfigError
 from fedhier.rng import generator
 from fedhier.sim_clock import SimClock, TimeModel, parse_edge_slowdown
+from tests.helpers import assert_refused as refused
 
 MB = 1_000_000
 
 
-def _refused(call, message: str) -> None:
-    with pytest.raises(ConfigError) as caught:
-        call()
-    assert str(caught.value) == message
 
 
 @pytest.mark.parametrize("name", ["step_seconds", "compute_spread", "client_edge_latency_ms",
                                   "edge_cloud_latency_ms"])
 @pytest.mark.parametrize("value", [-0.5, float("inf"), float("nan")])
 def test_non_negative_fields_refuse(name, value):
-    _refused(lambda: TimeModel(**{name: value}),
+    refused(lambda: TimeModel(**{name: value}),
              f"{name} must be a finite number >= 0, got {value}")
 
 
 @pytest.mark.parametrize("name", ["client_edge_mbps", "edge_cloud_mbps"])
 @pytest.mark.parametrize("value", [0.0, -1.0, float("inf")])
 def test_bandwidths_refuse(name, value):
-    _refused(lambda: TimeModel(**{name: value}),
+    refused(lambda: TimeModel(**{name: value}),
              f"{name} must be a finite number > 0 (Mbit/s), got {value}")
 
 
@@ -47,9 +43,9 @@ def test_edge_values_accepted():
 def test_check_edges():
     TimeModel(edge_slowdown=((0, 2.0),)).check_edges(1)  # edge 0 of 1 exists
     TimeModel(edge_slowdown=((1, 2.0),)).check_edges(2)
-    _refused(lambda: TimeModel(edge_slowdown=((2, 2.0),)).check_edges(2),
+    refused(lambda: TimeModel(edge_slowdown=((2, 2.0),)).check_edges(2),
              "edge_slowdown names edge 2, but the edges are 0..1")
-    _refused(lambda: SimClock(TimeModel(edge_slowdown=((-1, 2.0),)), 0, 4, 3),
+    refused(lambda: SimClock(TimeModel(edge_slowdown=((-1, 2.0),)), 0, 4, 3),
              "edge_slowdown names edge -1, but the edges are 0..2")
 
 
@@ -57,8 +53,8 @@ def test_parse_edge_slowdown():
     assert parse_edge_slowdown("0:4,3:2.5") == ((0, 4.0), (3, 2.5))
     assert parse_edge_slowdown(" 1:0.5 ,") == ((1, 0.5),)
     assert parse_edge_slowdown("") == ()
-    _refused(lambda: parse_edge_slowdown("0:4,0:2"), "edge_slowdown '0:4,0:2' names edge 0 twice")
-    _refused(lambda: parse_edge_slowdown("0:0"),
+    refused(lambda: parse_edge_slowdown("0:4,0:2"), "edge_slowdown '0:4,0:2' names edge 0 twice")
+    refused(lambda: parse_edge_slowdown("0:0"),
              "edge_slowdown '0:0': give edge:factor pairs such as '0:4,3:2' (edge >= 0, "
              "factor > 0)")
 

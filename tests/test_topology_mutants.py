@@ -12,7 +12,6 @@ import torch
 
 import fedhier.topology as topology
 from fedhier import grouping as grouping_registry
-from fedhier.errors import ConfigError
 from fedhier.grouping import ClientInfo
 from fedhier.grouping.divergence import gradient_grouping
 from fedhier.grouping.simple import contiguous_grouping
@@ -24,20 +23,14 @@ from fedhier.topology import (
     validate_edge_periods,
     validate_periods,
 )
-
-
-def _refused(call, message: str) -> None:
-    """``call()`` raises ConfigError whose text is exactly ``message``."""
-    with pytest.raises(ConfigError) as caught:
-        call()
-    assert str(caught.value) == message
+from tests.helpers import assert_refused as refused
 
 
 def test_validate_periods_messages():
-    _refused(lambda: validate_periods(()), "at least one aggregation period is needed")
-    _refused(lambda: validate_periods((2, 0)),
+    refused(lambda: validate_periods(()), "at least one aggregation period is needed")
+    refused(lambda: validate_periods((2, 0)),
              "aggregation periods must be positive integers, got [2, 0]")
-    _refused(lambda: validate_periods((2, 6, 8)),
+    refused(lambda: validate_periods((2, 6, 8)),
              "each period must be a multiple of the one below: 8 is not a multiple of 6 "
              "(periods [2, 6, 8])")
 
@@ -46,7 +39,7 @@ def test_parse_edge_periods():
     assert parse_edge_periods("2,4,4,8") == (2, 4, 4, 8)
     assert parse_edge_periods(" 3 ") == (3,)
     assert parse_edge_periods("  ") == ()
-    _refused(lambda: parse_edge_periods("2;4"),
+    refused(lambda: parse_edge_periods("2;4"),
              "edge_periods must be comma-separated integers, one per edge, got '2;4'")
 
 
@@ -59,7 +52,7 @@ def test_parse_edge_periods():
     ((4, 8), (2, 8), 2, "the edge-level period 2 must be the gcd 4 of edge_periods [4, 8]"),
 ])
 def test_validate_edge_periods_refuses(edge_periods, periods, num_edges, message):
-    _refused(lambda: validate_edge_periods(edge_periods, periods, num_edges), message)
+    refused(lambda: validate_edge_periods(edge_periods, periods, num_edges), message)
 
 
 @pytest.mark.parametrize("edge_periods, periods, num_edges", [
@@ -90,13 +83,13 @@ def test_empty_hierarchy_is_allowed():
 
 
 def test_hierarchy_messages():
-    _refused(lambda: Hierarchy((1, 2, 4), (np.array([0, 2]), np.array([0, 0, 0]))),
+    refused(lambda: Hierarchy((1, 2, 4), (np.array([0, 2]), np.array([0, 0, 0]))),
              "grouping level 1 leaves a group without members")
-    _refused(lambda: Hierarchy((1, 2, 4), (np.array([0, 1]), np.array([0, 2]))),
+    refused(lambda: Hierarchy((1, 2, 4), (np.array([0, 1]), np.array([0, 2]))),
              "grouping level 2 leaves a group without members")
-    _refused(lambda: Hierarchy((1, 2, 4), (np.array([0, 1]), np.array([0, 0, 1]))),
+    refused(lambda: Hierarchy((1, 2, 4), (np.array([0, 1]), np.array([0, 0, 1]))),
              "grouping level 2 does not match level 1")
-    _refused(lambda: Hierarchy((1, 2), (np.array([0, 3]),), num_edges=3),
+    refused(lambda: Hierarchy((1, 2), (np.array([0, 3]),), num_edges=3),
              "a client is mapped to an edge outside 0..2")
 
 
@@ -193,8 +186,8 @@ def test_gradient_grouping_through_build_hierarchy_is_the_documented_composition
 def test_gradient_grouping_needs_gradients_and_weights():
     info = _info()
     message = "the gradient grouping needs the clients' gradients"
-    _refused(lambda: build_hierarchy((1, 2), (2,), "gradient", info, 0), message)
-    _refused(lambda: build_hierarchy((1, 2), (2,), "gradient", info, 0,
+    refused(lambda: build_hierarchy((1, 2), (2,), "gradient", info, 0), message)
+    refused(lambda: build_hierarchy((1, 2), (2,), "gradient", info, 0,
                                      client_grads=torch.zeros(8, 2)), message)
-    _refused(lambda: build_hierarchy((1, 2), (2,), "gradient", info, 0,
+    refused(lambda: build_hierarchy((1, 2), (2,), "gradient", info, 0,
                                      weights=np.ones(8)), message)
