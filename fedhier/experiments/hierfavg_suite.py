@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 
 from fedhier.config import RunConfig  # noqa: E402
 from fedhier.experiments.runner import run_arms  # noqa: E402
+from fedhier.experiments.stats import mean_std  # noqa: E402
 from fedhier.experiments.suites import Report, _arm, _summarise  # noqa: E402
 
 #: κ2 = edge aggregations per cloud round the suite tries (those that divide G).
@@ -102,7 +103,7 @@ def _plot(summary: dict[str, Any], kappa1: Sequence[int], reach: dict[str, Any],
 def _fmt(value: dict[str, float], scale: float = 1.0, digits: int = 1) -> str:
     if not np.isfinite(value["mean"]):
         return "not reached"
-    return f"{value['mean'] / scale:.{digits}f} ± {value['std'] / scale:.{digits}f}"
+    return mean_std(value, digits, scale)
 
 
 def hierfavg(base: RunConfig, seeds: Sequence[int], out: Path, engine: str, jobs: int,
@@ -144,8 +145,7 @@ def hierfavg(base: RunConfig, seeds: Sequence[int], out: Path, engine: str, jobs
           "MB to target (client-edge + edge-cloud) |", "|---|---|---|---|---|"]
     for arm in arms:
         r = reach[arm.name]
-        md.append(f"| {arm.label} | {final_acc[arm.name]['mean']:.4f} ± "
-                  f"{final_acc[arm.name]['std']:.4f} | {_fmt(r['rounds'])} | "
+        md.append(f"| {arm.label} | {mean_std(final_acc[arm.name])} | {_fmt(r['rounds'])} | "
                   f"{_fmt(r['seconds'])} | {_fmt(r['bytes'], 1e6, 0)} |")
     md += ["", "At κ1 = G (κ2 = 1) every edge aggregates once, right before the cloud: the "
            "two placements are the same algorithm (flat FedAvg), so the placement claim "

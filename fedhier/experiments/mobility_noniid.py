@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 from fedhier.config import RunConfig  # noqa: E402
 from fedhier.diagnostics import label_upward_divergence  # noqa: E402
 from fedhier.experiments.runner import Arm, run_arms  # noqa: E402
+from fedhier.experiments.stats import mean_std  # noqa: E402
 from fedhier.experiments.suites import (  # noqa: E402
     MOVE_RATES,
     Report,
@@ -118,9 +119,8 @@ def mobility_noniid(base: RunConfig, seeds: Sequence[int], out: Path, engine: st
           "| arm | final test accuracy | final U | U, mean over rounds |", "|---|---|---|---|"]
     for arm in arms:
         d = div[arm.name]
-        md.append(f"| {arm.label} | {acc[arm.name]['mean']:.4f} ± {acc[arm.name]['std']:.4f} | "
-                  f"{d['final']['mean']:.4f} ± {d['final']['std']:.4f} | "
-                  f"{d['mean_over_rounds']['mean']:.4f} ± {d['mean_over_rounds']['std']:.4f} |")
+        md.append(f"| {arm.label} | {mean_std(acc[arm.name])} | {mean_std(d['final'])} | "
+                  f"{mean_std(d['mean_over_rounds'])} |")
     md += ["", "![mobility non-IID](mobility_noniid.png)"]
     return Report({"arms": summary, "claims": claims}, "\n".join(md), claims)
 

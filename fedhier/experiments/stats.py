@@ -28,3 +28,9 @@ def first_reaching(curve_: dict[str, list], target: float) -> int | None:
         if value >= target:
             return int(it)
     return None
+
+
+def mean_std(value: dict[str, float], digits: int = 4, scale: float = 1.0) -> str:
+    """'0.9123 ± 0.0040': a summary's mean and std over seeds (divided by ``scale``), as the
+    results tables print them."""
+    return f"{value['mean'] / scale:.{digits}f} ± {value['std'] / scale:.{digits}f}"

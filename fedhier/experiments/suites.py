@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 
 from fedhier.config import RunConfig  # noqa: E402
 from fedhier.experiments.runner import Arm, run_arms  # noqa: E402
-from fedhier.experiments.stats import curve, final, first_reaching  # noqa: E402
+from fedhier.experiments.stats import curve, final, first_reaching, mean_std  # noqa: E402
 
 
 @dataclass
@@ -82,7 +82,7 @@ def _table(summary: dict[str, Any], keys: Sequence[tuple[str, str]]) -> str:
         cells = []
         for key, _ in keys:
             f = arm["final"].get(key)
-            cells.append(f"{f['mean']:.4f} ± {f['std']:.4f}" if f else "–")
+            cells.append(mean_std(f) if f else "–")
         lines.append(f"| {arm['label']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -317,8 +317,8 @@ def time_to_accuracy(base: RunConfig, seeds: Sequence[int], out: Path, engine: s
     md += ["", "| algorithm | final test accuracy | MB sent above the edges |", "|---|---|---|"]
     for name, (label, _) in algorithms.items():
         f = summary[f"{name}-{cloud_mbps[0]:g}mbps"]["final"]
-        md.append(f"| {label} | {f['test_accuracy']['mean']:.4f} ± "
-                  f"{f['test_accuracy']['std']:.4f} | {f['edge_cloud_bytes']['mean'] / 1e6:.1f} |")
+        md.append(f"| {label} | {mean_std(f['test_accuracy'])} | "
+                  f"{f['edge_cloud_bytes']['mean'] / 1e6:.1f} |")
     md += ["", "![time to accuracy](time_to_accuracy.png)",
            "![accuracy vs time](time_curves.png)"]
     return Report({"arms": summary, "target_accuracy": target,
@@ -431,7 +431,7 @@ def mobility(base: RunConfig, seeds: Sequence[int], out: Path, engine: str, jobs
           "| move rate | " + " | ".join(f"{g} accuracy | {g} upward div." for g in groupings)
           + " |", "|---|" + "---|" * (2 * len(groupings))]
     for rate in rates:
-        cells = [f"{final_of[g, rate][k]['mean']:.4f} ± {final_of[g, rate][k]['std']:.4f}"
+        cells = [mean_std(final_of[g, rate][k])
                  for g in groupings for k in ("test_accuracy", "upward_divergence")]
         md.append(f"| {rate:g} | " + " | ".join(cells) + " |")
     md += ["", "![rates](mobility_rates.png)", "",
@@ -441,8 +441,7 @@ def mobility(base: RunConfig, seeds: Sequence[int], out: Path, engine: str, jobs
            "|---|---|---|---|"]
     for name, (label, _) in timing.items():
         f = summary[name]["final"]
-        md.append(f"| {label} | {reach[name]['mean']:.1f} ± {reach[name]['std']:.1f} | "
-                  f"{f['test_accuracy']['mean']:.4f} ± {f['test_accuracy']['std']:.4f} | "
+        md.append(f"| {label} | {mean_std(reach[name], 1)} | {mean_std(f['test_accuracy'])} | "
                   f"{f['sim_seconds']['mean']:.1f} |")
     md += ["", "![async](mobility_async.png)"]
     return Report({"arms": summary, "target_accuracy": target, "seconds_to_target": reach,
