@@ -266,7 +266,7 @@ class RunConfig:
                         f"{key}={kwargs[key]} contradicts periods={list(periods)} in {where}; "
                         "give one or the other")
         asked = (("local_period", kwargs["local_period"]) if "local_period" in given else
-                 ("periods", kwargs["periods"][0]) if given & {"periods"} and kwargs["periods"]
+                 ("periods", kwargs["periods"][0]) if "periods" in given and kwargs["periods"]
                  else None)
         cfg = cls(**kwargs)
         if "edge_periods" in given:
