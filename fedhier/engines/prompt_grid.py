@@ -62,6 +62,7 @@ class PromptGrid(Grid):
     def send_and_receive(self, messages: Iterable[Message], *,
                          timeout: float | None = None) -> Iterable[Message]:
         """Push ``messages``; return the replies that arrive within ``timeout`` seconds."""
+        from fedhier.engines.deployment.polling import reply_wait
         from fedhier.engines.deployment.trace import trace  # deploy's opt-in timestamps
 
         messages = list(messages)
@@ -79,6 +80,6 @@ class PromptGrid(Grid):
                 trace("reply", [m.metadata.reply_to_message_id for m in arrived])
             if not pending or (timeout is not None and time.time() >= end):
                 break
-            time.sleep(self.poll_seconds)
+            time.sleep(reply_wait(time.time() - start, self.poll_seconds))
         trace("exchange", [], kind=kind, n=len(messages), s=time.time() - start)
         return replies

@@ -36,7 +36,7 @@ DEFAULT_INTERVAL = 0.05
 #: Flower 1.42's SuperNode's idle sleep (seconds); fedhier's pace when idle.
 FLOWER_IDLE = 3.0
 #: Each empty ask waits this much longer than the one before (up to the idle pace).
-GROWTH = 1.5
+GROWTH = 1.25
 
 
 @dataclass
@@ -124,6 +124,22 @@ def poke(suffix: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+#: A Grid waiting for replies waits at most this fraction of the time it has waited so far
+#: between two pulls (:func:`reply_wait`): it is at most that much late.
+REPLY_LATENESS = 0.1
+
+
+def reply_wait(elapsed: float, interval: float, cap: float = FLOWER_IDLE) -> float:
+    """Seconds a Grid sleeps before it pulls replies again, ``elapsed`` seconds after it
+    pushed its messages: ``interval`` at first, then :data:`REPLY_LATENESS` of ``elapsed``, at
+    most ``cap`` (Flower's ``HttpGrid``: always 3 s). A reply is noticed at most 10% of the
+    exchange's time late, and an exchange of ``T`` seconds costs about
+    ``L / interval + log(T / L) / log(1 + REPLY_LATENESS)`` pulls (``L = interval /
+    REPLY_LATENESS``) instead of ``T / interval``: 26 instead of 40 for 2 s, 47 instead of 300
+    for 15 s at 0.05 s."""
+    return max(interval, min(cap, REPLY_LATENESS * elapsed))
 
 
 #: Flower 1.42's functions that retry pulling a message's content, ``PULL_INITIAL_BACKOFF``

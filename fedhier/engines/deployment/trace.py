@@ -2,8 +2,8 @@
 
 With :data:`TRACE_ENV` set to a folder, every process started by a deployment with
 ``trace_dir`` appends one JSON line per event to ``DIR/<name>-<pid>.jsonl``:
-``{"t": unix seconds, "proc": name, "ev": event, "ids": [message ids], ...}``. Events, in the
-order a message meets them:
+``{"t": unix seconds, "cpu": the process's CPU seconds so far, "proc": name, "ev": event,
+"ids": [message ids], ...}``. Events, in the order a message meets them:
 
 =============  ==================================================  ==========================
 ``push``       a Grid pushed messages (``kind``: message type)     cloud ServerApp, edge
@@ -43,8 +43,8 @@ def trace(event: str, ids: Iterable[str], **fields: Any) -> None:
     if not folder:
         return
     name = os.environ.get(NAME_ENV, "process")
-    line = json.dumps({"t": time.time(), "proc": name, "ev": event, "ids": list(ids),
-                       **fields})  # ``t`` in fields: when it happened
+    line = json.dumps({"t": time.time(), "cpu": time.process_time(), "proc": name,
+                       "ev": event, "ids": list(ids), **fields})  # ``t`` in fields: when
     with open(Path(folder) / f"{name}-{os.getpid()}.jsonl", "a") as handle:
         handle.write(line + "\n")
 
