@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fedhier.engines.deployment.trace import NAME_ENV, TRACE_ENV, read_trace  # noqa: E402
 
 #: The legs of one message, between two traced events.
-LEGS = [("push", "received", "SuperLink -> SuperNode (pull)"),
+LEGS = [("push", "pushed", "(the Grid pushes message and content)"),
+        ("push", "received", "SuperLink -> SuperNode (pull)"),
         ("received", "pulled", "SuperNode pulls the content"),
         ("pulled", "acquired", "SuperNode -> task runtime"),
         ("acquired", "answered", "handling (ClientApp or edge job)"),
@@ -125,7 +126,7 @@ def legs(trace: list[dict[str, Any]]
             if start in events and end in events:
                 a, b = events[start], events[end]
                 cpu = (b["cpu"] - a["cpu"] if a["proc"] == b["proc"] and "cpu" in a
-                       and "cpu" in b and (start, end) != ("push", "reply") else None)
+                       and "cpu" in b and start != "push" else None)  # push: t is before the push
                 out[key][name].append((b["t"] - a["t"], cpu))
     return out
 

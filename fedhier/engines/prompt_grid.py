@@ -70,6 +70,7 @@ class PromptGrid(Grid):
         pending = set(self.grid.push_messages(messages))
         kind = messages[0].metadata.message_type if messages else ""
         trace("push", pending, kind=kind, t=start)
+        trace("pushed", pending)  # push_messages returned: the content is on the SuperLink
         end = time.time() + (timeout if timeout is not None else 0.0)
         replies: list[Message] = []
         while pending:

@@ -7,6 +7,7 @@ With :data:`TRACE_ENV` set to a folder, every process started by a deployment wi
 
 =============  ==================================================  ==========================
 ``push``       a Grid pushed messages (``kind``: message type)     cloud ServerApp, edge
+``pushed``     ... and their content is on the SuperLink
 ``received``   a SuperNode's pull returned it (no content yet)     :mod:`.supernode`
 ``pulled``     ... and it pulled its content and stored it
                (``empty``: empty pulls before it)
