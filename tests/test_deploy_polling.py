@@ -243,3 +243,37 @@ def test_a_woken_task_runtime_claims_at_once_and_otherwise_asks_every_3_s(
     assert task_runtime.acquire(Node(), "clientapp", poll, wake) == ("task", "tok")
     assert time.monotonic() - t0 < 1 and Node.calls == 2  # woken, not 3 s later
     assert poll.misses == 0 and poll.wait() == FLOWER_IDLE  # then idle at Flower's pace
+
+
+def test_the_benchmark_table_takes_each_leg_from_the_trace():
+    """benchmarks/deploy_latency.py: leg seconds are differences of the traced times; the CPU
+    column is the difference of one process's CPU clock, empty for legs across processes."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "deploy_latency.py"
+    spec = importlib.util.spec_from_file_location("bench_deploy_latency", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def event(t, cpu, proc, ev, **fields):
+        return {"t": t, "cpu": cpu, "proc": proc, "ev": ev, "ids": ["m"], **fields}
+
+    trace = [event(10.0, 5.0, "edge-0", "push", kind="train"),
+             event(10.1, 5.5, "edge-0", "pushed"),
+             event(10.3, 1.0, "supernode-0", "received"),
+             event(10.7, 1.2, "supernode-0", "pulled"),
+             event(10.8, 3.0, "clientapp-0", "acquired"),
+             event(11.8, 3.25, "clientapp-0", "answered"),
+             event(12.0, 1.5, "supernode-0", "sent"),
+             event(12.5, 6.0, "edge-0", "reply")]
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:]
+            for line in bench.leg_table(trace).splitlines()[2:-1]}
+    assert rows["SuperNode pulls the content"] == ["0.400", "0.200 |"]
+    assert rows["handling (ClientApp or edge job)"] == ["1.000", "0.250 |"]
+    assert rows["SuperNode -> task runtime"] == ["0.100", " |"]  # two processes: no CPU
+    assert rows["(the Grid pushes message and content)"] == ["0.100", " |"]
+    assert rows["whole message, push to reply"] == ["2.500", " |"]
+    assert bench.kind_of("supernode-3/fedhier.engines.deployment.supernode#812") == \
+        "supernode-N/fedhier.engines.deployment.supernode"
