@@ -6,16 +6,18 @@ Flower 1.42's SuperNode asks its SuperLink for a message, and when there is none
 waits for its ClientApp's reply in 0.5 s sleeps (``_push_messages``). Every message leg paid
 1.5 s on average for it. :class:`Poll` is the pace fedhier uses instead, in the processes it
 starts (:mod:`.supernode`, :func:`.task_runtime.acquire`): ``interval`` seconds after a
-message, each further empty ask 1.5 times later, up to Flower's 3 s. The interval is
+message, each further empty ask 1.25 times later, up to Flower's 3 s. The interval is
 ``fedhier deploy local --poll-interval`` (environment :data:`POLL_ENV` in every process);
 0 keeps Flower's pace everywhere. A SuperNode and the task runtime serving it wake each other
 through FIFOs (:class:`Wake`) instead of polling, and Flower's 1 s retry of a content pull
-that came too early starts at the interval (:func:`shorten_pull_backoff`).
+that came too early starts at the interval (:func:`shorten_pull_backoff`). A Grid waiting
+for replies pulls every interval at first, then at most 10% of the time waited late
+(:func:`reply_wait`).
 
 Cost on a SuperLink (docs/deployment.md#latency): an idle SuperNode asks every 3 s, as
-Flower's; after a message it asks at 0.05, 0.075, 0.11, ... s, 11 times in the first 9 s
-before it is back at 3 s: about 1 + log(gap / interval) / log(1.5) requests per gap between
-two messages instead of gap / 3.
+Flower's; after a message it asks at 0.05, 0.0625, 0.078, ... s, 19 times in the first
+13.7 s before it is back at 3 s: about log(1 + 0.25 gap / interval) / log(1.25) requests per
+gap between two messages instead of gap / 3 (8 for 1 s, 17 for 10 s).
 """
 
 from __future__ import annotations
