@@ -29,7 +29,15 @@ from flwr.supercore.retry import make_simple_http_retry_invoker
 from flwr.supercore.runtime import RuntimeHttpClient
 from flwr.supernode.runtime.run_clientapp import pull_task_input, push_message, push_task_output
 
-from fedhier.engines.deployment.polling import REPLY, TASK, Poll, Wake, pace_flower_pulls, poke
+from fedhier.engines.deployment.polling import (
+    FLOWER_IDLE,
+    REPLY,
+    TASK,
+    Poll,
+    Wake,
+    pace_flower_pulls,
+    poke,
+)
 from fedhier.engines.deployment.trace import trace
 
 #: Seconds between two AcquireTask calls of an idle task runtime (its SuperNode is local).
@@ -78,7 +86,7 @@ def serve_tasks(node_address: str, secret: bytes | None,
     pace_flower_pulls()
     node = runtime_client(node_address, None, "SuperExec", secret)
     wake = Wake.from_env(TASK)  # poked by our SuperNode: no need to ask often
-    poll = Poll(IDLE_ACQUIRE) if wake else Poll.from_env(idle=IDLE_ACQUIRE)
+    poll = Poll(FLOWER_IDLE) if wake else Poll.from_env(idle=IDLE_ACQUIRE)
     while True:
         _, token = acquire(node, TaskType.CLIENT_APP, poll, wake)
         claimed = time.time()

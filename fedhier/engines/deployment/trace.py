@@ -2,11 +2,12 @@
 
 With :data:`TRACE_ENV` set to a folder, every process started by a deployment with
 ``trace_dir`` appends one JSON line per event to ``DIR/<name>-<pid>.jsonl``:
-``{"t": unix seconds, "proc": name, "ev": event, "ids": [message ids], ...}``. Events, in the
-order a message meets them:
+``{"t": unix seconds, "cpu": the process's CPU seconds so far, "proc": name, "ev": event,
+"ids": [message ids], ...}``. Events, in the order a message meets them:
 
 =============  ==================================================  ==========================
 ``push``       a Grid pushed messages (``kind``: message type)     cloud ServerApp, edge
+``pushed``     ... and their content is on the SuperLink
 ``received``   a SuperNode's pull returned it (no content yet)     :mod:`.supernode`
 ``pulled``     ... and it pulled its content and stored it
                (``empty``: empty pulls before it)
@@ -43,8 +44,8 @@ def trace(event: str, ids: Iterable[str], **fields: Any) -> None:
     if not folder:
         return
     name = os.environ.get(NAME_ENV, "process")
-    line = json.dumps({"t": time.time(), "proc": name, "ev": event, "ids": list(ids),
-                       **fields})  # ``t`` in fields: when it happened
+    line = json.dumps({"t": time.time(), "cpu": time.process_time(), "proc": name,
+                       "ev": event, "ids": list(ids), **fields})  # ``t`` in fields: when
     with open(Path(folder) / f"{name}-{os.getpid()}.jsonl", "a") as handle:
         handle.write(line + "\n")
 
