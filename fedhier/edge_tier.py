@@ -380,8 +380,11 @@ class EdgeTierHierarchicalSGD(HierarchicalSGD):
         return out
 
 
+def server_name(level: int) -> str:
+    """What a level's nodes are called below the cloud: client (0), edge, region, level-3..."""
+    return ("client", "edge", "region")[level] if level < 3 else f"level-{level}"
+
+
 def server_names(num_levels: int) -> list[str]:
-    """The name of each level's nodes, 0 (clients) .. L (the cloud): client, edge, region
-    (three levels and more), level-3 ..., cloud."""
-    names = ["client", "edge", "region"] + [f"level-{lv}" for lv in range(3, num_levels)]
-    return names[:num_levels] + ["cloud"]
+    """The name of each level's nodes, 0 (clients) .. L (the cloud)."""
+    return [server_name(level) for level in range(num_levels)] + ["cloud"]

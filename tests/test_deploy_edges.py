@@ -1,14 +1,17 @@
 """Edge servers as processes (`fedhier deploy local --edges`): three tiers on 127.0.0.1 with
 TLS and SuperNode authentication equal the in-process run, the edge-cloud link carries the
-saving H-SGD exists for (measured on the wire), a killed edge misses its round and rejoins,
-Ctrl-C stops every process, and a run whose cloud was killed resumes.
+saving H-SGD exists for (measured on the wire), four tiers (`--regions`: clients, edges,
+regions, cloud) too, with each link's bytes in the counted ratio, a killed edge misses its
+round and rejoins, Ctrl-C stops every process, and a run whose cloud was killed resumes.
 
-The same split round without processes is tested in tests/test_edge_tier.py.
+The same split round without processes is tested in tests/test_edge_tier.py and
+tests/test_deploy_regions.py.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +44,23 @@ def deploy_cli(args: list[str], capsys) -> str:
     printed = capsys.readouterr()
     assert code == 0, printed.out[-3000:] + printed.err[-3000:]
     return printed.out
+
+
+def deploy_on_free_ports(args: list[str], ports: int, out: Path, capsys) -> tuple[str, int]:
+    """``deploy_cli`` on a free block of ``ports`` ports; once more on another block if a
+    port was taken meanwhile (another deployment on this machine). Returns (output, port)."""
+    port = deploy.free_port_block(ports)
+    code = deploy.main(["local", *args, "--base-port", str(port), "--out", str(out),
+                        "--timeout", "900"])
+    printed = capsys.readouterr()
+    if code != 0 and "in use" in printed.out + printed.err:
+        shutil.rmtree(out, ignore_errors=True)
+        port = deploy.free_port_block(ports, start=port + ports + 100)
+        code = deploy.main(["local", *args, "--base-port", str(port), "--out", str(out),
+                            "--timeout", "900"])
+        printed = capsys.readouterr()
+    assert code == 0, printed.out[-3000:] + printed.err[-3000:]
+    return printed.out, port
 
 
 def test_three_tiers_equal_inprocess_and_carry_the_edge_cloud_saving(tmp_path, capsys):
@@ -86,6 +106,57 @@ def test_three_tiers_equal_inprocess_and_carry_the_edge_cloud_saving(tmp_path, c
     assert rows[-1]["wire_client_edge_bytes"] > rows[-1]["wire_edge_cloud_bytes"]
     print(f"edge tier: {elapsed:.0f} s; cloud-link bytes hierarchical/flat {measured:.4f}, "
           f"expected {expected:.4f} (training alone: {EDGES * I / (NODES * G):.4f})")
+
+
+def test_four_tiers_equal_inprocess_with_each_links_bytes_in_the_counted_ratio(tmp_path,
+                                                                             capsys):
+    """Clients, 2 edge servers, 1 region server and the cloud, each a process of its own with
+    TLS and SuperNode authentication: edges aggregate every step (I = 1), the region every 2
+    steps (its 2 edges' models), the cloud every 4."""
+    card, periods, regions = "synthetic-wide", (1, 2, 4), 1
+    flags = ["--dataset", card, "--nodes", str(NODES), "--partition", "natural", "--grouping",
+             "contiguous", "--periods", ",".join(map(str, periods)), "--rounds", str(ROUNDS),
+             "--batch-size", "8", "--lr", "0.001", "--seed", "3"]
+    ports = ports_needed(NODES, EDGES + regions)
+    t0 = time.time()
+    out, port = deploy_on_free_ports([*flags, "--edges", str(EDGES), "--regions", str(regions)],
+                                     ports, tmp_path / "tiers", capsys)
+    elapsed = time.time() - t0
+    assert "superlink-region-0 on" in out and "TLS + SuperNode authentication" in out
+    assert "region server 0" in out
+    assert leftovers(range(port, port + ports)) == ""
+    cfg = RunConfig(dataset=card, clients=NODES, groups=(EDGES, regions), periods=periods,
+                    partition="natural", grouping="contiguous", rounds=ROUNDS, batch_size=8,
+                    lr=0.001, seed=3)
+    run_inprocess(cfg, RunFolder.create(tmp_path / "inprocess"), progress=False)
+    links = ("client-edge", "edge-region", "region-cloud")
+    wire_keys = frozenset(f"wire_{link.replace('-', '_')}_bytes" for link in links)
+    assert_same_run(tmp_path / "inprocess", tmp_path / "tiers", ROUNDS, ignore=wire_keys)
+    logs = tmp_path / "tiers" / "deploy" / "logs"  # every tier authenticated the one below
+    for name, activated in (("superlink-edge-0", 2), ("superlink-edge-1", 2),
+                            ("superlink-region-0", EDGES), ("superlink", regions)):
+        assert (logs / f"{name}.log").read_text().count("[Fleet.ActivateNode] Activated") \
+            == activated, name
+    wire = json.loads((tmp_path / "tiers" / "wire.json").read_text())
+    measured = {link: wire[link]["sent"] + wire[link]["received"] for link in links}
+    # Models on each link over the run (each way counts): a node exchanges one with its
+    # parent per period of the parent's level (down and up), and one per evaluation (round 0
+    # and after each round), forwarded down to every client.
+    evaluations = ROUNDS + 1
+    models = {"client-edge": NODES * (2 * ROUNDS * periods[2] // periods[0] + evaluations),
+              "edge-region": EDGES * (2 * ROUNDS * periods[2] // periods[1] + evaluations),
+              "region-cloud": regions * (2 * ROUNDS + evaluations)}
+    for lower, upper in zip(links, links[1:], strict=False):
+        ratio, expected = measured[upper] / measured[lower], models[upper] / models[lower]
+        assert abs(ratio / expected - 1) < 0.10, (lower, upper, ratio, expected, wire)
+    rows = metrics(tmp_path / "tiers")
+    assert rows[-1]["wire_region_cloud_bytes"] > rows[0]["wire_region_cloud_bytes"] > 0
+    # the counted traffic: training models only (edge-cloud = every link above the edges)
+    model_bytes = rows[-1]["client_edge_bytes"] // rows[-1]["client_edge_messages"]
+    assert rows[-1]["client_edge_messages"] == NODES * 2 * ROUNDS * periods[2] // periods[0]
+    assert rows[-1]["edge_cloud_bytes"] == model_bytes * ROUNDS * (
+        2 * EDGES * periods[2] // periods[1] + 2 * regions)
+    print(f"four tiers: {elapsed:.0f} s; bytes per link {measured}")
 
 
 def _edge_cmd(port: int, out: Path, *extra: str) -> list[str]:
