@@ -123,9 +123,6 @@ class EdgeTierDeployment(LocalDeployment):
         parent = self.parent_of(index)
         return "cli" if parent is None else self.server_name(parent)
 
-    def clients_of(self, edge: int) -> list[int]:
-        return self.clients_under(edge)
-
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         """Certificates and secret, the cloud SuperLink, the servers' SuperLinks, key
