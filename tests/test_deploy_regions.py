@@ -70,8 +70,9 @@ def servers_grid(cfg: RunConfig) -> InProcessGrid:
     {},
     dict(participation=0.7, fail_rate=0.15, compute_spread=0.5, edge_slowdown="1:3"),
     dict(aggregators="mean,median,mean"),
-], ids=["plain", "faults-sim-time", "median-regions"])
-def test_three_levels_of_servers_equal_the_one_process_run(change, tmp_path):
+    dict(groups=(4, 2, 1), periods=(2, 4, 8, 16), rounds=1),
+], ids=["plain", "faults-sim-time", "median-regions", "four-levels"])
+def test_servers_at_every_level_equal_the_one_process_run(change, tmp_path):
     cfg = BASE.replace(**change)
     run_inprocess(cfg, RunFolder.create(tmp_path / "ref", cfg), progress=False)
     split = cfg.replace(edge_servers=True)
