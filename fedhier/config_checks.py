@@ -91,7 +91,7 @@ def check_edge_servers(cfg: RunConfig) -> None:
                           "(checkpoints): use optimizer_state reset")
     from fedhier.edge_tier import check_edge_tier
 
-    check_edge_tier(len(cfg.periods), cfg.mobility_rate > 0 or bool(cfg.mobility_trace),
+    check_edge_tier(cfg.mobility_rate > 0 or bool(cfg.mobility_trace),
                     cfg.regroup_every > 0, cfg.async_buffer > 0, bool(cfg.edge_periods))
 
 

@@ -1,41 +1,41 @@
-"""Edge servers that run their own edge rounds: the H-SGD round split between processes.
+"""Servers of their own at every level: the H-SGD round split between processes.
 
-In every other engine the edges are logical: the cloud keeps one model per edge and talks to
-every client in every edge round. With an *edge tier* (``fedhier deploy local --edges E``,
-docs/deployment.md#edge-servers) each edge is a server of its own: once per cloud round the
-cloud sends it the global model (an *edge job*), the edge runs the G / I edge rounds of that
-cloud round with its own clients and answers with one model, its clients' aggregate. Only
-E models go up and down the edge-cloud link per cloud round, instead of one per client and
-edge round.
+In every other engine the edges (and regions ...) are logical: the cloud keeps one model per
+node and talks to every client in every edge round. With a *server tier* (``fedhier deploy
+local --edges E [--regions R]``, docs/deployment.md#edge-servers) each node between the
+clients and the cloud is a server of its own. A node of level l exchanges one model with its
+parent per period of the parent's level (a *job*: the parent's model down, the node's
+aggregate up) and runs the exchanges with its own children in between:
 
-Both halves are the algorithm of :class:`fedhier.hsgd.HierarchicalSGD`, unchanged:
+* an edge (level 1) runs the G_1 / I edge rounds of its job with its own clients
+  (:func:`train_edges`, which asynchronous edges use for their jobs too) and aggregates its
+  surviving clients at level 1;
+* a node above (level l >= 2) sends each child a job per period of its own level
+  (:func:`run_children`), aggregates their answers at level l between two jobs and answers
+  its parent with the last ones' aggregate;
+* the cloud (:class:`EdgeTierHierarchicalSGD`) starts the cloud round, runs its children as a
+  node does (one job each per cloud round), sums their counters and losses and takes the
+  cloud step over their aggregates (:meth:`HierarchicalSGD.aggregate_edges`).
 
-* the edge (:func:`run_edge_job`) plans and completes each edge round restricted to its own
-  clients (:func:`train_edges`, which asynchronous edges use for their jobs too), with
-  ``hold_cloud=True`` for the last one, and aggregates its surviving clients at level 1;
-* the cloud (:class:`EdgeTierHierarchicalSGD`) starts the cloud round, collects the edges'
-  reports (:class:`EdgeReport`) through an :class:`EdgeTierExecutor`, sums their counters
-  and losses, and takes the cloud step over the edge aggregates
-  (:meth:`HierarchicalSGD.aggregate_edges`).
-
-Every draw (participation, stragglers, faults, mini-batches, compute speeds) is keyed by the
-seed, the client and the round, so the split run equals the one-process run up to the float
-rounding of averaging the edges' averages instead of all clients at once. Edges hold no state
-between jobs: each job carries the client -> edge map and the clients' row counts, so an edge
-process that is restarted simply takes the next job. Two-level hierarchies with a static
-grouping only (checked by :func:`check_edge_tier`).
+Every node runs :class:`fedhier.hsgd.HierarchicalSGD` unchanged on the whole tree, so every
+draw (participation, stragglers, faults, mini-batches, compute speeds), keyed by the seed, the
+client and the round, is the one-process run's: the split run equals it up to the float
+rounding of averaging the children's averages instead of all clients at once. Nodes hold no
+state between jobs: each job carries the tree and the clients' row counts, so a restarted
+process simply takes the next job. Static groupings and equal periods only (checked by
+:func:`check_edge_tier`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from fedhier.aggregate import presence_weights
+from fedhier.aggregate import aggregator, presence_weights
 from fedhier.errors import ConfigError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import (
@@ -48,12 +48,10 @@ from fedhier.hsgd import (
 from fedhier.topology import Hierarchy
 
 
-def check_edge_tier(num_levels: int, mobile: bool, regroups: bool, asynchronous: bool,
+def check_edge_tier(mobile: bool, regroups: bool, asynchronous: bool,
                     edge_periods: bool) -> None:
-    """Refuse, in one line, what edge servers do not run (yet)."""
-    for failed, needs in ((num_levels != 2, "a two-level hierarchy (one local and one "
-                                            "global period)"),
-                          (mobile, "static clients (no mobility)"),
+    """Refuse, in one line, what servers as processes do not run (yet)."""
+    for failed, needs in ((mobile, "static clients (no mobility)"),
                           (regroups, "a fixed grouping (no regroup_every)"),
                           (asynchronous, "synchronous edges (no async_buffer)"),
                           (edge_periods, "one local period for every edge (no edge_periods)")):
@@ -62,9 +60,8 @@ def check_edge_tier(num_levels: int, mobile: bool, regroups: bool, asynchronous:
 
 
 def _check(settings: HSGDSettings) -> None:
-    check_edge_tier(len(settings.periods), settings.mobility.active,
-                    bool(settings.regroup_every), settings.asynchronous.active,
-                    bool(settings.edge_periods))
+    check_edge_tier(settings.mobility.active, bool(settings.regroup_every),
+                    settings.asynchronous.active, bool(settings.edge_periods))
 
 
 # ------------------------------------------------------------------------ the edge's half
@@ -87,39 +84,47 @@ class EdgeRunOutcome:
 
 
 def train_edges(algorithm: HierarchicalSGD, executor: Executor, edges: np.ndarray,
-                cloud_round: int) -> EdgeRunOutcome:
-    """The G / I edge rounds of ``cloud_round`` restricted to the clients of ``edges``
-    (int64, sorted), from the edge models the algorithm holds; the last round's survivors
-    are held, not aggregated at the cloud (``complete(..., hold_cloud=True)``)."""
+                cloud_round: int, rounds: range | None = None,
+                hold_level: int = 0) -> EdgeRunOutcome:
+    """The edge rounds ``rounds`` (default: all of ``cloud_round``'s) restricted to the
+    clients of ``edges`` (int64, sorted), from the edge models the algorithm holds. The last
+    round's survivors are held, not aggregated, when it ends at the cloud (or, with
+    ``hold_level``, at that level or above: ``complete(..., hold_level=...)``)."""
     edge_of = algorithm._hierarchy().edge_of_client()
     per_round = algorithm.settings.edge_rounds_per_cloud_round
-    losses = np.zeros((per_round, 2))
+    if rounds is None:
+        rounds = range((cloud_round - 1) * per_round + 1, cloud_round * per_round + 1)
+    losses = np.zeros((len(rounds), 2))
     failed = failed_edge_count = 0
     held: tuple[Params, np.ndarray] | None = None
-    for k in range(1, per_round + 1):
-        work, plan = algorithm.plan((cloud_round - 1) * per_round + k)
+    for k, edge_round in enumerate(rounds):
+        work, plan = algorithm.plan(edge_round)
         mine = np.isin(edge_of[work.clients], edges)
         work = dataclasses.replace(work, clients=work.clients[mine], steps=work.steps[mine])
         if not len(work.clients):
             continue
         result = executor.train(work, algorithm.start_models(work))
-        outcome = algorithm.complete(work, plan, result, hold_cloud=True)
+        outcome = algorithm.complete(work, plan, result, hold_cloud=not hold_level,
+                                     hold_level=hold_level)
         failed += outcome["failed_clients"]
         failed_edge_count += outcome["failed_edges"]
         if outcome["train_loss"] is not None:
-            losses[k - 1] = (outcome["train_loss"], outcome["loss_weight"])
+            losses[k] = (outcome["train_loss"], outcome["loss_weight"])
         held = outcome.get("held")
     return EdgeRunOutcome(held, losses, failed, failed_edge_count)
 
 
 @dataclass
 class EdgeJob:
-    """What the cloud sends an edge server once per cloud round.
+    """What a parent sends a server (an edge, a region, ...) once per period of its level.
 
     Attributes:
-        edge: the edge; cloud_round: 1-based; params: the global model (name -> tensor);
-        edge_of_client: int64 [n], every client's edge; num_examples: int64 [n], every
-        client's rows (the averaging weights); start_seconds: the edge's simulated clock.
+        edge: the node, at ``level`` (1: an edge); cloud_round: 1-based; params: the
+        parent's model (name -> tensor); edge_of_client: int64 [n], every client's edge;
+        num_examples: int64 [n], every client's rows (the averaging weights); seconds:
+        float64 [E], every edge's simulated clock; parents: the tree above the edges
+        (``Hierarchy.parents[1:]``: edge -> region, ...); first_round, num_rounds: the
+        job's edge rounds (1-based; 0, 0: all of the cloud round's).
     """
 
     edge: int
@@ -127,19 +132,25 @@ class EdgeJob:
     params: Params
     edge_of_client: np.ndarray
     num_examples: np.ndarray
-    start_seconds: float
+    seconds: np.ndarray
+    level: int = 1
+    parents: tuple[np.ndarray, ...] = ()
+    first_round: int = 0
+    num_rounds: int = 0
 
 
 @dataclass
 class EdgeReport:
-    """An edge server's answer to an :class:`EdgeJob`.
+    """A server's answer to an :class:`EdgeJob`.
 
     Attributes:
-        edge: the edge; model: its surviving clients' aggregate (name -> tensor), None when
-        none survived or the edge did not answer (``reached`` False); losses: float64
-        [R, 2] (see :class:`EdgeRunOutcome`); failed_clients, failed_edges; client_edge_messages,
-        client_edge_bytes: its traffic with its clients; seconds: its simulated clock
-        when the report is ready.
+        edge: the node; model: the aggregate of its subtree's survivors (name -> tensor),
+        None when none survived or the node did not answer (``reached`` False); losses:
+        float64 [R, 2] per edge round of the job (see :class:`EdgeRunOutcome`);
+        failed_clients, failed_edges; client_edge_*, edge_cloud_*: the traffic in its
+        subtree (:class:`fedhier.communication.Communication`); seconds: float64 [E], its
+        edges' simulated clocks when the report is ready (other entries unread); weight:
+        the clients' total averaging weight behind ``model``.
     """
 
     edge: int
@@ -149,57 +160,183 @@ class EdgeReport:
     failed_edges: int = 0
     client_edge_messages: int = 0
     client_edge_bytes: int = 0
-    seconds: float = 0.0
+    seconds: np.ndarray = field(default_factory=lambda: np.zeros(0))
     reached: bool = True
+    weight: float = 0.0
+    edge_cloud_messages: int = 0
+    edge_cloud_bytes: int = 0
 
 
-def edge_hierarchy(settings: HSGDSettings, edge_of_client: np.ndarray) -> Hierarchy:
-    """The two-level tree of an edge job's client -> edge map."""
-    return Hierarchy(settings.periods, (np.asarray(edge_of_client, dtype=np.int64),),
+def job_hierarchy(settings: HSGDSettings, job: EdgeJob) -> Hierarchy:
+    """The tree of a job: its client -> edge map and the levels above."""
+    return Hierarchy(settings.periods, (np.asarray(job.edge_of_client, dtype=np.int64),
+                                        *(np.asarray(p, dtype=np.int64) for p in job.parents)),
                      num_edges=settings.groups[0])
 
 
+def job_rounds(settings: HSGDSettings, job: EdgeJob) -> range:
+    """The edge rounds of ``job`` (1-based)."""
+    per_round = settings.edge_rounds_per_cloud_round
+    first = job.first_round or (job.cloud_round - 1) * per_round + 1
+    return range(first, first + (job.num_rounds or per_round))
+
+
 def run_edge_job(settings: HSGDSettings, executor: Executor, job: EdgeJob) -> EdgeReport:
-    """The edge server's half of a cloud round: its clients' G / I edge rounds from the
-    global model (``executor`` reaches them), then their aggregate."""
+    """A server's half of its parent's period: from the parent's model, the edge rounds of
+    ``job`` with its subtree (an edge: its clients through ``executor``; above: its children
+    through ``executor.run_edge_jobs``), then the subtree's aggregate."""
     _check(settings)
+    from fedhier.async_edges import BatchCommunication
+
     algorithm = HierarchicalSGD(settings)
     n = len(job.edge_of_client)
     info = ClientInfo(label_histograms=np.zeros((n, 1), dtype=np.int64),
                       num_examples=np.asarray(job.num_examples, dtype=np.int64))
-    hierarchy = edge_hierarchy(settings, job.edge_of_client)
+    hierarchy = job_hierarchy(settings, job)
     algorithm.setup(executor, job.params, info=info, hierarchy=hierarchy)
     algorithm.begin_cloud_round(executor, job.cloud_round)
     clock = algorithm._clock()
-    clock.edge_time[job.edge] = job.start_seconds
-    edges = np.array([job.edge], dtype=np.int64)
-    outcome = train_edges(algorithm, executor, edges, job.cloud_round)
-    model = None
-    if outcome.held is not None:
-        models, survivors = outcome.held
-        present = np.zeros(n, dtype=bool)
-        present[survivors] = True
-        weights = presence_weights(algorithm.weights, present, hierarchy.edge_of_client())
-        averaged, _ = aggregate_levels(models, survivors, weights, hierarchy, 1,
-                                       settings.aggregators, algorithm.node_models)
-        model = {k: v[0] for k, v in averaged.items()}
+    clock.edge_time[:] = np.asarray(job.seconds, dtype=np.float64)
+    edges = np.flatnonzero(hierarchy.edges_under(job.level) == job.edge)
+    algorithm.communication = BatchCommunication(hierarchy, edges)  # its own subtree's
+    rounds = job_rounds(settings, job)
+    weight = float(algorithm.weights[np.isin(hierarchy.edge_of_client(), edges)].sum())
+    if job.level == 1:
+        outcome = train_edges(algorithm, executor, edges, job.cloud_round, rounds,
+                              hold_level=2)
+        model = None
+        if outcome.held is not None:
+            models, survivors = outcome.held
+            present = np.zeros(n, dtype=bool)
+            present[survivors] = True
+            weights = presence_weights(algorithm.weights, present, hierarchy.edge_of_client())
+            averaged, _ = aggregate_levels(models, survivors, weights, hierarchy, 1,
+                                           settings.aggregators, algorithm.node_models)
+            model = {k: v[0] for k, v in averaged.items()}
+        losses, failed, failed_edge_count = (outcome.losses, outcome.failed_clients,
+                                             outcome.failed_edges)
+    else:
+        below = run_children(algorithm, executor, job.level, job.edge, job.cloud_round,
+                             rounds)
+        model = (None if below.models is None else
+                 {k: v[0] for k, v in aggregate_node(algorithm, job.level, job.edge,
+                                                     below.models, below.weights).items()})
+        weight = float(below.weights.sum())
+        losses, failed, failed_edge_count = below.losses, below.failed, below.failed_edges
     traffic = algorithm.communication
-    return EdgeReport(job.edge, model, outcome.losses, outcome.failed_clients,
-                      outcome.failed_edges, traffic.client_edge_messages,
-                      traffic.client_edge_bytes, float(clock.edge_time[job.edge]))
+    return EdgeReport(job.edge, model, losses, failed, failed_edge_count,
+                      traffic.client_edge_messages, traffic.client_edge_bytes,
+                      clock.edge_time.copy(), weight=weight,
+                      edge_cloud_messages=traffic.edge_cloud_messages,
+                      edge_cloud_bytes=traffic.edge_cloud_bytes)
+
+
+# ------------------------------------------------------------------------ a node's children
+@dataclass
+class ChildrenOutcome:
+    """What a node's children did in the edge rounds of one job of the node.
+
+    Attributes:
+        models: name -> [m, *shape], the last exchange's aggregates of the m children
+            ``children`` (int64 [m], increasing) that had one (None: none had); weights:
+            float64 [m], their clients' total weight; losses: float64 [R, 2] (see
+            :class:`EdgeRunOutcome`); failed, failed_edges: summed over the edge rounds;
+            unreached: the children that did not answer a job.
+    """
+
+    models: Params | None
+    children: np.ndarray
+    weights: np.ndarray
+    losses: np.ndarray
+    failed: int = 0
+    failed_edges: int = 0
+    unreached: list[int] = field(default_factory=list)
+
+
+def aggregate_node(algorithm: HierarchicalSGD, level: int, node: int, models: Params,
+                   weights: np.ndarray) -> Params:
+    """Level-``level`` node ``node``'s aggregate (name -> [1, *shape]) of its children's
+    ``models`` (name -> [m, *shape], weights float64 [m]) with the level's rule, measured
+    from the node's model where the rule needs one."""
+    names = algorithm.settings.aggregators
+    rule = aggregator(names[0] if len(names) == 1 else names[level - 1])
+    device = next(iter(models.values())).device
+    w = torch.as_tensor(weights, device=device)
+    owner = torch.zeros(len(weights), dtype=torch.int64, device=device)
+    return rule.apply(models, w, owner, 1, algorithm.node_models(level, np.array([node])))
+
+
+def run_children(algorithm: HierarchicalSGD, executor: Executor, level: int, node: int,
+                 cloud_round: int, rounds: range) -> ChildrenOutcome:
+    """The edge rounds ``rounds`` of level-``level`` node ``node``'s subtree: one job per
+    child and period of the node's level, each from the node's model; between two, the node
+    aggregates the answers (:meth:`HierarchicalSGD._aggregated`, counted and timed); the last
+    answers are returned, not aggregated (the node's parent, or the cloud step, does)."""
+    if not hasattr(executor, "run_edge_jobs"):
+        raise ConfigError("servers above the clients need an executor that reaches them "
+                          "(fedhier deploy local --edges)")
+    s, hierarchy, clock = algorithm.settings, algorithm._hierarchy(), algorithm._clock()
+    under = hierarchy.edges_under(level - 1)  # each edge's child-level ancestor
+    children = np.unique(under[hierarchy.edges_under(level) == node])
+    span = s.periods[level - 1] // s.local_period  # edge rounds between two exchanges
+    edge_of = hierarchy.edge_of_client()
+    loss_sums = np.zeros((len(rounds), 2))
+    out = ChildrenOutcome(None, np.zeros(0, dtype=np.int64), np.zeros(0), loss_sums)
+    for start in range(rounds.start, rounds.stop, span):
+        jobs = [EdgeJob(int(child), cloud_round,
+                        {k: v[np.flatnonzero(under == child)[0]].clone()
+                         for k, v in algorithm.edge_models.items()},
+                        edge_of, algorithm._info().num_examples, clock.edge_time.copy(),
+                        level - 1, tuple(hierarchy.parents[1:]), start, span)
+                for child in children]
+        reports = sorted(executor.run_edge_jobs(jobs), key=lambda r: r.edge)  # type: ignore[attr-defined]
+        rows = slice(start - rounds.start, start - rounds.start + span)
+        for report in reports:
+            mine = np.flatnonzero(under == report.edge)
+            if not report.reached:  # counted as if all its clients failed every edge round
+                out.unreached.append(report.edge)
+                out.failed += int(np.isin(edge_of, mine).sum()) * span
+                out.failed_edges += len(mine) * span
+                continue
+            loss_sums[rows, 0] += report.losses[:, 0] * report.losses[:, 1]
+            loss_sums[rows, 1] += report.losses[:, 1]
+            out.failed += report.failed_clients
+            out.failed_edges += report.failed_edges
+            traffic = algorithm.communication
+            traffic.client_edge_messages += report.client_edge_messages
+            traffic.client_edge_bytes += report.client_edge_bytes
+            traffic.edge_cloud_messages += report.edge_cloud_messages
+            traffic.edge_cloud_bytes += report.edge_cloud_bytes
+            clock.edge_time[mine] = report.seconds[mine]
+        answered = [r for r in reports if r.model is not None]
+        out.models = None
+        if not answered:
+            continue
+        out.children = np.array([r.edge for r in answered], dtype=np.int64)
+        out.weights = np.array([r.weight for r in answered], dtype=np.float64)
+        device = next(iter(algorithm.global_params.values())).device
+        out.models = {k: torch.stack([r.model[k].to(device) for r in answered])  # type: ignore[index]
+                      for k in algorithm.global_params}
+        if start + span < rounds.stop:  # the node aggregates; its children take the result
+            averaged = aggregate_node(algorithm, level, node, out.models, out.weights)
+            algorithm._aggregated(averaged, np.array([node], dtype=np.int64), level)
+    reported = loss_sums[:, 1] > 0
+    loss_sums[reported, 0] /= loss_sums[reported, 1]
+    return out
 
 
 # ------------------------------------------------------------------------ the cloud's half
 class EdgeTierExecutor(Executor, Protocol):
-    """An executor whose clients sit behind edge servers: besides profiles, evaluation and
-    queries it runs one :class:`EdgeJob` per edge and returns the reports (an edge that did
-    not answer in time: ``reached`` False)."""
+    """An executor whose clients sit behind servers: besides profiles, evaluation and
+    queries it runs one :class:`EdgeJob` per child server and returns the reports (a server
+    that did not answer in time: ``reached`` False)."""
 
     def run_edge_jobs(self, jobs: list[EdgeJob]) -> list[EdgeReport]: ...
 
 
 class EdgeTierHierarchicalSGD(HierarchicalSGD):
-    """The cloud of a run whose edges are servers of their own (the module docstring)."""
+    """The cloud of a run whose edges (and levels above) are servers of their own (the
+    module docstring)."""
 
     def __init__(self, settings: HSGDSettings, cloud_step: Any = None) -> None:
         _check(settings)
@@ -208,59 +345,46 @@ class EdgeTierHierarchicalSGD(HierarchicalSGD):
     def setup(self, executor: Executor, initial: Params, *, info: ClientInfo | None = None,
               hierarchy: Hierarchy | None = None) -> None:
         """As :meth:`HierarchicalSGD.setup`; then the grouping must put every client under
-        the edge server it is connected to (``executor.edge_of_client``, when known)."""
+        the servers it is connected to (``executor.ancestors``: per level 1 .. L-1 each
+        client's server, when known)."""
         super().setup(executor, initial, info=info, hierarchy=hierarchy)
-        connected = getattr(executor, "edge_of_client", None)
-        grouped = self._hierarchy().edge_of_client()
-        if connected is not None and not np.array_equal(connected, grouped):
-            client = int(np.flatnonzero(np.asarray(connected) != grouped)[0])
-            raise ConfigError(
-                f"client {client} is connected to edge {int(connected[client])} but the "
-                f"'{self.settings.grouping}' grouping puts it under edge {int(grouped[client])}"
-                ": start each client at its edge (fedhier deploy local --edges does)")
+        connected = getattr(executor, "ancestors", None) or ()
+        names = server_names(self._hierarchy().num_levels)
+        for level, where in enumerate(connected, start=1):
+            grouped = self._hierarchy().ancestors(level)
+            if not np.array_equal(where, grouped):
+                client = int(np.flatnonzero(np.asarray(where) != grouped)[0])
+                raise ConfigError(
+                    f"client {client} is connected to {names[level]} {int(where[client])} but "
+                    f"the '{self.settings.grouping}' grouping puts it under {names[level]} "
+                    f"{int(grouped[client])}: start each client at its {names[level]} "
+                    "(fedhier deploy local --edges does)")
 
     def cloud_round(self, executor: Executor, cloud_round: int) -> dict[str, Any]:
-        """Send every edge its job, wait for the reports, aggregate them at the cloud."""
-        if not hasattr(executor, "run_edge_jobs"):
-            raise ConfigError("edge servers need an executor that reaches them "
-                              "(fedhier deploy local --edges)")
+        """Send every child server its job, wait for the reports, aggregate them at the
+        cloud."""
         self.begin_cloud_round(executor, cloud_round)
-        hierarchy, clock, info = self._hierarchy(), self._clock(), self._info()
-        edge_of = hierarchy.edge_of_client()
-        num_edges = hierarchy.num_nodes(1)
-        jobs = [EdgeJob(edge, cloud_round, dict(self.global_params), edge_of,
-                        info.num_examples, float(clock.edge_time[edge]))
-                for edge in range(num_edges)]
-        reports = sorted(executor.run_edge_jobs(jobs), key=lambda r: r.edge)
-        loss_sums = np.zeros((self.settings.edge_rounds_per_cloud_round, 2))
-        failed = failed_edge_count = 0
-        unreached = []
-        for report in reports:
-            if not report.reached:  # counted as if all its clients failed every edge round
-                unreached.append(report.edge)
-                failed += int((edge_of == report.edge).sum()) * len(loss_sums)
-                failed_edge_count += len(loss_sums)
-                continue
-            loss_sums[:, 0] += report.losses[:, 0] * report.losses[:, 1]
-            loss_sums[:, 1] += report.losses[:, 1]
-            failed += report.failed_clients
-            failed_edge_count += report.failed_edges
-            self.communication.client_edge_messages += report.client_edge_messages
-            self.communication.client_edge_bytes += report.client_edge_bytes
-            clock.edge_time[report.edge] = report.seconds
-        answered = [r for r in reports if r.model is not None]
-        if answered:
-            edges = np.array([r.edge for r in answered], dtype=np.int64)
-            weights = np.bincount(edge_of, weights=self.weights, minlength=num_edges)[edges]
-            device = next(iter(self.global_params.values())).device
-            models = {k: torch.stack([r.model[k].to(device) for r in answered])  # type: ignore[index]
-                      for k in self.global_params}
-            self.aggregate_edges(cloud_round, models, edges, weights)
-        reported = loss_sums[:, 1] > 0
-        round_losses = loss_sums[reported, 0] / loss_sums[reported, 1]
+        per_round = self.settings.edge_rounds_per_cloud_round
+        rounds = range((cloud_round - 1) * per_round + 1, cloud_round * per_round + 1)
+        top = self._hierarchy().num_levels
+        below = run_children(self, executor, top, 0, cloud_round, rounds)
+        if below.models is not None:
+            self.aggregate_edges(cloud_round, below.models, below.children, below.weights)
+        reported = below.losses[:, 1] > 0
         out: dict[str, Any] = {
-            "local_train_loss": float(np.mean(round_losses)) if reported.any() else None,
-            "failed_clients": failed, "failed_edges": failed_edge_count}
-        if unreached:
-            out["unreached_edges"] = unreached
+            "local_train_loss": (float(np.mean(below.losses[reported, 0]))
+                                 if reported.any() else None),
+            "failed_clients": below.failed, "failed_edges": below.failed_edges}
+        if below.unreached:
+            out["unreached_" + server_names(top)[top - 1] + "s"] = below.unreached
         return out
+
+
+def server_name(level: int) -> str:
+    """What a level's nodes are called below the cloud: client (0), edge, region, level-3..."""
+    return ("client", "edge", "region")[level] if level < 3 else f"level-{level}"
+
+
+def server_names(num_levels: int) -> list[str]:
+    """The name of each level's nodes, 0 (clients) .. L (the cloud)."""
+    return [server_name(level) for level in range(num_levels)] + ["cloud"]

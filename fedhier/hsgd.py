@@ -273,7 +273,7 @@ class HierarchicalSGD:
         return self.schedule.start_models(work, self.edge_models)
 
     def complete(self, work: EdgeRoundWork, plan: EdgeRoundPlan, result: TrainResult, *,
-                 hold_cloud: bool = False) -> dict[str, Any]:
+                 hold_cloud: bool = False, hold_level: int = 0) -> dict[str, Any]:
         """Scale, screen, aggregate and broadcast one edge round's results.
 
         Returns its ``level``, ``failed_clients``, ``failed_edges``, ``train_loss`` (the
@@ -281,7 +281,8 @@ class HierarchicalSGD:
         ``loss_weight`` (the sum of those clients' weights).
         With ``hold_cloud`` an edge round that ends at the cloud is not aggregated: the
         outcome's ``held`` is (models [s, *shape], survivors int64 [s]), the screened and
-        scaled survivors' models (asynchronous edges aggregate them later).
+        scaled survivors' models (asynchronous edges aggregate them later); with
+        ``hold_level``, one that ends at that level or above (an edge server's job).
         """
         s, hierarchy = self.settings, self._hierarchy()
         models = result.models
@@ -309,7 +310,7 @@ class HierarchicalSGD:
         self.communication.add_edge_round(sent, len(survivors), self.model_bytes)
         if not len(survivors):
             return outcome  # nothing came back: every edge keeps its model
-        if hold_cloud and level == hierarchy.num_levels:
+        if (hold_cloud and level == hierarchy.num_levels) or 0 < hold_level <= level:
             outcome["held"] = (models, survivors)
             return outcome
         present = np.zeros(hierarchy.num_clients, dtype=bool)

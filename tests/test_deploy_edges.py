@@ -1,14 +1,17 @@
-"""Edge servers as processes (`fedhier deploy local --edges`): three tiers on 127.0.0.1 with
-TLS and SuperNode authentication equal the in-process run, the edge-cloud link carries the
-saving H-SGD exists for (measured on the wire), a killed edge misses its round and rejoins,
-Ctrl-C stops every process, and a run whose cloud was killed resumes.
+"""Servers as processes (`fedhier deploy local --edges [--regions]`): clients, edge servers,
+region servers and the cloud on 127.0.0.1 with TLS and SuperNode authentication equal the
+in-process run, each link carries the models the algorithm counts (the saving H-SGD exists
+for, measured on the wire against the flat deployment), a killed edge misses its round and
+rejoins, Ctrl-C stops every process, and a run whose cloud was killed resumes.
 
-The same split round without processes is tested in tests/test_edge_tier.py.
+The same split round without processes is tested in tests/test_edge_tier.py and
+tests/test_deploy_regions.py.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,62 +33,83 @@ pytestmark = pytest.mark.slow
 #: The synthetic-wide card: 8,000 features, a 4.1 MB MLP, so that models, not Flower's polling
 #: and heartbeats (a few KB/s per node), dominate the bytes on the wire.
 NODES, EDGES, ROUNDS = 4, 2, 1
-I, G = 1, 2  # noqa: E741 - the papers' names
-WIDE_FLAGS = ["--partition", "natural", "--grouping", "contiguous", "--local-period", str(I),
-              "--global-period", str(G), "--rounds", str(ROUNDS), "--batch-size", "8",
-              "--lr", "0.001", "--seed", "3"]
 
 
-def deploy_cli(args: list[str], capsys) -> str:
-    code = deploy.main(["local", *args, "--timeout", "900"])
+def deploy_on_free_ports(args: list[str], ports: int, out: Path, capsys) -> tuple[str, int]:
+    """``fedhier deploy local ARGS`` on a free block of ``ports`` ports; once more on another
+    block if a port was taken meanwhile (another deployment on this machine). Returns (its
+    output, the base port)."""
+    port = deploy.free_port_block(ports)
+    code = deploy.main(["local", *args, "--base-port", str(port), "--out", str(out),
+                        "--timeout", "900"])
     printed = capsys.readouterr()
+    if code != 0 and "in use" in printed.out + printed.err:
+        shutil.rmtree(out, ignore_errors=True)
+        port = deploy.free_port_block(ports, start=port + ports + 100)
+        code = deploy.main(["local", *args, "--base-port", str(port), "--out", str(out),
+                            "--timeout", "900"])
+        printed = capsys.readouterr()
     assert code == 0, printed.out[-3000:] + printed.err[-3000:]
-    return printed.out
+    return printed.out, port
 
 
-def test_three_tiers_equal_inprocess_and_carry_the_edge_cloud_saving(tmp_path, capsys):
-    card = "synthetic-wide"
-    flags = ["--dataset", card, "--nodes", str(NODES), *WIDE_FLAGS]
-    port = deploy.free_port_block(ports_needed(NODES, EDGES))
+def test_servers_at_every_tier_equal_inprocess_and_each_link_carries_the_counted_models(
+        tmp_path, capsys):
+    """Clients, 2 edge servers, 1 region server and the cloud, each a process of its own with
+    TLS and SuperNode authentication (edges aggregate every step, I = 1; the region every 2
+    steps, its 2 edges' models; the cloud every 4): equal to the one-process run, and the
+    bytes measured on each link are in the ratio of the models the algorithm sends over it
+    (the saving H-SGD exists for, realised on the wire)."""
+    card, periods, regions = "synthetic-wide", (1, 2, 4), 1
+    flags = ["--dataset", card, "--nodes", str(NODES), "--partition", "natural", "--grouping",
+             "contiguous", "--periods", ",".join(map(str, periods)), "--rounds", str(ROUNDS),
+             "--batch-size", "8", "--lr", "0.001", "--seed", "3"]
+    ports = ports_needed(NODES, EDGES + regions)
     t0 = time.time()
-    out = deploy_cli([*flags, "--edges", str(EDGES), "--base-port", str(port),
-                      "--out", str(tmp_path / "edges")], capsys)
+    out, port = deploy_on_free_ports([*flags, "--edges", str(EDGES), "--regions", str(regions)],
+                                     ports, tmp_path / "tiers", capsys)
     elapsed = time.time() - t0
-    assert "superlink-edge-1 on" in out and "TLS + SuperNode authentication" in out
-    assert leftovers(range(port, port + ports_needed(NODES, EDGES))) == ""
-    # equal to the one-process run of the same job (logical edges)
-    cfg = RunConfig(dataset=card, clients=NODES, groups=(EDGES,), partition="natural",
-                    grouping="contiguous", local_period=I, global_period=G, rounds=ROUNDS,
-                    batch_size=8, lr=0.001, seed=3)
+    assert "superlink-region-0 on" in out and "TLS + SuperNode authentication" in out
+    assert "region server 0" in out and "edge server 1" in out
+    assert leftovers(range(port, port + ports)) == ""
+    cfg = RunConfig(dataset=card, clients=NODES, groups=(EDGES, regions), periods=periods,
+                    partition="natural", grouping="contiguous", rounds=ROUNDS, batch_size=8,
+                    lr=0.001, seed=3)
     run_inprocess(cfg, RunFolder.create(tmp_path / "inprocess"), progress=False)
-    wire_keys = frozenset({"wire_client_edge_bytes", "wire_edge_cloud_bytes"})
-    assert_same_run(tmp_path / "inprocess", tmp_path / "edges", ROUNDS, ignore=wire_keys)
-    logs = tmp_path / "edges" / "deploy" / "logs"
-    for edge in range(EDGES):  # each edge authenticated its clients; the cloud, its edges
-        assert "[Fleet.ActivateNode] Activated" in (logs / f"superlink-edge-{edge}.log"
-                                                   ).read_text()
-    assert (logs / "superlink.log").read_text().count("[Fleet.ActivateNode] Activated") == EDGES
-    # the flat deployment of the same job: every client talks to the cloud every edge round
-    port = deploy.free_port_block(NODES + 1)
-    deploy_cli([*flags, "--groups", str(EDGES), "--base-port", str(port),
-                "--out", str(tmp_path / "flat")], capsys)
-    hier = json.loads((tmp_path / "edges" / "wire.json").read_text())
-    flat = json.loads((tmp_path / "flat" / "wire.json").read_text())
-    measured = ((hier["edge-cloud"]["sent"] + hier["edge-cloud"]["received"])
-                / (flat["client-cloud"]["sent"] + flat["client-cloud"]["received"]))
-    # Models on the cloud's link (each way counts): the hierarchical cloud sends each edge
-    # the model and gets one back per cloud round, plus one model per edge for each
-    # evaluation (round 0 and after each round); the flat cloud does the same per client
-    # and edge round: (E/N)(I/G) for training alone, evaluation added on both sides.
-    hier_models = EDGES * (2 * ROUNDS + ROUNDS + 1)
-    flat_models = NODES * (2 * ROUNDS * G // I + ROUNDS + 1)
-    expected = hier_models / flat_models
-    assert abs(measured / expected - 1) < 0.10, (measured, expected, hier, flat)
-    rows = metrics(tmp_path / "edges")
-    assert rows[-1]["wire_edge_cloud_bytes"] > rows[0]["wire_edge_cloud_bytes"] > 0
-    assert rows[-1]["wire_client_edge_bytes"] > rows[-1]["wire_edge_cloud_bytes"]
-    print(f"edge tier: {elapsed:.0f} s; cloud-link bytes hierarchical/flat {measured:.4f}, "
-          f"expected {expected:.4f} (training alone: {EDGES * I / (NODES * G):.4f})")
+    links = ("client-edge", "edge-region", "region-cloud")
+    wire_keys = frozenset(f"wire_{link.replace('-', '_')}_bytes" for link in links)
+    assert_same_run(tmp_path / "inprocess", tmp_path / "tiers", ROUNDS, ignore=wire_keys)
+    logs = tmp_path / "tiers" / "deploy" / "logs"  # every tier authenticated the one below
+    for name, activated in (("superlink-edge-0", 2), ("superlink-edge-1", 2),
+                            ("superlink-region-0", EDGES), ("superlink", regions)):
+        assert (logs / f"{name}.log").read_text().count("[Fleet.ActivateNode] Activated") \
+            == activated, name
+    wire = json.loads((tmp_path / "tiers" / "wire.json").read_text())
+    measured = {link: wire[link]["sent"] + wire[link]["received"] for link in links}
+    # Models on each link over the run (each way counts): a node exchanges two with its
+    # parent per period of the parent's level (down and up), and one per evaluation (round 0
+    # and after each round), forwarded down to every client. The client-edge link carries
+    # what the cloud's link would carry flat (--groups 2,1: 170.1 MB against 170.4 MB here,
+    # docs/deployment.md), so region-cloud / client-edge is the cloud's saving.
+    evaluations = ROUNDS + 1
+    models = {"client-edge": NODES * (2 * ROUNDS * periods[2] // periods[0] + evaluations),
+              "edge-region": EDGES * (2 * ROUNDS * periods[2] // periods[1] + evaluations),
+              "region-cloud": regions * (2 * ROUNDS + evaluations)}
+    ratios = {}
+    for upper, lower in (("edge-region", "client-edge"), ("region-cloud", "edge-region"),
+                         ("region-cloud", "client-edge")):
+        ratio, expected = measured[upper] / measured[lower], models[upper] / models[lower]
+        ratios[f"{upper}/{lower}"] = (round(ratio, 4), round(expected, 4))
+        assert abs(ratio / expected - 1) < 0.10, (upper, lower, ratio, expected, measured)
+    rows = metrics(tmp_path / "tiers")
+    assert rows[-1]["wire_region_cloud_bytes"] > rows[0]["wire_region_cloud_bytes"] > 0
+    # the counted traffic: training models only (edge-cloud = every link above the edges)
+    model_bytes = rows[-1]["client_edge_bytes"] // rows[-1]["client_edge_messages"]
+    assert rows[-1]["client_edge_messages"] == NODES * 2 * ROUNDS * periods[2] // periods[0]
+    assert rows[-1]["edge_cloud_bytes"] == model_bytes * ROUNDS * (
+        2 * EDGES * periods[2] // periods[1] + 2 * regions)
+    print(f"servers at every tier: {elapsed:.0f} s; bytes per link {measured}; measured and "
+          f"expected ratios {ratios}")
 
 
 def _edge_cmd(port: int, out: Path, *extra: str) -> list[str]:

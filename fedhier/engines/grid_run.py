@@ -83,9 +83,9 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
     if isinstance(grid, HttpGrid):  # the Deployment Engine: poll for replies every 0.1 s
         grid = PromptGrid(grid)
     num_nodes = len(list(grid.get_node_ids()))
-    expected = cfg.num_edges if cfg.edge_servers else cfg.clients
+    expected = cfg.groups[-1] if cfg.edge_servers else cfg.clients  # the cloud's children
     if num_nodes and num_nodes != expected:
-        what = f"groups={cfg.num_edges} edge servers" if cfg.edge_servers else \
+        what = f"{expected} servers under the cloud" if cfg.edge_servers else \
             f"clients={cfg.clients}"
         raise ConfigError(
             f"the federation has {num_nodes} nodes but {what}; they must match")
@@ -100,8 +100,8 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
     executor: GridExecutor
     if cfg.edge_servers:  # the edges run their clients' edge rounds (fedhier.edge_tier)
         algorithm = EdgeTierHierarchicalSGD(strategy.settings, algorithm.cloud_step)
-        executor = EdgeServersExecutor(grid, run_config, cfg.num_edges, cfg.clients,
-                                       cfg.round_timeout)
+        executor = EdgeServersExecutor(grid, run_config, cfg.groups[-1], cfg.clients,
+                                       cfg.round_timeout, level=len(cfg.periods))
     else:
         executor = strategy.executor_for(grid, run_config, cfg.round_timeout)
         strategy.executor = executor

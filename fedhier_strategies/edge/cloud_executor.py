@@ -1,9 +1,10 @@
-"""The cloud's executor when the edges are servers of their own: one message per edge.
+"""The executor of a node whose children are servers of their own: one message per child.
 
-Implements :class:`fedhier.edge_tier.EdgeTierExecutor` on the cloud's Grid, whose nodes are
-edge servers (:class:`~fedhier_strategies.edge.server.EdgeServer`), with the messages of
+Implements :class:`fedhier.edge_tier.EdgeTierExecutor` on the Grid of the cloud (or of a
+region, in a deeper tree), whose nodes are servers
+(:class:`~fedhier_strategies.edge.server.EdgeServer`), with the messages of
 :mod:`fedhier_strategies.edge.messages`. Clients are never addressed directly: profiles,
-evaluation and gradients come back per edge and are put in client order here.
+evaluation and gradients come back per child and are put in client order here.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fedhier_clients.records import to_record
 from fedhier_strategies.edge.messages import (
     EDGE_ID,
     PARTITION_IDS,
+    PATH,
     job_content,
     report_from_reply,
 )
@@ -35,27 +37,40 @@ STARTUP_SECONDS = 600.0
 
 
 class EdgeServersExecutor(GridExecutor):
-    """``num_edges`` edge servers reached through ``grid``, serving ``num_clients`` clients.
+    """``num_edges`` servers reached through ``grid`` (the children ``children``, default
+    0 .. num_edges-1, of a node of level ``level``: 2 for edges), serving ``clients`` (default:
+    all ``num_clients`` clients of the federation).
 
-    ``edge_of_client`` (int64 [n], after :meth:`profiles`) is where each client is
-    connected; the run's grouping must put it there (checked by the algorithm's set-up).
+    ``ancestors`` (after :meth:`profiles`: per level 1 .. level-1, int64 [n], -1 for a client
+    not served here) is where each client is connected; the run's grouping must put it there
+    (checked by the algorithm's set-up).
     """
 
     def __init__(self, grid: Any, run_config: ConfigRecord, num_edges: int, num_clients: int,
-                 timeout: float = 3600) -> None:
+                 timeout: float = 3600, *, level: int = 2, children: list[int] | None = None,
+                 clients: list[int] | None = None) -> None:
         super().__init__(grid, run_config, timeout=timeout, min_available_nodes=num_edges,
                          num_clients=num_clients)
         self.num_edges = num_edges
+        self.level = level
+        self.children = list(range(num_edges)) if children is None else sorted(children)
+        self.served = list(range(num_clients)) if clients is None else sorted(clients)
         self.node_of_edge: dict[int, int] = {}
-        self.edge_of_client = np.full(num_clients, -1, dtype=np.int64)
+        self.ancestors = [np.full(num_clients, -1, dtype=np.int64)
+                          for _ in range(level - 1)]
+
+    @property
+    def edge_of_client(self) -> np.ndarray:
+        """int64 [n]: the edge each client is connected to (-1: not served here)."""
+        return self.ancestors[0]
 
     # ---------------------------------------------------------------- profiles
     def profiles(self) -> ClientInfo:
-        """Each edge's clients, their rows and label histograms. Edge servers first start
-        their own run and profile their clients: this waits up to ``STARTUP_SECONDS`` (or the
-        timeout, if longer) for them."""
+        """Each child's clients, their rows and label histograms (int64 [n], zero for a
+        client not served here). Servers first start their own run and profile their
+        children: this waits up to ``STARTUP_SECONDS`` (or the timeout, if longer)."""
         timeout = max(self.timeout, STARTUP_SECONDS)
-        nodes = self.wait_for_nodes(self.num_edges, timeout, "edge servers")
+        nodes = self.wait_for_nodes(self.num_edges, timeout, "servers")
         messages = [Message(RecordDict({"config": self.train_config}),
                             message_type=MessageType.QUERY, dst_node_id=node) for node in nodes]
         replies = list(self.grid.send_and_receive(messages, timeout=timeout))
@@ -70,7 +85,9 @@ class EdgeServersExecutor(GridExecutor):
         n = self.num_clients or 0
         sizes = np.zeros(n, dtype=np.int64)
         histograms: np.ndarray | None = None
-        self.edge_of_client[:] = -1
+        self.node_of_edge = {}
+        for where in self.ancestors:
+            where[:] = -1
         for reply in replies:
             m = reply.content["metrics"]
             if EDGE_ID not in m:
@@ -78,25 +95,30 @@ class EdgeServersExecutor(GridExecutor):
                                       "client, not an edge server: edge_servers runs on "
                                       "fedhier deploy local --edges")
             edge = int(m[EDGE_ID])  # type: ignore[arg-type]
-            if not 0 <= edge < self.num_edges or edge in self.node_of_edge:
-                raise RunFailureError(f"edge server on node {reply.metadata.src_node_id} "
-                                      f"says it is edge {edge}: expected each of "
-                                      f"0..{self.num_edges - 1} once")
+            if edge not in self.children or edge in self.node_of_edge:
+                raise RunFailureError(f"server on node {reply.metadata.src_node_id} "
+                                      f"says it is node {edge}: expected each of "
+                                      f"{self.children} once")
             self.node_of_edge[edge] = reply.metadata.src_node_id
             clients = np.asarray(m[PARTITION_IDS], dtype=np.int64)
             classes = int(m["num-classes"])  # type: ignore[arg-type]
             if histograms is None:
                 histograms = np.zeros((n, classes), dtype=np.int64)
-            if ((clients < 0) | (clients >= n)).any() or (self.edge_of_client[clients] >= 0).any():
+            if ((clients < 0) | (clients >= n)).any() or (self.ancestors[-1][clients] >= 0).any():
                 raise RunFailureError(f"edge {edge} serves clients {clients.tolist()[:10]}: "
                                       f"outside 0..{n - 1} or served by another edge too")
-            self.edge_of_client[clients] = edge
+            self.ancestors[-1][clients] = edge
+            if self.level > 2:  # a region's reply: each client's edge (and levels above)
+                path = np.asarray(m[PATH], dtype=np.int64).reshape(len(clients), -1)
+                for level, where in enumerate(self.ancestors[:-1]):
+                    where[clients] = path[:, level]
             sizes[clients] = np.asarray(m["num-examples"], dtype=np.int64)
             histograms[clients] = np.asarray(m["label-histogram"],
                                              dtype=np.int64).reshape(len(clients), classes)
-        missing = np.flatnonzero(self.edge_of_client < 0)
-        if len(missing):
-            raise RunFailureError(f"no edge server serves clients {missing.tolist()[:10]}")
+        missing = np.setdiff1d(self.served, np.flatnonzero(self.ancestors[-1] >= 0))
+        if len(missing) or (self.ancestors[-1] >= 0).sum() != len(self.served):
+            raise RunFailureError(f"no server serves clients {missing.tolist()[:10]} (or it "
+                                  f"serves others than {self.served[:10]})")
         assert histograms is not None
         return ClientInfo(label_histograms=histograms, num_examples=sizes,
                           edge_tags=self.edge_of_client.copy())
@@ -160,17 +182,17 @@ class EdgeServersExecutor(GridExecutor):
         return out.if_answered()
 
     def client_gradients(self, params: Params) -> torch.Tensor | None:
-        n = self.num_clients or 0
+        """[k, P]: the gradients of the clients served here, in client order."""
         grads: dict[int, torch.Tensor] = {}
         for reply in self._per_edge(f"{MessageType.QUERY}.gradient", params):
             clients = reply.content["metrics"][PARTITION_IDS]
             g = cast(ArrayRecord, reply.content["gradient"]).to_torch_state_dict()["g"]
             grads.update({int(c): g[i] for i, c in enumerate(clients)})  # type: ignore[union-attr, arg-type, call-overload]
-        if len(grads) != n:
-            log.warning("gradient query: %d of %d clients answered through their edges",
-                        len(grads), n)
+        if sorted(grads) != self.served:
+            log.warning("gradient query: %d of %d clients answered through their servers",
+                        len(grads), len(self.served))
             return None
-        return torch.stack([grads[c] for c in range(n)])
+        return torch.stack([grads[c] for c in self.served])
 
     def client_state(self) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
         return {}  # clients' kept state is not forwarded by edge servers (checked at start)

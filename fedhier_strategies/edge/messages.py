@@ -1,16 +1,20 @@
 """The messages between fedhier's cloud and its edge servers (docs/deployment.md#edge-servers).
 
-The cloud ServerApp reaches each edge server as one node of the cloud SuperLink; the edge
-server reaches its clients through its own SuperLink under the client message contract
-(docs/contract.md). Between the two tiers, one message per edge and task:
+The cloud ServerApp reaches each of its child servers (edges; regions in a deeper tree) as one
+node of the cloud SuperLink, a region its edges as nodes of its own SuperLink, and an edge
+server its clients through its own SuperLink under the client message contract
+(docs/contract.md). Between two tiers of servers, one message per server and task:
 
 =====================  ==========================================================================
-``query`` (profile)    reply ``metrics``: ``edge-id`` and, per client of the edge (lists in
-                       the order of ``partition-ids``), ``num-examples``, ``label-histogram``
-                       (flattened, ``num-classes`` per client)
-``train``              an edge job: ``arrays`` (the global model), ArrayRecord ``edge-job``
-                       (``edge-of-client`` and ``num-examples``, int64 [n]), ``config``: the run
-                       configuration plus ``server-round``, ``edge-id``, ``edge-start-seconds``.
+``query`` (profile)    reply ``metrics``: ``edge-id`` and, per client under the server (lists
+                       in the order of ``partition-ids``), ``num-examples``, ``label-histogram``
+                       (flattened, ``num-classes`` per client) and, above the edges,
+                       ``server-path`` (its servers at levels 1 .. l-1, flattened)
+``train``              a job: ``arrays`` (the parent's model), ArrayRecord ``edge-job``
+                       (``edge-of-client``, ``num-examples`` int64 [n], ``edge-seconds``
+                       float64 [E], ``parents-k`` the tree above the edges), ``config``: the
+                       run configuration plus ``server-round``, ``edge-id``, ``node-level``,
+                       ``first-edge-round``, ``num-edge-rounds``.
                        Reply: ``arrays`` (the edge's aggregate; absent when no client survived)
                        and ``metrics`` (see :func:`report_from_reply`)
 ``evaluate``           ``arrays`` (the global model); reply ``metrics``: per client ``loss``,
@@ -33,10 +37,14 @@ from fedhier_clients.records import to_record, to_tensors
 
 EDGE_ID = "edge-id"
 PARTITION_IDS = "partition-ids"
+#: Per client of a server above the edges, its servers at levels 1 .. l-1 (flattened).
+PATH = "server-path"
 JOB_RECORD = "edge-job"
-START_SECONDS = "edge-start-seconds"
-#: The config keys the cloud adds for an edge server (not the run configuration's).
-EDGE_KEYS = (EDGE_ID, START_SECONDS)
+LEVEL = "node-level"
+FIRST_ROUND = "first-edge-round"
+NUM_ROUNDS = "num-edge-rounds"
+#: The config keys a parent adds for a server (not the run configuration's).
+EDGE_KEYS = (EDGE_ID, LEVEL, FIRST_ROUND, NUM_ROUNDS)
 
 
 def job_content(job: EdgeJob, run_config: ConfigRecord) -> RecordDict:
@@ -44,33 +52,47 @@ def job_content(job: EdgeJob, run_config: ConfigRecord) -> RecordDict:
     config = run_config.copy()
     config["server-round"] = job.cloud_round
     config[EDGE_ID] = job.edge
-    config[START_SECONDS] = float(job.start_seconds)
-    tree = ArrayRecord({"edge-of-client": torch.as_tensor(np.asarray(job.edge_of_client,
-                                                                     dtype=np.int64)),
-                        "num-examples": torch.as_tensor(np.asarray(job.num_examples,
-                                                                   dtype=np.int64))})
+    config[LEVEL] = job.level
+    config[FIRST_ROUND] = job.first_round
+    config[NUM_ROUNDS] = job.num_rounds
+    arrays = {"edge-of-client": np.asarray(job.edge_of_client, dtype=np.int64),
+              "num-examples": np.asarray(job.num_examples, dtype=np.int64),
+              "edge-seconds": np.asarray(job.seconds, dtype=np.float64)}
+    arrays.update({f"parents-{k}": np.asarray(p, dtype=np.int64)
+                   for k, p in enumerate(job.parents, start=1)})
+    tree = ArrayRecord({k: torch.as_tensor(v) for k, v in arrays.items()})
     return RecordDict({"arrays": to_record(job.params), JOB_RECORD: tree, "config": config})
 
 
 def job_from_message(msg: Message) -> EdgeJob:
     config = msg.content["config"]
     tree = cast(ArrayRecord, msg.content[JOB_RECORD]).to_torch_state_dict()
+    parents = tuple(tree[f"parents-{k}"].numpy() for k in range(1, len(tree))
+                    if f"parents-{k}" in tree)
     return EdgeJob(edge=int(config[EDGE_ID]),  # type: ignore[arg-type]
                    cloud_round=int(config["server-round"]),  # type: ignore[arg-type]
                    params=to_tensors(cast(ArrayRecord, msg.content["arrays"])),
                    edge_of_client=tree["edge-of-client"].numpy(),
                    num_examples=tree["num-examples"].numpy(),
-                   start_seconds=float(config[START_SECONDS]))  # type: ignore[arg-type]
+                   seconds=tree["edge-seconds"].numpy(),
+                   level=int(config.get(LEVEL, 1)),  # type: ignore[arg-type]
+                   parents=parents,
+                   first_round=int(config.get(FIRST_ROUND, 0)),  # type: ignore[arg-type]
+                   num_rounds=int(config.get(NUM_ROUNDS, 0)))  # type: ignore[arg-type]
 
 
 def report_content(report: EdgeReport) -> RecordDict:
-    """The reply to an edge job."""
+    """The reply to a job."""
     metrics = MetricRecord({
         EDGE_ID: report.edge, "loss-means": report.losses[:, 0].tolist(),
         "loss-weights": report.losses[:, 1].tolist(), "failed-clients": report.failed_clients,
         "failed-edges": report.failed_edges,
         "client-edge-messages": report.client_edge_messages,
-        "client-edge-bytes": report.client_edge_bytes, "edge-seconds": report.seconds})
+        "client-edge-bytes": report.client_edge_bytes,
+        "edge-cloud-messages": report.edge_cloud_messages,
+        "edge-cloud-bytes": report.edge_cloud_bytes,
+        "edge-seconds": np.asarray(report.seconds, dtype=np.float64).tolist(),
+        "weight": float(report.weight)})
     content = RecordDict({"metrics": metrics})
     if report.model is not None:
         content["arrays"] = to_record(report.model)
@@ -78,7 +100,7 @@ def report_content(report: EdgeReport) -> RecordDict:
 
 
 def report_from_reply(reply: Message, edge: int) -> EdgeReport:
-    """The :class:`EdgeReport` in an edge server's reply to its job."""
+    """The :class:`EdgeReport` in a server's reply to its job."""
     m = reply.content["metrics"]
     losses = np.stack([np.asarray(m["loss-means"], dtype=np.float64),
                        np.asarray(m["loss-weights"], dtype=np.float64)], axis=1)
@@ -89,4 +111,7 @@ def report_from_reply(reply: Message, edge: int) -> EdgeReport:
                       failed_edges=int(m["failed-edges"]),  # type: ignore[arg-type]
                       client_edge_messages=int(m["client-edge-messages"]),  # type: ignore[arg-type]
                       client_edge_bytes=int(m["client-edge-bytes"]),  # type: ignore[arg-type]
-                      seconds=float(m["edge-seconds"]))  # type: ignore[arg-type]
+                      seconds=np.asarray(m["edge-seconds"], dtype=np.float64),
+                      weight=float(m["weight"]),  # type: ignore[arg-type]
+                      edge_cloud_messages=int(m["edge-cloud-messages"]),  # type: ignore[arg-type]
+                      edge_cloud_bytes=int(m["edge-cloud-bytes"]))  # type: ignore[arg-type]

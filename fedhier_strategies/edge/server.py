@@ -1,10 +1,13 @@
-"""An edge server's message handler: the cloud's tasks, run with the edge's own clients.
+"""A server's message handler: its parent's tasks, run with its own subtree.
 
-:class:`EdgeServer` answers the messages of :mod:`fedhier_strategies.edge.messages` from the
-cloud, reaching its clients through ``grid`` (the Grid of the edge's own SuperLink) with a
+:class:`EdgeServer` answers the messages of :mod:`fedhier_strategies.edge.messages` from its
+parent (the cloud, or a region), reaching its children through ``grid`` (the Grid of its own
+SuperLink): an edge its clients with a
 :class:`~fedhier_strategies.grid_executor.GridExecutor` numbered by the clients' partition
-ids. It holds no training state between messages (:mod:`fedhier.edge_tier`), so a restarted
-edge server takes the next job as if nothing happened. The process around it (claiming tasks
+ids, a server above the edges its child servers with an
+:class:`~fedhier_strategies.edge.cloud_executor.EdgeServersExecutor`. It holds no training
+state between messages (:mod:`fedhier.edge_tier`), so a restarted server takes the next job
+as if nothing happened. The process around it (claiming tasks
 from Flower's runtime APIs) is :mod:`fedhier.engines.deployment.edge_process`; tests run it in
 one process on :class:`~fedhier.engines.inprocess_grid.InProcessGrid` s.
 """
@@ -29,6 +32,7 @@ from fedhier_strategies.edge.messages import (
     EDGE_ID,
     EDGE_KEYS,
     PARTITION_IDS,
+    PATH,
     job_from_message,
     report_content,
 )
@@ -36,31 +40,48 @@ from fedhier_strategies.grid_executor import GridExecutor
 
 
 class EdgeServer:
-    """Edge ``edge`` of a federation, serving the clients ``clients`` (partition ids).
+    """Node ``edge`` of level ``level`` (1: an edge) of a federation, serving the clients
+    ``clients`` (partition ids) under it.
 
     Args:
-        grid: reaches this edge's clients (their SuperNodes are the grid's nodes).
-        timeout: seconds to wait for the clients' replies (default: the run's round_timeout).
+        grid: reaches its children (their SuperNodes are the grid's nodes): an edge's
+            clients, or (``level`` >= 2) the servers ``children`` of level ``level`` - 1.
+        timeout: seconds to wait for the children's replies (default: the run's
+            round_timeout).
     """
 
     def __init__(self, edge: int, grid: Grid, clients: Sequence[int],
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, level: int = 1,
+                 children: Sequence[int] = ()) -> None:
         self.edge = edge
         self.grid = grid
         self.clients = sorted(int(c) for c in clients)
         self.timeout = timeout
+        self.level = level
+        self.children = sorted(int(c) for c in children)
+        if level > 1 and not self.children:
+            raise ConfigError(f"server {edge} of level {level} needs its child servers")
         self._executor: GridExecutor | None = None
         self._config: RunConfig | None = None
 
     def executor(self, cfg: RunConfig) -> GridExecutor:
-        """The executor of this edge's clients under run configuration ``cfg`` (profiled on
-        first use)."""
+        """The executor of this server's children under run configuration ``cfg``
+        (profiled on first use)."""
         if self._executor is None or cfg != self._config:
-            executor = GridExecutor(
-                self.grid, ConfigRecord(cfg.to_run_config()),
-                timeout=self.timeout or cfg.round_timeout,
-                min_available_nodes=len(self.clients), clients=self.clients,
-                num_clients=cfg.clients, policy=cfg.reply_policy())
+            run_config = ConfigRecord(cfg.to_run_config())
+            timeout = self.timeout or cfg.round_timeout
+            executor: GridExecutor
+            if self.level == 1:
+                executor = GridExecutor(
+                    self.grid, run_config, timeout=timeout,
+                    min_available_nodes=len(self.clients), clients=self.clients,
+                    num_clients=cfg.clients, policy=cfg.reply_policy())
+            else:
+                from fedhier_strategies.edge.cloud_executor import EdgeServersExecutor
+
+                executor = EdgeServersExecutor(
+                    self.grid, run_config, len(self.children), cfg.clients, timeout,
+                    level=self.level, children=self.children, clients=self.clients)
             executor.profiles()
             self._executor, self._config = executor, cfg
         return self._executor
@@ -76,8 +97,9 @@ class EdgeServer:
             return self._profile(executor)
         if kind == MessageType.TRAIN:
             job = job_from_message(msg)
-            if job.edge != self.edge:
-                raise ConfigError(f"edge server {self.edge} got the job of edge {job.edge}")
+            if (job.edge, job.level) != (self.edge, self.level):
+                raise ConfigError(f"server {self.edge} (level {self.level}) got the job of "
+                                  f"server {job.edge} (level {job.level})")
             return report_content(run_edge_job(settings_for(cfg), executor, job))
         params = to_tensors(cast(ArrayRecord, msg.content["arrays"]))
         if kind == MessageType.EVALUATE:
@@ -89,16 +111,22 @@ class EdgeServer:
             return RecordDict({"gradient": ArrayRecord({"g": grads}),
                                "metrics": MetricRecord({EDGE_ID: self.edge,
                                                         PARTITION_IDS: self.clients})})
-        raise ConfigError(f"edge server {self.edge} has no handler for '{kind}' messages")
+        raise ConfigError(f"server {self.edge} has no handler for '{kind}' messages")
 
     def _profile(self, executor: GridExecutor) -> RecordDict:
         info = executor.profiles()
         histograms = np.asarray(info.label_histograms, dtype=np.int64)
-        return RecordDict({"metrics": MetricRecord({
-            EDGE_ID: self.edge, PARTITION_IDS: self.clients,
-            "num-examples": [int(v) for v in info.num_examples],
-            "label-histogram": [int(v) for v in histograms.ravel()],
-            "num-classes": int(histograms.shape[1])})})
+        sizes = np.asarray(info.num_examples, dtype=np.int64)
+        metrics = MetricRecord({EDGE_ID: self.edge, PARTITION_IDS: self.clients})
+        if self.level > 1:  # arrays by client of the federation: this server's rows
+            rows = np.asarray(self.clients)
+            histograms, sizes = histograms[rows], sizes[rows]
+            path = np.stack([where[rows] for where in executor.ancestors], axis=1)  # type: ignore[attr-defined]
+            metrics[PATH] = [int(v) for v in path.ravel()]
+        metrics.update({"num-examples": [int(v) for v in sizes],
+                        "label-histogram": [int(v) for v in histograms.ravel()],
+                        "num-classes": int(histograms.shape[1])})
+        return RecordDict({"metrics": metrics})
 
     def _evaluate(self, executor: GridExecutor, params: dict[str, torch.Tensor],
                   cloud_round: int) -> RecordDict:

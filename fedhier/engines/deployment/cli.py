@@ -59,10 +59,13 @@ def _interrupt_on_sigterm() -> Iterator[None]:
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
     """The run configuration of ``fedhier deploy``: clients = --nodes; with ``--edges E``,
-    E edge servers (groups = E, edge_servers on); with ``--resume DIR``, DIR's own."""
+    E edge servers (groups = E, edge_servers on), with ``--regions R`` too, R region servers
+    above them (groups = E,R); with ``--resume DIR``, DIR's own."""
     if args.resume is not None:
         return _resumed(args)
-    cfg = config_from_args(args)
+    edges, regions = getattr(args, "edges", None), getattr(args, "regions", None)
+    servers = None if edges is None else (edges,) if regions is None else (edges, regions)
+    cfg = config_from_args(args, None if servers is None else {"groups": servers})
     if args.nodes is None:
         raise ConfigError("--nodes N is required (or --resume RUN_DIR)")
     if args.nodes < 1:
@@ -73,15 +76,20 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     cfg = cfg.replace(clients=args.nodes)
     if cfg.on_bad_reply == "auto":  # real processes: one client must not stop everyone's run
         cfg = cfg.replace(on_bad_reply="drop")
-    edges = getattr(args, "edges", None)
     if edges is None:
+        if regions is not None:
+            raise ConfigError("--regions needs --edges: regions are servers over edge servers")
         return cfg
     if not 1 <= edges <= args.nodes:
         raise ConfigError(f"--edges must be between 1 and --nodes {args.nodes}, got {edges}")
-    if args.groups is not None and cfg.groups != (edges,):
-        raise ConfigError(f"--groups {args.groups} contradicts --edges {edges}: with edge "
-                          "servers the groups are the edges; give --edges only")
-    cfg = cfg.replace(groups=(edges,), edge_servers=True)
+    if regions is not None and not 1 <= regions <= edges:
+        raise ConfigError(f"--regions must be between 1 and --edges {edges}, got {regions}")
+    groups = servers
+    if args.groups is not None and cfg.groups != groups:
+        raise ConfigError(f"--groups {args.groups} contradicts --edges {edges}"
+                          f"{'' if regions is None else f' --regions {regions}'}: with edge "
+                          "servers the groups are the servers; give --edges (--regions) only")
+    cfg = cfg.replace(groups=groups, edge_servers=True)
     cfg.validate()
     return cfg
 
@@ -98,6 +106,10 @@ def _resumed(args: argparse.Namespace) -> RunConfig:
         raise ConfigError(f"--edges {args.edges} contradicts the resumed run ("
                           f"{f'{edges} edge servers' if edges else 'no edge servers'}); "
                           "drop --edges")
+    regions = cfg.groups[1] if cfg.edge_servers and len(cfg.groups) > 1 else None
+    if getattr(args, "regions", None) is not None and args.regions != regions:
+        raise ConfigError(f"--regions {args.regions} contradicts the resumed run; drop "
+                          "--regions")
     args.nodes = cfg.clients
     return cfg.replace(out=str(Path(args.resume).resolve()))
 
@@ -134,7 +146,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
                           "--out (or continue it with --resume)")
     else:
         RunFolder.check_target(out)  # not under a file
-    check_ports(args.base_port, ports_needed(args.nodes, cfg.num_edges if cfg.edge_servers
+    check_ports(args.base_port, ports_needed(args.nodes, sum(cfg.groups) if cfg.edge_servers
                                              else 0) - 1)
     resolve_device(cfg.device)
     prepare_data(cfg)  # data and partition are valid before anything starts
@@ -158,11 +170,12 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         deployment: LocalDeployment
         if cfg.edge_servers:
             from fedhier.engines.deployment.edge_servers import EdgeTierDeployment
-            from fedhier.engines.deployment.placement import client_placement
+            from fedhier.engines.deployment.placement import tree_placement
 
+            tree = tree_placement(cfg)
             deployment = EdgeTierDeployment(
-                **common, edges=client_placement(cfg).tolist(), num_edges=cfg.num_edges,
-                edge_timeout=cfg.round_timeout)
+                **common, edges=tree[0].tolist(), upper=[p.tolist() for p in tree[1:]],
+                num_edges=cfg.num_edges, edge_timeout=cfg.round_timeout)
         else:
             deployment = LocalDeployment(**common, edges=edges)
     except BaseException:
@@ -238,6 +251,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="run E edge servers as processes (each its own SuperLink for its "
                         "clients and a SuperNode of the cloud's); clients connect to their "
                         "edge, which meets the cloud every global period (docs/deployment.md)")
+    parser.add_argument("--regions", type=int, metavar="R",
+                        help="with --edges: R region servers over the edge servers (a "
+                        "third tier: each a SuperLink for its edges and a SuperNode of the "
+                        "cloud's); needs --periods I,G1,G2 (docs/deployment.md)")
     parser.add_argument("--config", type=Path, metavar="FILE.toml",
                         help="TOML file with run configuration keys")
     security = parser.add_argument_group("security")

@@ -1,18 +1,20 @@
-"""One edge server as one long-lived process, built from Flower's own runtime clients.
+"""One server (an edge, a region, ...) as one long-lived process, built from Flower's own
+runtime clients.
 
 ``python -m fedhier.engines.deployment.edge_process --edge E --clients 0,1,2 ...`` (started by
-``fedhier deploy local --edges``; docs/deployment.md#edge-servers has the diagram). The edge
-has two faces, both Flower's:
+``fedhier deploy local --edges``; ``--level 2 --children 0,1`` for a region over edges 0 and 1;
+docs/deployment.md#edge-servers has the diagram). The server has two faces, both Flower's:
 
-* **toward its clients** it is the ServerApp of its own SuperLink. That SuperLink runs with
-  ``--isolation process``: this process submits one run to it (``flwr run``, so that the
-  client SuperNodes get the app), claims that run's ServerApp task itself (``AcquireTask``,
-  authenticated with the SuperExec secret) and keeps one :class:`flwr.superlink.grid.HttpGrid`
-  with heartbeats for the whole federation;
-* **toward the cloud** it is the ClientApp runtime of a SuperNode attached to the cloud
-  SuperLink (also ``--isolation process``): it claims each task the cloud sends that SuperNode,
-  answers it with :class:`~fedhier_strategies.edge.server.EdgeServer` over the grid, and
-  pushes the reply, as Flower's ``flwr-clientapp`` does for one message.
+* **toward its children** (an edge's clients, a region's edges) it is the ServerApp of its
+  own SuperLink. That SuperLink runs with ``--isolation process``: this process submits one
+  run to it (``flwr run``, so that the children's SuperNodes get the app), claims that run's
+  ServerApp task itself (``AcquireTask``, authenticated with the SuperExec secret) and keeps
+  one :class:`flwr.superlink.grid.HttpGrid` with heartbeats for the whole federation;
+* **toward its parent** (the cloud, or a region) it is the ClientApp runtime of a SuperNode
+  attached to the parent's SuperLink (also ``--isolation process``): it claims each task the
+  parent sends that SuperNode, answers it with
+  :class:`~fedhier_strategies.edge.server.EdgeServer` over the grid, and pushes the reply, as
+  Flower's ``flwr-clientapp`` does for one message.
 
 Flower's ``Message()`` reads the run, node and task ids from the process-global
 ``TaskIdentity``, so the process switches identity between the two faces and handles one
@@ -36,6 +38,7 @@ from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_htt
 from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.grid import HttpGrid
 
+from fedhier.edge_tier import server_name
 from fedhier.engines.deployment.task_runtime import (
     acquire,
     exit_on_sigterm,
@@ -85,7 +88,8 @@ def connect_to_clients(args: argparse.Namespace, ca: bytes | None,
 
 def edge_answer(server: EdgeServer, edge_identity: Identity,
                 ) -> Callable[[Message, Context], Message]:
-    """The cloud's message answered with the edge's clients (under the edge's identity)."""
+    """The parent's message answered with the server's children (under the identity of the
+    server's own run)."""
 
     def answer(msg: Message, context: Context) -> Message:
         cloud_identity = Identity()
@@ -102,13 +106,19 @@ def edge_answer(server: EdgeServer, edge_identity: Identity,
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fedhier.engines.deployment.edge_process",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--edge", type=int, required=True, help="this edge's index")
+    parser.add_argument("--edge", type=int, required=True,
+                        help="this server's index among its level's nodes")
+    parser.add_argument("--level", type=int, default=1,
+                        help="its level: 1 an edge (default), 2 a region, ...")
     parser.add_argument("--clients", required=True,
-                        help="the partition ids of its clients, comma-separated")
+                        help="the partition ids of the clients under it, comma-separated")
+    parser.add_argument("--children", default="",
+                        help="above the edges: its child servers' indices, comma-separated")
     parser.add_argument("--edge-superlink", required=True, metavar="HOST:PORT",
-                        help="this edge's SuperLink (clients connect to it)")
+                        help="this server's SuperLink (its children connect to it)")
     parser.add_argument("--cloud-node", required=True, metavar="HOST:PORT",
-                        help="runtime API of this edge's SuperNode on the cloud SuperLink")
+                        help="runtime API of this server's SuperNode on its parent's "
+                        "SuperLink (the cloud's, or a region's)")
     parser.add_argument("--app", type=Path, required=True, help="the Flower app (FAB source)")
     parser.add_argument("--run-config", type=Path, metavar="FILE.toml",
                         help="--run-config of the edge's flwr run (the clients read the run's "
@@ -127,18 +137,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ca = args.root_certificates.read_bytes() if args.root_certificates else None
     secret = args.superexec_secret.read_bytes() if args.superexec_secret else None
     clients = [int(c) for c in args.clients.split(",") if c.strip()]
+    children = [int(c) for c in args.children.split(",") if c.strip()]
+    name = f"{server_name(args.level)} {args.edge}"
     try:
         grid, heartbeat = connect_to_clients(args, ca, secret)
-        print(f"edge {args.edge}: ServerApp task of the edge SuperLink claimed (pid "
-              f"{os.getpid()}); waiting for clients {clients}", flush=True)
-        server = EdgeServer(args.edge, PromptGrid(grid), clients, timeout=args.timeout)
-        serve_tasks(args.cloud_node, secret, edge_answer(server, Identity()),
-                    f"edge {args.edge}")
+        print(f"{name}: ServerApp task of its SuperLink claimed (pid {os.getpid()}); waiting "
+              f"for {f'children {children} serving ' if children else ''}clients {clients}",
+              flush=True)
+        server = EdgeServer(args.edge, PromptGrid(grid), clients, timeout=args.timeout,
+                            level=args.level, children=children)
+        serve_tasks(args.cloud_node, secret, edge_answer(server, Identity()), name)
     except (KeyboardInterrupt, SystemExit):
         return 0
     except Exception as exc:  # noqa: BLE001 - one line for the deploy log
-        print(f"edge {args.edge}: error: {type(exc).__name__}: {exc}", file=sys.stderr,
-              flush=True)
+        print(f"{name}: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
         if "heartbeat" in locals():

@@ -1,24 +1,26 @@
-"""Three tiers on 127.0.0.1: the cloud SuperLink, E edge servers, N client SuperNodes.
+"""Servers at every level on 127.0.0.1: the cloud SuperLink, the servers of each level
+between the clients and the cloud (edges, regions, ...), N client SuperNodes.
 
 :class:`EdgeTierDeployment` extends :class:`~fedhier.engines.deployment.local.LocalDeployment`
-(docs/deployment.md#edge-servers has the diagram). Per edge e:
+(docs/deployment.md#edge-servers has the diagram). Per server (an edge e, a region r, ...):
 
-* an **edge SuperLink** (``--isolation process``): its clients' SuperNodes connect to it;
-* a **SuperNode of the cloud SuperLink** (``--isolation process``, tagged ``edge=e``): the
-  cloud's messages to edge e arrive there;
-* the **edge process** (:mod:`.edge_process`): the ServerApp of the edge SuperLink and the
+* its **SuperLink** (``--isolation process``): its children connect to it (an edge's clients'
+  SuperNodes, a region's edges' SuperNodes);
+* a **SuperNode of its parent's SuperLink** (``--isolation process``, tagged ``edge=e`` /
+  ``region=r``): its parent's messages arrive there (the parent: the cloud, or a region);
+* the **server process** (:mod:`.edge_process`): the ServerApp of its SuperLink and the
   ClientApp runtime of that SuperNode, in one long-lived process.
 
-Every SuperLink has TLS and SuperNode authentication (clients' keys registered with their
-edge's SuperLink, edges' keys with the cloud's), and the runtime APIs that ``--isolation
-process`` opens to an outside process need the SuperExec secret (``superexec.secret``, made
-here). Ports from ``base_port``: cloud SuperLink, then one per client SuperNode, then per
-edge its SuperLink and its SuperNode's runtime API.
+Every SuperLink has TLS and SuperNode authentication (each SuperNode's key registered with
+the SuperLink it connects to), and the runtime APIs that ``--isolation process`` opens to an
+outside process need the SuperExec secret (``superexec.secret``, made here). Ports from
+``base_port``: cloud SuperLink, then one per client SuperNode, then per server (edges first,
+then regions, ...) its SuperLink and its SuperNode's runtime API.
 
 With a wire folder every SuperNode measures its own traffic
 (:mod:`fedhier.engines.deployment.wire`): client SuperNodes on the ``client-edge`` link,
-edges' SuperNodes on the ``edge-cloud`` link; the cloud ServerApp records the totals per
-cloud round.
+a server's SuperNode on the link to its parent (``edge-cloud``; with regions ``edge-region``
+and ``region-cloud``); the cloud ServerApp records the totals per cloud round.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fedhier.config import RunConfig
+from fedhier.edge_tier import server_names
 from fedhier.engines.deployment.connection import CONNECTION
 from fedhier.engines.deployment.errors import DeployError
 from fedhier.engines.deployment.local import LocalDeployment
@@ -37,80 +40,137 @@ from fedhier.engines.deployment.ports import HOST, check_ports, ports_needed
 from fedhier.engines.deployment.processes import Managed
 from fedhier.errors import ConfigError
 
-#: How often one edge process is restarted before the deployment gives up.
+#: How often one server process is restarted before the deployment gives up.
 MAX_RESTARTS = 3
 
 
 @dataclass
 class EdgeTierDeployment(LocalDeployment):
-    """``edges`` must hold each client's edge (from the run's grouping:
-    :func:`fedhier.engines.deployment.placement.client_placement`); ``num_edges`` edge servers
-    are started; ``edge_timeout``: seconds an edge waits for its clients' replies."""
+    """``edges`` must hold each client's edge and ``upper`` each edge's region (each
+    region's level-3 node, ...), from the run's grouping
+    (:func:`fedhier.engines.deployment.placement.tree_placement`); ``num_edges`` edge servers
+    (and one server per node of each level above) are started; ``edge_timeout``: seconds a
+    server waits for its children's replies."""
 
     num_edges: int = 1
     edge_timeout: float = 3600.0
-    edge_processes: list[Managed] = field(default_factory=list)  # by edge
+    upper: list[list[int]] = field(default_factory=list)
+    edge_processes: list[Managed] = field(default_factory=list)  # by server
     restarts: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_ports(self.base_port, ports_needed(self.nodes, self.num_edges) - 1)
         if self.edges is None or len(self.edges) != self.nodes:
             raise ConfigError("an edge-tier deployment needs every client's edge")
-        if self.num_edges < 1 or sorted(set(self.edges)) != list(range(self.num_edges)):
+        self.parents = [list(self.edges), *(list(p) for p in self.upper)]
+        if sorted(set(self.edges)) != list(range(self.num_edges)):
             raise ConfigError(f"--edges {self.num_edges}: every edge needs at least one client "
                               f"(clients at edges {sorted(set(self.edges))})")
+        for level, parent in enumerate(self.parents[1:], start=2):
+            below = max(self.parents[level - 2]) + 1
+            if len(parent) != below or sorted(set(parent)) != list(range(max(parent) + 1)):
+                raise ConfigError(f"every level-{level} server needs at least one child "
+                                  f"(level-{level - 1} servers under {sorted(set(parent))})")
+        self.names = server_names(len(self.parents) + 1)
+        # (level, node) of every server, edges first; the index is its place in the ports
+        self.servers = [(level, node) for level in range(1, len(self.parents) + 1)
+                        for node in range(max(self.parents[level - 1]) + 1)]
+        check_ports(self.base_port, ports_needed(self.nodes, len(self.servers)) - 1)
+
+    # -- the tree ----------------------------------------------------------------------------
+    def server_index(self, level: int, node: int) -> int:
+        return self.servers.index((level, node))
+
+    def server_name(self, index: int) -> str:
+        level, node = self.servers[index]
+        return f"{self.names[level]}-{node}"
+
+    def parent_of(self, index: int) -> int | None:
+        """The server above server ``index`` (None: the cloud)."""
+        level, node = self.servers[index]
+        if level == len(self.parents):
+            return None
+        return self.server_index(level + 1, self.parents[level][node])
+
+    def clients_under(self, index: int) -> list[int]:
+        level, node = self.servers[index]
+        under = list(range(self.nodes))
+        for parent in self.parents[:level]:
+            under = [parent[u] for u in under]
+        return [c for c in range(self.nodes) if under[c] == node]
+
+    def children_of(self, index: int) -> list[int]:
+        level, node = self.servers[index]
+        return [c for c, p in enumerate(self.parents[level - 1]) if p == node]
 
     # -- ports -------------------------------------------------------------------------------
+    def server_superlink_port(self, index: int) -> int:
+        return self.base_port + 1 + self.nodes + 2 * index
+
     def edge_superlink_port(self, edge: int) -> int:
-        return self.base_port + 1 + self.nodes + 2 * edge
+        return self.server_superlink_port(edge)  # edges come first
 
-    def edge_node_port(self, edge: int) -> int:
-        """The runtime API of edge ``edge``'s SuperNode on the cloud SuperLink."""
-        return self.edge_superlink_port(edge) + 1
+    def server_node_port(self, index: int) -> int:
+        """The runtime API of server ``index``'s SuperNode on its parent's SuperLink."""
+        return self.server_superlink_port(index) + 1
 
-    def clients_of(self, edge: int) -> list[int]:
-        assert self.edges is not None
-        return [i for i, e in enumerate(self.edges) if e == edge]
+    def parent_port(self, index: int) -> int:
+        parent = self.parent_of(index)
+        return self.superlink_port if parent is None else self.server_superlink_port(parent)
+
+    def parent_home(self, index: int) -> str:
+        """The flwr-home whose connection is the parent's SuperLink."""
+        parent = self.parent_of(index)
+        return "cli" if parent is None else self.server_name(parent)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Certificates and secret, the cloud SuperLink, the edge SuperLinks, key
-        registration on both tiers, the client and edge SuperNodes, the edge processes."""
+        """Certificates and secret, the cloud SuperLink, the servers' SuperLinks, key
+        registration on every tier, the client and server SuperNodes, the server processes."""
         self.work.mkdir(parents=True, exist_ok=True)
         keys = self._prepare_edge_security()
         secret = self.secret_args()
         self.start_superlink()
         self.write_cli_config()
-        for edge in range(self.num_edges):
-            self.start_superlink(self.edge_superlink_port(edge), f"superlink-edge-{edge}",
+        for j in range(len(self.servers)):
+            port = self.server_superlink_port(j)
+            self.start_superlink(port, f"superlink-{self.server_name(j)}",
                                  ["--isolation", "process", *secret])
-            self.write_cli_config(self.edge_superlink_port(edge), f"edge-{edge}")
+            self.write_cli_config(port, self.server_name(j))
         if self.supernode_auth:
-            for edge in range(self.num_edges):
-                self.register_supernodes([self._pub(keys[i]) for i in self.clients_of(edge)],
-                                         home=f"edge-{edge}")
-            self.register_supernodes([self._pub(keys[self.nodes + e])
-                                      for e in range(self.num_edges)])
+            for j in range(len(self.servers)):  # who connects to server j's SuperLink
+                level, _ = self.servers[j]
+                below = ([keys[i] for i in self.children_of(j)] if level == 1 else
+                         [keys[self.nodes + self.server_index(level - 1, c)]
+                          for c in self.children_of(j)])
+                self.register_supernodes([self._pub(k) for k in below],
+                                         home=self.server_name(j))
+            self.register_supernodes([self._pub(keys[self.nodes + j])
+                                      for j in range(len(self.servers))
+                                      if self.parent_of(j) is None])
         assert self.edges is not None
         for i in range(self.nodes):
             port = self.edge_superlink_port(self.edges[i])
             self.start_supernode(i, keys[i] if self.supernode_auth else None,
                                  superlink_port=port,
                                  env=self._wired(f"supernode-{i}", "client-edge", port))
-        for edge in range(self.num_edges):
+        for j, (level, node) in enumerate(self.servers):
+            name = self.server_name(j)
+            link = f"{self.names[level]}-{self.names[level + 1]}"
             self.start_supernode(
-                edge, keys[self.nodes + edge] if self.supernode_auth else None,
-                name=f"supernode-edge-{edge}", port=self.edge_node_port(edge),
-                node_config=f"edge={edge}", extra_args=["--isolation", "process", *secret],
-                env=self._wired(f"supernode-edge-{edge}", "edge-cloud", self.superlink_port))
-        for edge in range(self.num_edges):
-            self.start_edge_process(edge)
+                node, keys[self.nodes + j] if self.supernode_auth else None,
+                name=f"supernode-{name}", port=self.server_node_port(j),
+                superlink_port=self.parent_port(j),
+                node_config=f"{self.names[level]}={node}",
+                extra_args=["--isolation", "process", *secret],
+                env=self._wired(f"supernode-{name}", link, self.parent_port(j)))
+        for j in range(len(self.servers)):
+            self.start_edge_process(j)
         if self.wait_online:
             self.wait_supernodes_online()
 
     def _prepare_edge_security(self) -> list[Path]:
-        """TLS material and one SuperNode key per client and per edge."""
+        """TLS material and one SuperNode key per client and per server."""
         from fedhier.engines.deployment.certs import make_supernode_key
 
         keys = self._prepare_security()
@@ -118,8 +178,9 @@ class EdgeTierDeployment(LocalDeployment):
             return []
         keys = keys[:self.nodes]
         if self.supernode_auth:
-            keys += [make_supernode_key(self.work / "keys" / f"supernode-edge-{e}")[0].resolve()
-                     for e in range(self.num_edges)]
+            keys += [make_supernode_key(self.work / "keys" /
+                                        f"supernode-{self.server_name(j)}")[0].resolve()
+                     for j in range(len(self.servers))]
         return keys
 
     @staticmethod
@@ -129,8 +190,8 @@ class EdgeTierDeployment(LocalDeployment):
     def run_app(self, cfg: RunConfig, out: Path, timeout: float = 3600,
                 verbose: bool = False,
                 on_tick: Callable[[LocalDeployment], None] | None = None) -> dict[str, Any]:
-        """As :meth:`LocalDeployment.run_app`, restarting an edge process that stopped (it
-        rejoins at the next job; the cloud counts its clients as failed for a job it lost)."""
+        """As :meth:`LocalDeployment.run_app`, restarting a server process that stopped (it
+        rejoins at the next job; its parent counts its clients as failed for a job it lost)."""
 
         def tick(deployment: LocalDeployment) -> None:
             self.restart_stopped_edges()
@@ -140,38 +201,46 @@ class EdgeTierDeployment(LocalDeployment):
         return super().run_app(cfg, out, timeout, verbose, tick)
 
     def restart_stopped_edges(self) -> list[int]:
-        """Start again every edge whose process exited (at most ``MAX_RESTARTS`` times
-        each); returns those edges."""
+        """Start again every server whose process exited (at most ``MAX_RESTARTS`` times
+        each); returns those servers' indices."""
         restarted = []
-        for edge, managed in enumerate(self.edge_processes):
+        for j, managed in enumerate(self.edge_processes):
             code = managed.popen.poll()
             if code is None:
                 continue
-            if self.restarts.get(edge, 0) >= MAX_RESTARTS:
-                raise DeployError(f"edge server {edge} stopped {MAX_RESTARTS + 1} times; "
+            level, node = self.servers[j]
+            what = f"{self.names[level]} server {node}"
+            if self.restarts.get(j, 0) >= MAX_RESTARTS:
+                raise DeployError(f"{what} stopped {MAX_RESTARTS + 1} times; "
                                   f"last lines of {managed.log}:\n{managed.log_tail()}")
-            self.restarts[edge] = self.restarts.get(edge, 0) + 1
-            self.echo(f"edge server {edge} stopped (exit code {code}); restarting it")
-            self.edge_processes[edge] = self.start_edge_process(edge, append=False)
-            restarted.append(edge)
+            self.restarts[j] = self.restarts.get(j, 0) + 1
+            self.echo(f"{what} stopped (exit code {code}); restarting it")
+            self.edge_processes[j] = self.start_edge_process(j, append=False)
+            restarted.append(j)
         return restarted
 
-    def start_edge_process(self, edge: int, append: bool = True) -> Managed:
-        """Edge ``edge``'s process (also to restart one that was stopped)."""
-        name = f"edge-{edge}"
+    def start_edge_process(self, index: int, append: bool = True) -> Managed:
+        """Server ``index``'s process (also to restart one that was stopped)."""
+        name = self.server_name(index)
+        level, node = self.servers[index]
+        port = self.server_superlink_port(index)
         cmd = [sys.executable, "-m", "fedhier.engines.deployment.edge_process",
-               "--edge", str(edge), "--clients", ",".join(map(str, self.clients_of(edge))),
-               "--edge-superlink", f"{HOST}:{self.edge_superlink_port(edge)}",
-               "--cloud-node", f"{HOST}:{self.edge_node_port(edge)}", "--app", str(self.app),
+               "--edge", str(node), "--level", str(level),
+               "--clients", ",".join(map(str, self.clients_under(index))),
+               "--edge-superlink", f"{HOST}:{port}",
+               "--cloud-node", f"{HOST}:{self.server_node_port(index)}", "--app", str(self.app),
                "--connection", CONNECTION,
                "--timeout", str(self.edge_timeout)]
+        if level > 1:
+            cmd += ["--children", ",".join(map(str, self.children_of(index)))]
         if self.secure:
             cmd += ["--root-certificates", str(self.ca_cert),
                     "--superexec-secret", str(self.work / "certs" / "superexec.secret")]
-        managed = self.procs.start(name, cmd, self.env(f"edge-{edge}"), self.log(name),
-                                   self.work)
+        managed = self.procs.start(name, cmd, self.env(name), self.log(name), self.work)
         if append:
             self.edge_processes.append(managed)
-        self.echo(f"edge server {edge} (pid {managed.pid}): SuperLink "
-                  f"{HOST}:{self.edge_superlink_port(edge)}, clients {self.clients_of(edge)}")
+        below = (f"clients {self.children_of(index)}" if level == 1 else
+                 f"{self.names[level - 1]}s {self.children_of(index)}")
+        self.echo(f"{self.names[level]} server {node} (pid {managed.pid}): SuperLink "
+                  f"{HOST}:{port}, {below}")
         return managed

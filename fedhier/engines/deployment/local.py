@@ -133,9 +133,10 @@ class LocalDeployment:
         if self.trace_dir is not None:
             self.trace_dir.mkdir(parents=True, exist_ok=True)
             env.update({TRACE_ENV: str(self.trace_dir), NAME_ENV: name})
-        pair = re.fullmatch(r"(?:supernode|clientapp)-(\d+)|(?:supernode-)?edge-(\d+)", name)
+        pair = re.fullmatch(r"(?:supernode|clientapp)-(\d+)|"
+                            r"(?:supernode-)?((?:edge|region|level-\d+)-\d+)", name)
         if pair and self.poll_interval > 0:  # a SuperNode and its task runtime wake each other
-            key = f"client-{pair[1]}" if pair[1] is not None else f"edge-{pair[2]}"
+            key = f"client-{pair[1]}" if pair[1] is not None else pair[2]
             (self.work / "wake").mkdir(parents=True, exist_ok=True)
             env[WAKE_ENV] = str(self.work / "wake" / key)
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"

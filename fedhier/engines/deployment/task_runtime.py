@@ -82,7 +82,9 @@ def serve_tasks(node_address: str, secret: bytes | None,
     """Claim the ClientApp tasks of the SuperNode whose runtime API is ``node_address``
     (started with ``--isolation process``) and answer each in this process, one at a time:
     what Flower's ``flwr-clientapp`` does for one message, without a process per message.
-    An exception in ``answer`` becomes an error reply."""
+    An exception in ``answer`` becomes an error reply; a task whose input cannot be pulled
+    (its sender, an edge server, was killed while pushing it) is skipped, so that the runtime
+    serves the restarted sender's next run."""
     pace_flower_pulls()
     node = runtime_client(node_address, None, "SuperExec", secret)
     wake = Wake.from_env(TASK)  # poked by our SuperNode: no need to ask often
@@ -94,7 +96,12 @@ def serve_tasks(node_address: str, secret: bytes | None,
         heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
         heartbeat.start()
         try:
-            msg, context, _, _ = pull_task_input(client)  # sets the task's identity
+            try:
+                msg, context, _, _ = pull_task_input(client)  # sets the task's identity
+            except Exception as exc:  # noqa: BLE001 - e.g. its sender died mid-push: next task
+                print(f"{name}: could not pull a task ({type(exc).__name__}: {exc}); waiting "
+                      "for the next", flush=True)
+                continue
             trace("claimed", [msg.metadata.message_id], t=claimed)
             trace("acquired", [msg.metadata.message_id])
             config = msg.content.config_records.get("config")
