@@ -270,20 +270,15 @@ def run_engine(name: str, cfg: Any, marks: Marks, federation: Any = None) -> flo
 
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
         folder = RunFolder.create(Path(tmp) / "run")
-        if name == "inprocess":
-            from fedhier.engines.inprocess import run_inprocess
-
-            summary = run_inprocess(cfg, folder, progress=False)
-        elif name == "flower":
-            from fedhier.engines.flower import run_simulation_engine
-
-            summary = run_simulation_engine(cfg.replace(engine="flower"), folder,
-                                            progress=False)
-        else:
+        if name == "vectorized":
             from fedhier.engines.vectorized import run_vectorized
 
             summary = run_vectorized(cfg.replace(engine="vectorized"), folder, progress=False,
                                      federation=federation)
+        else:  # inprocess, flower, or any engine registered later: its registered runner
+            from fedhier.engines.registry import get_engine
+
+            summary = get_engine(name).load()(cfg.replace(engine=name), folder, progress=False)
     return float(summary["final_test_accuracy"])
 
 
