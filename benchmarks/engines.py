@@ -753,8 +753,9 @@ def print_report(report: dict[str, Any]) -> None:
     f = report["vectorized_flops"]
     print(f"\nvectorized: {f['achieved_gflops']:.1f} GFLOP/s useful ({f['formula']}); float32 "
           f"matmul peak {f['matmul_peak_gflops']:.1f} GFLOP/s ({f['fraction_of_peak']:.0%})")
-    print(f"\n{'clients':>8}{'chunk':>7}{'s/edge round':>14}{'CPU s/edge round':>18}"
-          f"{'steps/s':>10}{'peak RSS MB':>13}")
+    if report["scaling"]["runs"]:
+        print(f"\n{'clients':>8}{'chunk':>7}{'s/edge round':>14}{'CPU s/edge round':>18}"
+              f"{'steps/s':>10}{'peak RSS MB':>13}")
     for run in report["scaling"]["runs"]:
         edge_rounds = run["window"]["wall"] / run["seconds_per_edge_round"]
         print(f"{run['clients']:>8,}{run['client_chunk'] or 'auto':>7}"
