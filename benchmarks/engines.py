@@ -26,8 +26,10 @@ that a busy spell on a shared machine hits every engine alike, and the table rep
 median. Wall time is the headline; CPU time of the process (``time.process_time``, one torch
 thread) is reported too, as it is less sensitive to other load (flower: the driver only).
 
-Every engine's row shows its steps/s, its ratio to the plain loop and its fraction of the
-float32 matmul peak measured in the same run (useful FLOPs over the window / peak GFLOP/s);
+Every engine's row shows its window and whole-command seconds (the worker process less its
+untimed warm-up run), steps/s, its ratio to the plain loop and its fraction of the float32
+matmul peak measured in the same run (useful FLOPs over the window / peak GFLOP/s; also by
+CPU time: the window's CPU seconds against the matmul's CPU-time rate);
 plain and vectorized are measured again side by side at 2 threads (against the 2-thread peak).
 
 Run ``python benchmarks/engines.py`` (all), ``--quick`` (3 rounds, no flower, no 10,000
