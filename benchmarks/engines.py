@@ -26,8 +26,10 @@ that a busy spell on a shared machine hits every engine alike, and the table rep
 median. Wall time is the headline; CPU time of the process (``time.process_time``, one torch
 thread) is reported too, as it is less sensitive to other load (flower: the driver only).
 
-Every engine's row shows its steps/s, its ratio to the plain loop and its fraction of the
-float32 matmul peak measured in the same run (useful FLOPs over the window / peak GFLOP/s);
+Every engine's row shows its window and whole-command seconds (the worker process less its
+untimed warm-up run), steps/s, its ratio to the plain loop and its fraction of the float32
+matmul peak measured in the same run (useful FLOPs over the window / peak GFLOP/s; also by
+CPU time: the window's CPU seconds against the matmul's CPU-time rate);
 plain and vectorized are measured again side by side at 2 threads (against the 2-thread peak).
 
 Run ``python benchmarks/engines.py`` (all), ``--quick`` (3 rounds, no flower, no 10,000
@@ -270,20 +272,15 @@ def run_engine(name: str, cfg: Any, marks: Marks, federation: Any = None) -> flo
 
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
         folder = RunFolder.create(Path(tmp) / "run")
-        if name == "inprocess":
-            from fedhier.engines.inprocess import run_inprocess
-
-            summary = run_inprocess(cfg, folder, progress=False)
-        elif name == "flower":
-            from fedhier.engines.flower import run_simulation_engine
-
-            summary = run_simulation_engine(cfg.replace(engine="flower"), folder,
-                                            progress=False)
-        else:
+        if name == "vectorized":
             from fedhier.engines.vectorized import run_vectorized
 
             summary = run_vectorized(cfg.replace(engine="vectorized"), folder, progress=False,
                                      federation=federation)
+        else:  # inprocess, flower, or any engine registered later: its registered runner
+            from fedhier.engines.registry import get_engine
+
+            summary = get_engine(name).load()(cfg.replace(engine=name), folder, progress=False)
     return float(summary["final_test_accuracy"])
 
 
@@ -317,12 +314,14 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     if args.worker == "vectorized" and args.workload == "w2":
         cfg = cfg.replace(client_chunk=args.client_chunk)
     repeats = 1 if args.worker == "flower" else args.repeats
+    untimed_start = time.perf_counter()
     if args.worker != "flower":  # warm-up: lazy initialisation, caches, allocator
         warm = cfg.replace(**(W2_WARMUP if args.workload == "w2" else {"rounds": 1}))
         if args.worker == "plain":
             plain_loop(warm, marks)
         else:
             run_engine(args.worker, warm, marks)
+    untimed = time.perf_counter() - untimed_start
     out["rss_before_mb"] = rss_mb()
     windows, accuracy = [], float("nan")
     for _ in range(repeats):
@@ -333,8 +332,11 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             accuracy = run_engine(args.worker, cfg, marks)
         windows.append(marks.window())
     if args.profile and args.worker in PROFILED:  # one more, untimed run under cProfile
+        untimed_start = time.perf_counter()
         profiled(lambda: run_engine(args.worker, cfg, Marks()), out)
-    out.update(windows=windows, final_test_accuracy=accuracy, peak_rss_mb=peak_rss_mb(),
+        untimed += time.perf_counter() - untimed_start
+    out.update(windows=windows, untimed_seconds=untimed, final_test_accuracy=accuracy,
+               peak_rss_mb=peak_rss_mb(),
                load_before=load_before, load_after=os.getloadavg()[0])
     return out
 
@@ -401,13 +403,15 @@ def matmul_peak(threads: int, size: int = 2048, repeats: int = 7) -> dict[str, A
 
     a, b = torch.randn(size, size), torch.randn(size, size)
     torch.matmul(a, b)
-    times = []
+    times, cpu_times = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         torch.matmul(a, b)
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
     return {"matmul_size": size, "matmul_gflops": 2 * size**3 / statistics.median(times) / 1e9,
-            "matmul_best_gflops": 2 * size**3 / min(times) / 1e9}
+            "matmul_best_gflops": 2 * size**3 / min(times) / 1e9,
+            "matmul_cpu_gflops": 2 * size**3 / statistics.median(cpu_times) / 1e9}
 
 
 # ------------------------------------------------------------------------------ parent
@@ -425,18 +429,25 @@ def spawn(name: str, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
         cmd.append("--profile")
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "FLWR_TELEMETRY_ENABLED": "0"}
     print(f"  running {name} {extra or ''} ...", flush=True)
+    start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    seconds = time.perf_counter() - start
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"benchmark worker {name} failed:\n{proc.stdout[-3000:]}\n"
                            f"{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT "):])
+    if "untimed_seconds" in result:  # the whole command: the process less its warm-up
+        result["command_seconds"] = seconds - result["untimed_seconds"]
+    return dict(result)
 
 
 def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One engine's results from several worker processes, as if from one."""
     merged = dict(runs[0])
     merged["windows"] = [w for run in runs for w in run["windows"]]
+    merged["command_seconds"] = [run["command_seconds"] for run in runs
+                                 if "command_seconds" in run]
     merged["peak_rss_mb"] = max(run["peak_rss_mb"] for run in runs)
     merged["rss_before_mb"] = max(run["rss_before_mb"] for run in runs)
     merged["load_before"] = [run["load_before"] for run in runs]
@@ -448,7 +459,10 @@ def summarise(result: dict[str, Any], steps: int) -> dict[str, Any]:
     walls = [w["wall"] for w in result["windows"]]
     cpus = [w["cpu"] for w in result["windows"]]
     wall = statistics.median(walls)
+    commands = result.get("command_seconds", [])
     return {"window_seconds": walls, "median_seconds": wall,
+            "command_seconds": commands,
+            "command_seconds_median": statistics.median(commands) if commands else None,
             "cpu_seconds_median": statistics.median(cpus),
             "client_sgd_steps_per_s": steps / wall, "peak_rss_mb": result["peak_rss_mb"],
             "rss_before_timing_mb": result["rss_before_mb"],
@@ -516,6 +530,15 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
         res["speedup_vs_plain"] = plain["median_seconds"] / res["median_seconds"]
         res["cpu_speedup_vs_plain"] = plain["cpu_seconds_median"] / res["cpu_seconds_median"]
     report["engines"] = results
+    peak = spawn("matmul", args)
+    flops = report["workload"]["rows_per_step_total"] * FLOPS_PER_EXAMPLE * (
+        args.rounds * W1["global_period"])
+    for res in results.values():  # useful FLOPs / window, against the matmul peak
+        res["fraction_of_peak"] = flops / res["median_seconds"] / 1e9 / peak["matmul_gflops"]
+        res["fraction_of_peak_cpu"] = (flops / res["cpu_seconds_median"] / 1e9
+                                       / peak["matmul_cpu_gflops"])
+    report["matmul_peak_gflops"] = peak["matmul_gflops"]
+    report["matmul_peak_cpu_gflops"] = peak["matmul_cpu_gflops"]
     if "vectorized" not in results:  # a subset (--engines): the table and inprocess' target
         for key, speedup in (("targets", "speedup_vs_plain"),
                              ("targets_by_cpu_time", "cpu_speedup_vs_plain")):
@@ -523,12 +546,7 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
                             results["inprocess"][speedup] >= 1 / 1.5}
                            if "inprocess" in results else {})
         return report
-    peak = spawn("matmul", args)
     peak2 = spawn("matmul", args, threads=2) if args.threads != 2 else peak
-    flops = report["workload"]["rows_per_step_total"] * FLOPS_PER_EXAMPLE * (
-        args.rounds * W1["global_period"])
-    for res in results.values():  # useful FLOPs / window, against the matmul peak
-        res["fraction_of_peak"] = flops / res["median_seconds"] / 1e9 / peak["matmul_gflops"]
     if args.threads != 2 and not args.quick:  # plain and vectorized, side by side at 2 threads
         two: dict[str, list[dict[str, Any]]] = {"plain": [], "vectorized": []}
         for _ in range(args.repeats):
@@ -702,8 +720,9 @@ def print_report(report: dict[str, Any]) -> None:
     print()
     print(f"device: {report.get('device', 'cpu')} (plain loop: cpu); fraction of peak = useful "
           f"GFLOP/s over the window / measured float32 matmul GFLOP/s at the same threads")
-    print(f"{'engine':<22}{'seconds':>9}{'steps/s':>10}{'vs plain':>10}{'of peak':>9}"
-          f"{'CPU s':>8}{'CPU vs plain':>14}{'peak RSS MB':>13}{'test acc':>10}")
+    print(f"{'engine':<22}{'window s':>9}{'command s':>10}{'steps/s':>10}{'vs plain':>10}"
+          f"{'of peak':>9}{'CPU s':>8}{'CPU vs plain':>14}{'of peak (CPU)':>15}"
+          f"{'peak RSS MB':>13}{'test acc':>10}")
     rows = list(report["engines"].items())
     for name in ("plain", "vectorized"):
         if f"{name}_2_threads" in report:
@@ -711,14 +730,23 @@ def print_report(report: dict[str, Any]) -> None:
     for name, res in rows:
         of_peak = (f"{res['fraction_of_peak']:>8.1%}" if "fraction_of_peak" in res
                    else f"{'-':>8}")
-        print(f"{name:<22}{res['median_seconds']:>9.2f}{res['client_sgd_steps_per_s']:>10,.0f}"
+        command = res.get("command_seconds_median")
+        command_s = f"{command:>10.2f}" if command is not None else f"{'-':>10}"
+        print(f"{name:<22}{res['median_seconds']:>9.2f}{command_s}"
+              f"{res['client_sgd_steps_per_s']:>10,.0f}"
               f"{res['speedup_vs_plain']:>9.1f}x{of_peak:>9}{res['cpu_seconds_median']:>8.2f}"
-              f"{res['cpu_speedup_vs_plain']:>13.1f}x{res['peak_rss_mb']:>13,.0f}"
-              f"{res['final_test_accuracy']:>10.4f}")
+              f"{res['cpu_speedup_vs_plain']:>13.1f}x"
+              f"{res.get('fraction_of_peak_cpu', float('nan')):>15.1%}"
+              f"{res['peak_rss_mb']:>13,.0f}{res['final_test_accuracy']:>10.4f}")
     if "vectorized_2_threads" in report and "plain_2_threads" in report:
         print(f"at 2 threads, vectorized is "
               f"{report['vectorized_2_threads']['speedup_vs_plain_2_threads']:.1f}x the plain "
               f"loop at 2 threads")
+    print("window s: cloud round 0 -> last round (median); command s: the whole worker process "
+          "(interpreter start, imports, data, set-up, the run, final save) less its untimed "
+          f"warm-up run; peak {report['matmul_peak_gflops']:.1f} GFLOP/s by wall time, "
+          f"{report['matmul_peak_cpu_gflops']:.1f} by CPU time (of peak (CPU): useful GFLOP per "
+          "CPU second of the window against it, less sensitive to other load)")
     if "vectorized_flops" not in report:  # an --engines subset
         for key in ("targets", "targets_by_cpu_time"):
             print(f"\n{key}:", ", ".join(f"{k}: {'met' if v else 'NOT met'}"
@@ -727,8 +755,9 @@ def print_report(report: dict[str, Any]) -> None:
     f = report["vectorized_flops"]
     print(f"\nvectorized: {f['achieved_gflops']:.1f} GFLOP/s useful ({f['formula']}); float32 "
           f"matmul peak {f['matmul_peak_gflops']:.1f} GFLOP/s ({f['fraction_of_peak']:.0%})")
-    print(f"\n{'clients':>8}{'chunk':>7}{'s/edge round':>14}{'CPU s/edge round':>18}"
-          f"{'steps/s':>10}{'peak RSS MB':>13}")
+    if report["scaling"]["runs"]:
+        print(f"\n{'clients':>8}{'chunk':>7}{'s/edge round':>14}{'CPU s/edge round':>18}"
+              f"{'steps/s':>10}{'peak RSS MB':>13}")
     for run in report["scaling"]["runs"]:
         edge_rounds = run["window"]["wall"] / run["seconds_per_edge_round"]
         print(f"{run['clients']:>8,}{run['client_chunk'] or 'auto':>7}"
