@@ -32,7 +32,12 @@ from fedhier.checkpoint import Checkpoint
 from fedhier.config import RunConfig
 from fedhier.edge_tier import EdgeJob, EdgeReport, EdgeTierHierarchicalSGD, check_edge_tier
 from fedhier.engines.vectorized import BatchedExecutor
-from fedhier.engines.vectorized_ray_worker import peak_rss_bytes, ray_session, start_workers
+from fedhier.engines.vectorized_ray_worker import (
+    peak_rss_bytes,
+    ray_session,
+    start_workers,
+    worker_pool,
+)
 from fedhier.errors import ConfigError
 from fedhier.federation import Federation
 from fedhier.grouping import ClientInfo
@@ -167,6 +172,7 @@ def run_vectorized_ray(cfg: RunConfig, folder: RunFolder, progress: bool = True,
     algorithm = EdgeTierHierarchicalSGD(settings_for(cfg), as_cloud_step(make_cloud_strategy(
         cfg.cloud_strategy, cfg.server_lr, cfg.server_momentum)))
     with ray_session(cfg.ray_address, cfg.ray_workers):
+        worker_pool(min(cfg.ray_workers, cfg.num_edges))  # they boot while the driver sets up
         executor = RayShardExecutor(cfg, fed, BatchedExecutor.build(cfg, fed, model, device),
                                     cfg.ray_workers)
         summary = run_recorded(algorithm, executor, cfg, recorder, params_of(model),

@@ -100,11 +100,10 @@ def ray_session(address: str, num_cpus: int) -> Iterator[None]:
 _POOL: dict[str, list[Any]] = {}
 
 
-def start_workers(cfg: RunConfig, fed: Federation,
-                  shards: Sequence[np.ndarray]) -> list[Any]:
-    """One :class:`ShardWorker` actor per shard (int64 client ids each), one CPU each,
-    spread over the cluster's nodes, each loaded with its shard (the federation goes to the
-    object store once); actors of this Ray session's earlier runs are reused."""
+def worker_pool(count: int) -> list[Any]:
+    """``count`` :class:`ShardWorker` actors of this Ray session, one CPU each, spread over
+    the cluster's nodes: those of its earlier runs, and new ones (started asynchronously:
+    they boot while the driver sets up)."""
     import ray
 
     session = ray.get_runtime_context().get_job_id()
@@ -112,8 +111,18 @@ def start_workers(cfg: RunConfig, fed: Federation,
         del _POOL[stale]
     pool = _POOL.setdefault(session, [])
     actor = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(ShardWorker)
-    pool.extend(actor.remote() for _ in range(len(shards) - len(pool)))
+    pool.extend(actor.remote() for _ in range(count - len(pool)))
+    return pool[:count]
+
+
+def start_workers(cfg: RunConfig, fed: Federation,
+                  shards: Sequence[np.ndarray]) -> list[Any]:
+    """One worker per shard (int64 client ids each, :func:`worker_pool`), each loaded with
+    its shard; the federation goes to the object store once."""
+    import ray
+
+    workers = worker_pool(len(shards))
     fed_ref = ray.put(fed)
     ray.get([worker.load.remote(cfg, fed_ref, clients)
-             for worker, clients in zip(pool, shards, strict=False)])
-    return pool[:len(shards)]
+             for worker, clients in zip(workers, shards, strict=True)])
+    return workers
