@@ -177,6 +177,16 @@ def test_what_is_not_sharded_is_refused_in_one_line(change, message):
     assert_refused(lambda: check_sharded(CFG.replace(**change)), message)
 
 
+def test_an_address_where_no_cluster_answers_is_refused_in_one_line(tmp_path, capsys):
+    port = free_port()  # nothing listens there
+    assert main(["run", "--engine", "vectorized-ray", "--ray-address", f"127.0.0.1:{port}",
+                 "--dataset", "digits", "--clients", "4", "--groups", "2",
+                 "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"fedhier: error: no Ray cluster answers at 127.0.0.1:{port} (")
+    assert len(err.splitlines()) == 1
+
+
 def test_equals_the_one_process_engine_on_a_two_node_cluster(ray_cluster, tmp_path):
     cfg = CFG.replace(ray_address=ray_cluster)
     run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),

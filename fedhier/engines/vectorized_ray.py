@@ -33,6 +33,7 @@ from fedhier.config import RunConfig
 from fedhier.edge_tier import EdgeJob, EdgeReport, EdgeTierHierarchicalSGD, check_edge_tier
 from fedhier.engines.vectorized import BatchedExecutor
 from fedhier.engines.vectorized_ray_worker import (
+    check_reachable,
     peak_rss_bytes,
     ray_session,
     start_workers,
@@ -160,6 +161,7 @@ def run_vectorized_ray(cfg: RunConfig, folder: RunFolder, progress: bool = True,
     ``federation``: the data instead of ``prepare(cfg)`` (benchmarks: replicated clients).
     """
     check_sharded(cfg)
+    check_reachable(cfg.ray_address)
     fed = federation if federation is not None else prepare(cfg)
     if fed.num_clients != cfg.clients:
         raise ConfigError(f"the federation has {fed.num_clients} clients but "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import socket
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -69,6 +70,22 @@ def worker_env() -> dict[str, Any]:
     root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     return {"env_vars": {"PYTHONPATH": path}}
+
+
+def check_reachable(address: str, seconds: float = 5.0) -> None:
+    """A one-line ConfigError unless something accepts connections at ``address``
+    (``host:port``; "" and ``auto`` are not checked): ``ray.init`` would retry for minutes."""
+    if not address or address == "auto":
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--ray-address '{address}': expected host:port (or auto)")
+    try:
+        socket.create_connection((host, int(port)), timeout=seconds).close()
+    except OSError as error:
+        raise ConfigError(f"no Ray cluster answers at {address} ({error.strerror or error}); "
+                          "start one with `ray start --head` or leave --ray-address empty"
+                          ) from None
 
 
 @contextmanager
