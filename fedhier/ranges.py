@@ -136,6 +136,7 @@ RANGES: dict[str, Range] = {
     "clip_norm": AT_LEAST_0,  # 0 = off
     # execution
     "client_chunk": AT_LEAST_0,  # 0 = auto
+    "ray_workers": AT_LEAST_1,
 }
 
 

@@ -55,10 +55,13 @@ def batch_indices(
 
 
 def clients_batch_indices(seed: int, num_rows: Sequence[int], batch_size: int, start_step: int,
-                          num_steps: int, first_client: int = 0) -> list[np.ndarray]:
+                          num_steps: int, first_client: int = 0,
+                          client_ids: np.ndarray | None = None) -> list[np.ndarray]:
     """``[batch_indices(seed, first_client + k, num_rows[k], batch_size, start_step,
     num_steps) for k]``, equal entry for entry, with every (client, epoch) permutation drawn
-    in one :func:`fedhier.permutations.permutations` call instead of one generator each."""
+    in one :func:`fedhier.permutations.permutations` call instead of one generator each.
+    ``client_ids`` (int64 [len(num_rows)]), when given, are the clients' ids instead of
+    ``first_client + k`` (a shard of a federation: ``fedhier.engines.vectorized_ray``)."""
     rows = [int(n) for n in num_rows]
     width = [effective_batch_size(batch_size, n) for n in rows]
     if num_steps == 0:
@@ -70,7 +73,9 @@ def clients_batch_indices(seed: int, num_rows: Sequence[int], batch_size: int, s
     epochs = [_stream_epochs(rows[k], width[k], start_step, num_steps) for k in shuffled]
     owners = np.repeat(shuffled, [len(e) for e in epochs])
     drawn = permutations(seed, "batches",
-                         np.column_stack([first_client + owners, np.concatenate(epochs)]),
+                         np.column_stack([first_client + owners if client_ids is None
+                                          else np.asarray(client_ids, dtype=np.int64)[owners],
+                                          np.concatenate(epochs)]),
                          np.asarray(rows)[owners])
     at = 0
     for k, client_epochs in zip(shuffled, epochs, strict=True):

@@ -370,6 +370,8 @@ FLAG_VALUES: dict[str, list[str]] = {
     "engine": ["inprocess", "inprocess", "vectorized", "vectorized", "spark", "",
                "Inprocess"],
     "client_chunk": ["0", "1", "2", *INT_NOISE],
+    "ray_address": ["", "", "auto", "127.0.0.1:1", "no-port", ":", "\u00e9:6379"],
+    "ray_workers": ["1", "2", *INT_NOISE],
     "device": ["cpu", "auto", "cuda", "cuda:0", "cuda:3", "mps", "gpu", "", "cuda:-1",
                "cuda:x", "CPU", "cuda:99999"],
     "seed": ["0", "1", "-1", "2147483648", "99999999999999999999", "x", ""],

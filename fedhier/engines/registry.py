@@ -53,6 +53,8 @@ _ENGINES = (
            "Flower's Simulation Engine on Ray"),
     Engine("vectorized", "fedhier.engines.vectorized:run_vectorized",
            "all clients as one batched computation"),
+    Engine("vectorized-ray", "fedhier.engines.vectorized_ray:run_vectorized_ray",
+           "the batched engine sharded by edge over a Ray cluster"),
 )
 
 #: name -> Engine, in the order ``--help`` lists them; the first is the default.

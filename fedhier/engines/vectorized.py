@@ -146,6 +146,9 @@ class BatchedExecutor:
     momentum: Params = dataclasses.field(default_factory=dict)  # kept buffers [n, *shape]
     next_momentum: Params = dataclasses.field(default_factory=dict)  # being filled
     _rows: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # by cloud round
+    #: int64 [n]: the clients' ids in the whole federation when this executor runs a shard
+    #: of it (fault draws are keyed by them); None = client j is client j.
+    client_ids: np.ndarray | None = None
 
     @classmethod
     def build(cls, cfg: RunConfig, fed: Federation, model: nn.Module,
@@ -203,8 +206,9 @@ class BatchedExecutor:
         sent[work.clients] = True
         trains = sent.copy()
         if self.faults != FaultModel():
-            for client in work.clients.tolist():
-                trains[client] = not self.faults.fails(cfg.seed, client, work.edge_round,
+            ids = work.clients if self.client_ids is None else self.client_ids[work.clients]
+            for client, client_id in zip(work.clients.tolist(), ids.tolist(), strict=True):
+                trains[client] = not self.faults.fails(cfg.seed, client_id, work.edge_round,
                                                        work.cloud_round)
         steps = np.full(n, period, dtype=np.int64)  # unsent clients' work is discarded
         steps[work.clients] = work.steps

@@ -37,8 +37,6 @@ def add_parser(sub: Any) -> None:
                         "accuracy")
     parser.add_argument("--jobs", type=int, default=0,
                         help="trials at once on the local Ray (default: CPU cores)")
-    parser.add_argument("--ray-address", metavar="ADDR",
-                        help="run the trials on this existing Ray cluster (e.g. auto)")
     parser.add_argument("--tracker", choices=TRACKERS,
                         help="also log every run to this tracker (an optional extra)")
     parser.add_argument("--batch-seeds", action="store_true",

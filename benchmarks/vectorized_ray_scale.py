@@ -1,0 +1,105 @@
+"""Engine ``vectorized-ray`` on W1 replicated to many clients: memory per worker, time.
+
+``python benchmarks/vectorized_ray_scale.py --clients 10000,100000 --workers 2``: for each
+client count, in a fresh driver process, one run of W1 replicated (client j holds the rows of
+W1 client j mod 100, with its own batch order; 10 clients per edge; ``engines.py --scale``'s
+federation) on a local Ray cluster of ``--workers`` shard actors that the run starts and
+stops. Printed per size: each worker's clients and peak resident memory (``ru_maxrss`` of the
+actor process, after the run), the driver's, the sum of all, and the time per client and edge
+round (the window from the record of cloud round 1 to the last record, over clients x edge
+rounds: cloud round 1 also loads the shards; with ``--rounds 1`` from round 0). The JSON
+report goes to ``--out`` (default benchmarks/results/vectorized_ray_scale.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import engines as bench
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "vectorized_ray_scale.json"
+
+
+def one_run(clients: int, workers: int, rounds: int) -> dict[str, Any]:
+    """One run at ``clients`` clients in this process; what :func:`main` tabulates."""
+    import torch
+
+    from fedhier.engines.vectorized_ray import run_vectorized_ray
+    from fedhier.run_folder import RunFolder
+
+    torch.set_num_threads(1)
+    cfg = bench.w1_config(rounds, clients=clients, groups=(max(1, clients // 10),),
+                          engine="vectorized-ray", ray_workers=workers)
+    start = time.perf_counter()
+    fed = bench.replicated_federation(cfg, clients)
+    setup = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as folder:
+        summary = run_vectorized_ray(cfg, RunFolder.create(Path(folder) / "run"),
+                                     progress=False, federation=fed)
+        records = [json.loads(line) for line in
+                   (Path(folder) / "run" / "metrics.jsonl").read_text().splitlines()]
+    total = time.perf_counter() - start
+    first = 1 if rounds > 1 else 0  # cloud round 1 also loads the workers' shards
+    window = records[-1]["wall_seconds"] - records[first]["wall_seconds"]
+    edge_rounds = (rounds - first) * cfg.global_period // cfg.local_period
+    sharding = summary["sharding"]
+    return {"clients": clients, "workers": workers, "rounds": rounds,
+            "edge_rounds": edge_rounds, "federation_seconds": setup, "total_seconds": total,
+            "window_seconds": window,
+            "seconds_per_client_edge_round": window / (clients * edge_rounds),
+            "final_test_accuracy": summary.get("final_test_accuracy"), **sharding}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", default="10000,100000",
+                        help="client counts, comma-separated (default 10000,100000)")
+    parser.add_argument("--workers", type=int, default=2, help="shard actors (default 2)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="cloud rounds (default 2: the time is the rounds after the first)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one_run(args.one, args.workers, args.rounds)))
+        return 0
+    sizes = [int(n.replace("_", "")) for n in args.clients.split(",") if n]
+    print(f"vectorized-ray, W1 replicated, {args.workers} workers, {args.rounds} cloud "
+          f"round(s), load average {os.getloadavg()[0]:.2f}")
+    runs = []
+    for n in sizes:
+        child = subprocess.run([sys.executable, __file__, "--one", str(n), "--workers",
+                                str(args.workers), "--rounds", str(args.rounds)],
+                               capture_output=True, text=True, check=False)
+        if child.returncode:
+            print(f"{n:>9,} clients: failed (exit {child.returncode}): "
+                  f"{(child.stderr.strip().splitlines() or ['?'])[-1]}")
+            runs.append({"clients": n, "failed": child.returncode})
+            continue
+        run = json.loads(child.stdout.strip().splitlines()[-1])
+        runs.append(run)
+        per_worker = ", ".join(f"{w['clients']:,} clients {w['peak_rss_bytes'] / 2**20:,.0f} MB"
+                               for w in run["workers"])
+        print(f"{n:>9,} clients: workers [{per_worker}], driver "
+              f"{run['driver_peak_rss_bytes'] / 2**20:,.0f} MB, total "
+              f"{run['total_peak_rss_bytes'] / 2**20:,.0f} MB "
+              f"({run['total_peak_rss_bytes'] / n:,.0f} B/client); "
+              f"{run['seconds_per_client_edge_round'] * 1e6:.1f} us per client-edge round; "
+              f"{run['bytes_between_workers'] / 2**20:.1f} MB between driver and workers")
+    report = {"command": "python benchmarks/vectorized_ray_scale.py " + " ".join(sys.argv[1:]),
+              "machine": bench.machine(), "runs": runs}
+    bench.write_report(report, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

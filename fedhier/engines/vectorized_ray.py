@@ -1,0 +1,184 @@
+"""Engine ``vectorized-ray``: the batched engine sharded by the hierarchy over a Ray cluster.
+
+Whole edges are placed on Ray actors (:func:`place_edges`: contiguous runs of edges with
+about equal numbers of clients, one shard per worker); each actor trains its clients with the
+one-process engine's batched executor and aggregates each of its edges itself
+(:mod:`fedhier.engines.vectorized_ray_shard`). The cloud is
+:class:`fedhier.edge_tier.EdgeTierHierarchicalSGD`, the same cloud half that edge servers as
+processes use: once per cloud round it sends each edge the global model and takes the cloud
+step over the edges' aggregates, so only models cross between the driver and the workers,
+at the cloud period, and the traffic between workers falls with G as the hierarchy's does.
+Evaluation, profiles and gradient queries run in the driver on the whole federation
+(:class:`~fedhier.engines.vectorized.BatchedExecutor`, the one-process engine's).
+
+Numbers: every edge round that ends at the edges is bit for bit the one-process engine's
+(an edge's clients are all in one shard, summed in client order); the cloud averages the
+edges' averages instead of all clients at once, as edge servers do, so the global model
+differs from the one-process engine's by float rounding (docs/engines.md, "Sharded over a
+Ray cluster"). Two-level trees with a static grouping, synchronous edges, one period for
+every edge and no kept optimizer state (checked by :func:`check_sharded`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedhier.checkpoint import Checkpoint
+from fedhier.config import RunConfig
+from fedhier.edge_tier import EdgeJob, EdgeReport, EdgeTierHierarchicalSGD, check_edge_tier
+from fedhier.engines.vectorized import BatchedExecutor
+from fedhier.engines.vectorized_ray_worker import (
+    check_reachable,
+    peak_rss_bytes,
+    ray_session,
+    start_workers,
+    worker_pool,
+)
+from fedhier.errors import ConfigError
+from fedhier.federation import Federation
+from fedhier.grouping import ClientInfo
+from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, Params, TrainResult
+from fedhier.recorded_run import run_recorded
+from fedhier.run_folder import RunFolder
+from fedhier.run_recorder import RunRecorder
+from fedhier.run_setup import central_evaluation, initial_model, prepare, settings_for
+from fedhier.train import params_of, resolve_device
+from fedhier_strategies.cloud_step import as_cloud_step, make_cloud_strategy
+
+
+def check_sharded(cfg: RunConfig) -> None:
+    """Refuse, in one line, what the sharded engine does not run (yet)."""
+    try:
+        check_edge_tier(len(cfg.periods), cfg.mobility_rate > 0 or bool(cfg.mobility_trace),
+                        cfg.regroup_every > 0, cfg.async_buffer > 0, bool(cfg.edge_periods))
+    except ConfigError as error:
+        raise ConfigError(str(error).replace("edge servers as processes need",
+                                             "engine vectorized-ray needs")) from None
+    if cfg.local_optimizer().has_state and cfg.optimizer_state == "keep":
+        raise ConfigError("engine vectorized-ray keeps no optimizer state between edge "
+                          "rounds: use optimizer_state=reset (or engine vectorized)")
+
+
+def place_edges(edge_of_client: np.ndarray, num_edges: int, workers: int) -> np.ndarray:
+    """int64 [E]: each edge's worker. Contiguous runs of edges, cut where the running count
+    of clients crosses k / W of all of them, so the shards hold about equal numbers of
+    clients (at most ``min(workers, E)`` shards, none empty of edges)."""
+    counts = np.bincount(edge_of_client, minlength=num_edges)
+    workers = max(1, min(workers, num_edges))
+    before = np.cumsum(counts) - counts  # clients on edges before each edge
+    total = max(int(counts.sum()), 1)
+    worker = np.minimum((before * workers) // total, workers - 1).astype(np.int64)
+    worker = np.maximum(worker, np.arange(num_edges) - (num_edges - workers))  # none empty
+    return np.minimum(worker, np.arange(num_edges))
+
+
+@dataclass
+class RayShardExecutor:
+    """The cloud's executor (:class:`fedhier.edge_tier.EdgeTierExecutor`): edge jobs go to
+    the shard actors, everything else to a batched executor over the whole federation in the
+    driver (``whole``). Actors start at the first cloud round (the grouping places them)."""
+
+    cfg: RunConfig
+    fed: Federation
+    whole: BatchedExecutor
+    workers: int
+    actors: list[Any] = dataclasses.field(default_factory=list)
+    placement: np.ndarray | None = None  # int64 [E], each edge's worker
+    bytes_between: int = 0  # model bytes sent driver <-> workers
+
+    def profiles(self) -> ClientInfo:
+        return self.whole.profiles()
+
+    def train(self, work: EdgeRoundWork, edge_models: Params) -> TrainResult:
+        """Not asked: the cloud of an edge tier sends edge jobs (:meth:`run_edge_jobs`)."""
+        raise NotImplementedError("vectorized-ray trains through edge jobs, not train()")
+
+    def evaluate(self, params: Params, cloud_round: int) -> ClientEvaluation:
+        return self.whole.evaluate(params, cloud_round)
+
+    def client_gradients(self, params: Params) -> torch.Tensor:
+        return self.whole.client_gradients(params)
+
+    def model_bytes(self, params: Params) -> int:
+        return self.whole.model_bytes(params)
+
+    def client_state(self) -> Any:
+        return {}
+
+    def restore_client_state(self, state: Any) -> None:
+        """Nothing to restore (no kept optimizer state, :func:`check_sharded`)."""
+
+    def run_edge_jobs(self, jobs: list[EdgeJob]) -> list[EdgeReport]:
+        """Every edge's job, each shard's in one call to its actor; the reports of all."""
+        import ray
+
+        if self.placement is None:
+            self.start(jobs[0].edge_of_client, len(jobs))
+        assert self.placement is not None
+        by_worker: list[list[EdgeJob]] = [[] for _ in self.actors]
+        for job in jobs:
+            by_worker[int(self.placement[job.edge])].append(job)
+        pending = [actor.run.remote(mine)
+                   for actor, mine in zip(self.actors, by_worker, strict=True) if mine]
+        reports = [report for batch in ray.get(pending) for report in batch]
+        size = self.whole.model_bytes(jobs[0].params)
+        self.bytes_between += size * (sum(1 for mine in by_worker if mine)
+                                      + sum(r.model is not None for r in reports))
+        return reports
+
+    def start(self, edge_of_client: np.ndarray, num_edges: int) -> None:
+        """Place the edges and start one actor per shard."""
+        self.placement = place_edges(np.asarray(edge_of_client), num_edges, self.workers)
+        worker_of_client = self.placement[edge_of_client]
+        shards = [np.flatnonzero(worker_of_client == w).astype(np.int64)
+                  for w in range(int(self.placement.max()) + 1)]
+        self.actors = start_workers(self.cfg, self.fed, shards)
+
+    def stats(self) -> dict[str, Any]:
+        """Per worker: clients, peak resident memory, node; the driver's peak; the model
+        bytes moved between the driver and the workers."""
+        import ray
+
+        workers = ray.get([actor.stats.remote() for actor in self.actors])
+        driver = peak_rss_bytes()
+        return {"workers": workers, "driver_peak_rss_bytes": driver,
+                "total_peak_rss_bytes": driver + sum(w["peak_rss_bytes"] for w in workers),
+                "bytes_between_workers": self.bytes_between}
+
+
+def run_vectorized_ray(cfg: RunConfig, folder: RunFolder, progress: bool = True, *,
+                       federation: Federation | None = None,
+                       resume: Checkpoint | None = None) -> dict[str, Any]:
+    """Run ``cfg`` sharded by edge over Ray (``ray_address``, ``ray_workers``); writes the
+    same run folder as ``vectorized``. Returns summary.json's dict plus ``sharding``: the
+    workers' clients and peak memory and the bytes moved (:meth:`RayShardExecutor.stats`).
+
+    ``federation``: the data instead of ``prepare(cfg)`` (benchmarks: replicated clients).
+    """
+    check_sharded(cfg)
+    check_reachable(cfg.ray_address)
+    fed = federation if federation is not None else prepare(cfg)
+    if fed.num_clients != cfg.clients:
+        raise ConfigError(f"the federation has {fed.num_clients} clients but "
+                          f"clients={cfg.clients}")
+    device = resolve_device(cfg.device)
+    model = initial_model(cfg, fed).to(device)
+    recorder = RunRecorder(folder, cfg, fed, "vectorized-ray", progress,
+                           resume_round=resume.round if resume else None,
+                           elapsed=resume.wall_seconds if resume else 0.0)
+    algorithm = EdgeTierHierarchicalSGD(settings_for(cfg), as_cloud_step(make_cloud_strategy(
+        cfg.cloud_strategy, cfg.server_lr, cfg.server_momentum)))
+    with ray_session(cfg.ray_address, cfg.ray_workers):
+        worker_pool(min(cfg.ray_workers, cfg.num_edges))  # they boot while the driver sets up
+        executor = RayShardExecutor(cfg, fed, BatchedExecutor.build(cfg, fed, model, device),
+                                    cfg.ray_workers)
+        summary = run_recorded(algorithm, executor, cfg, recorder, params_of(model),
+                               central_evaluation(cfg, fed, model, device), resume=resume)
+        summary["sharding"] = executor.stats()
+    return summary
+

@@ -1,0 +1,179 @@
+"""One worker of engine ``vectorized-ray``: a shard of whole edges, trained as one batch.
+
+A shard is the clients of some whole edges. Its worker holds their data rows (a
+:class:`ShardRows`: the pool and the clients' row indices) and trains them with the one-process
+engine's :class:`~fedhier.engines.vectorized.BatchedExecutor`, wrapped in a
+:class:`ShardExecutor` that speaks the whole federation's client ids. Once per cloud round it
+runs the edge jobs of its edges (:func:`run_shard_jobs`: the G / I edge rounds of
+:func:`fedhier.edge_tier.train_edges`, then each edge's level-1 aggregate with
+:func:`fedhier.round.aggregation.aggregate_levels`) and answers with one model per edge:
+the edge half of :mod:`fedhier.edge_tier`, for many edges at once. No Ray import here (the
+actor is :mod:`fedhier.engines.vectorized_ray_worker`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedhier.aggregate import presence_weights
+from fedhier.config import RunConfig
+from fedhier.edge_tier import EdgeJob, EdgeReport, edge_hierarchy, train_edges
+from fedhier.engines.batched_kernels import INDEX_CLIENT_BLOCK, ClientRows
+from fedhier.engines.vectorized import BatchedExecutor, training_for
+from fedhier.federation import Federation
+from fedhier.grouping import ClientInfo
+from fedhier.hsgd import (
+    ClientEvaluation,
+    EdgeRoundWork,
+    HierarchicalSGD,
+    HSGDSettings,
+    Params,
+    TrainResult,
+    aggregate_levels,
+)
+from fedhier.train import clients_batch_indices
+
+
+@dataclass
+class ShardRows(ClientRows):
+    """:class:`ClientRows` of a shard: client k is client ``client_ids[k]`` of the whole
+    federation, whose id keys its mini-batch draws (so a client draws the same mini-batches
+    on whichever worker trains it)."""
+
+    client_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+
+    @classmethod
+    def of_shard(cls, fed: Federation, clients: np.ndarray, batch_size: int,
+                 device: torch.device) -> ShardRows:
+        """The rows of ``fed``'s clients ``clients`` (int64 [m], sorted)."""
+        rows = ClientRows.build(shard_federation(fed, clients), batch_size, device)
+        return cls(**{f.name: getattr(rows, f.name) for f in dataclasses.fields(ClientRows)},
+                   client_ids=np.asarray(clients, dtype=np.int64))
+
+    def minibatch_rows(self, seed: int, batch_size: int, start: int, steps: int) -> np.ndarray:
+        """As :meth:`ClientRows.minibatch_rows`, each client's draws keyed by its id."""
+        out = np.empty((steps, self.num_clients, self.width), dtype=self.index_dtype)
+        for lo in range(0, self.num_clients, INDEX_CLIENT_BLOCK):
+            block = self.rows[lo:lo + INDEX_CLIENT_BLOCK]
+            locals_ = clients_batch_indices(
+                seed, [len(rows) for rows in block], batch_size, start, steps,
+                client_ids=self.client_ids[lo:lo + INDEX_CLIENT_BLOCK])
+            for j, (rows, local) in enumerate(zip(block, locals_, strict=True), start=lo):
+                b = local.shape[1]
+                out[:, j, :b] = rows[local]
+                out[:, j, b:] = rows[local[:, :1]]
+        return out
+
+
+def shard_federation(fed: Federation, clients: np.ndarray) -> Federation:
+    """The federation of ``fed``'s clients ``clients`` (int64 [m]): the same data pool, their
+    partitions (and held-out rows) only; no copy of the pool."""
+    return Federation(bundle=fed.bundle, partitions=[fed.partitions[c] for c in clients],
+                      holdouts=[fed.holdouts[c] for c in clients] if fed.holdouts else [])
+
+
+@dataclass
+class ShardExecutor:
+    """The executor of a shard's clients, addressed by their ids in the whole federation of
+    ``num_clients`` clients (what :class:`HierarchicalSGD` plans with): a
+    :class:`BatchedExecutor` over the shard (``inner``), whose client k is ``clients[k]``."""
+
+    inner: BatchedExecutor
+    clients: np.ndarray  # int64 [m], sorted: the shard's clients' ids
+    num_clients: int
+
+    @classmethod
+    def build(cls, cfg: RunConfig, fed: Federation, clients: np.ndarray,
+              model: torch.nn.Module, device: torch.device) -> ShardExecutor:
+        """The shard of ``fed``'s clients ``clients`` (int64, sorted) training ``model``."""
+        clients = np.asarray(clients, dtype=np.int64)
+        inner = BatchedExecutor(cfg=cfg, model=model, fed=shard_federation(fed, clients),
+                                data=ShardRows.of_shard(fed, clients, cfg.batch_size, device),
+                                train_fn=training_for(model, device), device=device,
+                                optimizer=cfg.local_optimizer(), faults=cfg.faults(),
+                                client_ids=clients)
+        return cls(inner, clients, fed.num_clients)
+
+    def local(self, clients: np.ndarray) -> np.ndarray:
+        """int64: the shard's positions of the clients ``clients`` (ids, all in the shard)."""
+        position = np.searchsorted(self.clients, clients)
+        if len(clients) and (position.max() >= len(self.clients)
+                             or not np.array_equal(self.clients[position], clients)):
+            raise ValueError("work for clients outside this shard")
+        return position.astype(np.int64)
+
+    def profiles(self) -> ClientInfo:
+        raise NotImplementedError("a shard is told its clients' profiles (EdgeJob)")
+
+    def train(self, work: EdgeRoundWork, edge_models: Params) -> TrainResult:
+        """``work`` (whole-federation ids) run by the shard's batched executor; the result
+        is in ``work.clients`` order."""
+        start = work.start_edge_of_client
+        return self.inner.train(dataclasses.replace(
+            work, clients=self.local(work.clients),
+            edge_of_client=work.edge_of_client[self.clients],
+            start_edge_of_client=None if start is None else start[self.clients]), edge_models)
+
+    def evaluate(self, params: Params, cloud_round: int) -> ClientEvaluation | None:
+        return None  # the cloud evaluates (fedhier.engines.vectorized_ray)
+
+    def client_gradients(self, params: Params) -> torch.Tensor | None:
+        return None
+
+    def model_bytes(self, params: Params) -> int:
+        return self.inner.model_bytes(params)
+
+    def client_state(self) -> Any:
+        return {}
+
+    def restore_client_state(self, state: Any) -> None:
+        """Nothing to restore: the engine refuses kept optimizer state."""
+
+
+def run_shard_jobs(settings: HSGDSettings, executor: ShardExecutor,
+                   jobs: Sequence[EdgeJob]) -> list[EdgeReport]:
+    """The edge half of a cloud round for the shard's edges (one job each, same cloud
+    round): the G / I edge rounds of all their clients in one batched computation per edge
+    round, then each edge's aggregate of its survivors, as :func:`fedhier.edge_tier.
+    run_edge_job` does for one edge. The shard's summed counters and losses ride on the
+    first report (the cloud sums the reports)."""
+    first = jobs[0]
+    algorithm = HierarchicalSGD(settings)
+    n = len(first.edge_of_client)
+    info = ClientInfo(label_histograms=np.zeros((n, 1), dtype=np.int64),
+                      num_examples=np.asarray(first.num_examples, dtype=np.int64))
+    hierarchy = edge_hierarchy(settings, first.edge_of_client)
+    algorithm.setup(executor, first.params, info=info, hierarchy=hierarchy)
+    algorithm.begin_cloud_round(executor, first.cloud_round)
+    clock = algorithm._clock()
+    for job in jobs:
+        clock.edge_time[job.edge] = job.start_seconds
+    edges = np.array(sorted(job.edge for job in jobs), dtype=np.int64)
+    outcome = train_edges(algorithm, executor, edges, first.cloud_round)
+    models: dict[int, Params] = {}
+    if outcome.held is not None:
+        held, survivors = outcome.held
+        present = np.zeros(n, dtype=bool)
+        present[survivors] = True
+        weights = presence_weights(algorithm.weights, present, hierarchy.edge_of_client())
+        averaged, nodes = aggregate_levels(held, survivors, weights, hierarchy, 1,
+                                           settings.aggregators, algorithm.node_models)
+        models = {int(e): {k: v[i].clone() for k, v in averaged.items()}
+                  for i, e in enumerate(nodes)}
+    traffic = algorithm.communication
+    reports = []
+    for i, edge in enumerate(edges.tolist()):
+        lead = i == 0
+        reports.append(EdgeReport(
+            edge, models.get(edge),
+            outcome.losses if lead else np.zeros_like(outcome.losses),
+            outcome.failed_clients if lead else 0, outcome.failed_edges if lead else 0,
+            traffic.client_edge_messages if lead else 0,
+            traffic.client_edge_bytes if lead else 0, float(clock.edge_time[edge])))
+    return reports

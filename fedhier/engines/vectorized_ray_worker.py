@@ -1,0 +1,145 @@
+"""The Ray side of engine ``vectorized-ray``: the cluster it runs on and the shard actors.
+
+:func:`ray_session` connects to an existing cluster (``--ray-address``) or starts a local one
+for the run and stops it after; :class:`ShardWorker` is the actor class of one shard
+(:mod:`fedhier.engines.vectorized_ray_shard`): built once per run with the federation from
+Ray's object store (one ``ray.put`` for all workers) and its clients' ids, then asked once per
+cloud round to run its edges' jobs. Only models (the global model down, one aggregate per edge
+up) and the client -> edge map cross between the driver and the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import socket
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedhier.config import RunConfig
+from fedhier.edge_tier import EdgeJob, EdgeReport
+from fedhier.errors import ConfigError
+from fedhier.federation import Federation
+from fedhier.run_setup import initial_model, settings_for
+from fedhier.train import resolve_device
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (bytes; Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+class ShardWorker:
+    """One shard of whole edges (a Ray actor: ``ray.remote(ShardWorker)``), given its run's
+    shard by :meth:`load` (an actor serves the runs of one Ray session in turn)."""
+
+    def load(self, cfg: RunConfig, fed: Federation, clients: np.ndarray) -> None:
+        """Take the shard of ``fed``'s clients ``clients`` (int64, sorted) of run ``cfg``."""
+        from fedhier.engines.vectorized_ray_shard import ShardExecutor
+
+        device = resolve_device(cfg.device)
+        self.settings = settings_for(cfg)
+        self.num_clients = len(clients)
+        self.executor = ShardExecutor.build(cfg, fed, clients,
+                                            initial_model(cfg, fed).to(device), device)
+
+    def run(self, jobs: Sequence[EdgeJob]) -> list[EdgeReport]:
+        """Its edges' jobs of one cloud round (:func:`run_shard_jobs`)."""
+        from fedhier.engines.vectorized_ray_shard import run_shard_jobs
+
+        return run_shard_jobs(self.settings, self.executor, jobs)
+
+    def stats(self) -> dict[str, Any]:
+        """Its clients, peak resident memory (bytes), node and process id."""
+        import ray
+
+        return {"clients": self.num_clients, "peak_rss_bytes": peak_rss_bytes(),
+                "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+
+def worker_env() -> dict[str, Any]:
+    """The Ray runtime environment of the workers: this fedhier importable (its parent
+    folder first on PYTHONPATH), for clusters started from this machine's checkout."""
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {"env_vars": {"PYTHONPATH": path}}
+
+
+def check_reachable(address: str, seconds: float = 5.0) -> None:
+    """A one-line ConfigError unless something accepts connections at ``address``
+    (``host:port``; "" and ``auto`` are not checked): ``ray.init`` would retry for minutes."""
+    if not address or address == "auto":
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--ray-address '{address}': expected host:port (or auto)")
+    try:
+        socket.create_connection((host, int(port)), timeout=seconds).close()
+    except OSError as error:
+        raise ConfigError(f"no Ray cluster answers at {address} ({error.strerror or error}); "
+                          "start one with `ray start --head` or leave --ray-address empty"
+                          ) from None
+
+
+@contextmanager
+def ray_session(address: str, num_cpus: int) -> Iterator[None]:
+    """Ray for one run: the cluster at ``address`` ("" = a local one with ``num_cpus`` CPUs,
+    started here and stopped at the end); a session already open in this process is used
+    as it is."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    try:
+        ray.init(address=address or "local", num_cpus=None if address else num_cpus,
+                 include_dashboard=False, log_to_driver=False, runtime_env=worker_env(),
+                 logging_level=logging.ERROR, configure_logging=True)
+    except (ConnectionError, ValueError, RuntimeError) as error:
+        raise ConfigError(f"cannot reach the Ray cluster at '{address}': "
+                          f"{str(error).splitlines()[0] if str(error) else type(error).__name__}"
+                          ) from None
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+#: Ray job id -> the :class:`ShardWorker` actors started in that Ray session: a process that
+#: runs several runs on one connection (a sweep trial, tests) starts its workers once.
+_POOL: dict[str, list[Any]] = {}
+
+
+def worker_pool(count: int) -> list[Any]:
+    """``count`` :class:`ShardWorker` actors of this Ray session, one CPU each, spread over
+    the cluster's nodes: those of its earlier runs, and new ones (started asynchronously:
+    they boot while the driver sets up)."""
+    import ray
+
+    session = ray.get_runtime_context().get_job_id()
+    for stale in [key for key in _POOL if key != session]:  # their session has ended
+        del _POOL[stale]
+    pool = _POOL.setdefault(session, [])
+    actor = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(ShardWorker)
+    pool.extend(actor.remote() for _ in range(count - len(pool)))
+    return pool[:count]
+
+
+def start_workers(cfg: RunConfig, fed: Federation,
+                  shards: Sequence[np.ndarray]) -> list[Any]:
+    """One worker per shard (int64 client ids each, :func:`worker_pool`), each loaded with
+    its shard; the federation goes to the object store once."""
+    import ray
+
+    workers = worker_pool(len(shards))
+    fed_ref = ray.put(fed)
+    ray.get([worker.load.remote(cfg, fed_ref, clients)
+             for worker, clients in zip(workers, shards, strict=True)])
+    return workers

@@ -1,0 +1,217 @@
+"""Engine ``vectorized-ray`` (the batched engine sharded by edge over Ray) equals engine
+``vectorized``: a shard trains its clients bit for bit as the one-process executor does, and
+whole runs on a local two-node Ray cluster (a head and one more node on 127.0.0.1, started
+once for this module with ``ray start``) give the one-process metrics to 1e-6, with
+participation and faults, and an interrupted run resumes bit for bit.
+"""
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedhier.cli import main
+from fedhier.config import RunConfig
+from fedhier.engines.vectorized import BatchedExecutor, run_vectorized
+from fedhier.engines.vectorized_ray import check_sharded, place_edges, run_vectorized_ray
+from fedhier.engines.vectorized_ray_shard import ShardExecutor
+from fedhier.hsgd import EdgeRoundWork
+from fedhier.run_folder import RunFolder
+from fedhier.run_setup import initial_model, prepare
+from fedhier.train import params_of
+from tests.helpers import assert_refused, metrics
+from tests.test_faults import run_interrupted_at
+
+ROOT = Path(__file__).resolve().parents[1]
+RAY = Path(sys.executable).parent / "ray"
+#: 8 clients on 4 edges, two of them per worker; participation and faults make some edges
+#: and clients drop out of some edge rounds.
+CFG = RunConfig(dataset="digits", clients=8, groups=(4,), local_period=2, global_period=4,
+                rounds=3, batch_size=8, seed=11, participation=0.75, fail_rate=0.2,
+                engine="vectorized-ray", ray_workers=2)
+TOL = 1e-6
+#: Keys equal exactly: counters, simulated time, and what is read before any cloud step.
+EXACT = ("round", "iteration", "edge_rounds", "failed_clients", "failed_edges",
+         "client_edge_messages", "client_edge_bytes", "edge_cloud_messages",
+         "edge_cloud_bytes", "sim_seconds")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _ray_node(*args: str, env: dict[str, str]) -> subprocess.Popen:
+    """A ``ray start --block`` node in its own process group (stopped with the group)."""
+    return subprocess.Popen([str(RAY), "start", "--block", "--num-cpus", "1",
+                             "--disable-usage-stats", *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def _stop(nodes: list[subprocess.Popen], temp_dir: str) -> None:
+    """Stop the nodes started here (their process groups), then any process still running
+    from this cluster's private temp dir (by pid): never another cluster's."""
+    for node in nodes:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.pid, signal.SIGTERM)
+    for node in nodes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            node.wait(timeout=20)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if temp_dir.encode() in (entry / "cmdline").read_bytes():
+                os.kill(int(entry.name), signal.SIGKILL)
+
+
+def _wait_for_port(port: int, seconds: float = 120) -> None:
+    """Until the head's GCS accepts connections on ``port``."""
+    deadline = time.time() + seconds
+    while True:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        assert time.time() < deadline, "the Ray head did not start"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """The address of a two-node Ray cluster on 127.0.0.1 (1 CPU each, a private temp dir)."""
+    ray = pytest.importorskip("ray")
+    temp_dir = tempfile.mkdtemp(prefix="fhray-", dir="/tmp")  # short: Ray's socket paths
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
+                                         if p)}
+    nodes = [_ray_node("--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                       "--include-dashboard=false", f"--temp-dir={temp_dir}", env=env)]
+    try:
+        _wait_for_port(port)
+        nodes.append(_ray_node(f"--address={address}", "--node-ip-address=127.0.0.1",
+                               env=env))
+        # this process stays connected, so the runs share their workers (started once)
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        try:
+            deadline = time.time() + 120
+            while sum(n["Alive"] for n in ray.nodes()) < 2:
+                assert time.time() < deadline, "the second Ray node did not join"
+                time.sleep(0.5)
+            yield address
+        finally:
+            ray.shutdown()
+    finally:
+        _stop(nodes, temp_dir)
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    return a == b if a is None or b is None else abs(a - b) <= TOL * max(1.0, abs(a))
+
+
+def assert_equal_runs(reference: Path, sharded: Path) -> None:
+    """Same records: the EXACT keys equal, every other number within TOL."""
+    ref, got = metrics(reference), metrics(sharded)
+    assert len(ref) == len(got)
+    for a, b in zip(ref, got, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            if key == "wall_seconds" or not isinstance(a[key], (int, float, type(None))):
+                continue
+            if key in EXACT:
+                assert a[key] == b[key], (a["round"], key)
+            else:
+                assert _close(a[key], b[key]), (a["round"], key, a[key], b[key])
+
+
+def test_a_shard_trains_its_clients_bit_for_bit_as_the_whole_federation():
+    """Clients 1, 2, 5, 6 as a shard (their own mini-batch draws and fault draws, keyed by
+    their ids) return exactly their rows of the one-process executor's result."""
+    cfg = CFG.replace(fail_rate=0.3)
+    fed = prepare(cfg)
+    model = initial_model(cfg, fed)
+    edge_models = {k: torch.stack([v, v * 0.5, v * 2.0, -v]) for k, v in
+                   params_of(model).items()}
+    edge_of = np.array([0, 1, 1, 2, 3, 2, 3, 0])
+    work = EdgeRoundWork(edge_round=4, cloud_round=2, start_step=6,
+                         clients=np.array([1, 2, 5, 6]), steps=np.array([2, 1, 2, 2]),
+                         edge_of_client=edge_of)
+    whole = BatchedExecutor.build(cfg, fed, model, torch.device("cpu")).train(
+        work, edge_models)
+    shard = ShardExecutor.build(cfg, fed, np.array([1, 2, 5, 6]), model,
+                                torch.device("cpu")).train(work, edge_models)
+    assert whole.ok.tolist() == [True, True, True, False]  # client 6 fails
+    np.testing.assert_array_equal(whole.ok, shard.ok)
+    np.testing.assert_array_equal(whole.losses, shard.losses)
+    for key, value in whole.models.items():
+        assert torch.equal(value[whole.ok], shard.models[key][shard.ok])
+
+
+def test_edges_are_placed_whole_in_runs_of_about_equal_clients():
+    edge_of = np.repeat(np.arange(5), [4, 1, 1, 1, 3])
+    assert place_edges(edge_of, 5, 2).tolist() == [0, 0, 1, 1, 1]
+    assert place_edges(edge_of, 5, 9).tolist() == [0, 1, 2, 3, 4]  # at most one per edge
+    assert place_edges(np.zeros(3, dtype=np.int64), 1, 4).tolist() == [0]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"mobility_rate": 0.2}, "engine vectorized-ray needs static clients (no mobility)"),
+    ({"periods": (2, 4, 8), "groups": (4, 2)}, "engine vectorized-ray needs a two-level "
+                                               "hierarchy (one local and one global period)"),
+    ({"momentum": 0.9, "optimizer_state": "keep"}, "engine vectorized-ray keeps no optimizer "
+     "state between edge rounds: use optimizer_state=reset (or engine vectorized)"),
+])
+def test_what_is_not_sharded_is_refused_in_one_line(change, message):
+    assert_refused(lambda: check_sharded(CFG.replace(**change)), message)
+
+
+def test_an_address_where_no_cluster_answers_is_refused_in_one_line(tmp_path, capsys):
+    port = free_port()  # nothing listens there
+    assert main(["run", "--engine", "vectorized-ray", "--ray-address", f"127.0.0.1:{port}",
+                 "--dataset", "digits", "--clients", "4", "--groups", "2",
+                 "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"fedhier: error: no Ray cluster answers at 127.0.0.1:{port} (")
+    assert len(err.splitlines()) == 1
+
+
+def test_equals_the_one_process_engine_on_a_two_node_cluster(ray_cluster, tmp_path):
+    cfg = CFG.replace(ray_address=ray_cluster)
+    run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
+                   progress=False)
+    sharding = run_vectorized_ray(cfg, RunFolder.create(tmp_path / "ray"),
+                                  progress=False)["sharding"]
+    assert_equal_runs(tmp_path / "one", tmp_path / "ray")
+    workers = sharding["workers"]
+    assert sum(w["clients"] for w in workers) == 8
+    assert len({w["node"] for w in workers}) == 2  # one worker on each node
+    assert sharding["bytes_between_workers"] > 0
+
+
+def test_an_interrupted_run_resumes_bit_identically(ray_cluster, tmp_path, monkeypatch):
+    args = ["run", "--dataset", "digits", "--clients", "8", "--groups", "4",
+            "--local-period", "2", "--global-period", "4", "--rounds", "3",
+            "--batch-size", "8", "--seed", "11", "--participation", "0.75",
+            "--fail-rate", "0.2", "--engine", "vectorized-ray", "--ray-address",
+            ray_cluster, "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    stopped = tmp_path / "stopped"
+    assert run_interrupted_at(2, [*args, "--out", str(stopped)], monkeypatch) == 130
+    assert main(["run", "--resume", str(stopped), "--no-progress"]) == 0
+    whole, resumed = metrics(tmp_path / "whole"), metrics(stopped)
+    assert [r["round"] for r in resumed] == [0, 1, 2, 3]
+    for a, b in zip(whole, resumed, strict=True):
+        assert {k: v for k, v in a.items() if k != "wall_seconds"} == {
+            k: v for k, v in b.items() if k != "wall_seconds"}
