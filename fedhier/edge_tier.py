@@ -181,11 +181,10 @@ def job_rounds(settings: HSGDSettings, job: EdgeJob) -> range:
     return range(first, first + (job.num_rounds or per_round))
 
 
-def run_edge_job(settings: HSGDSettings, executor: Executor, job: EdgeJob) -> EdgeReport:
-    """A server's half of its parent's period: from the parent's model, the edge rounds of
-    ``job`` with its subtree (an edge: its clients through ``executor``; above: its children
-    through ``executor.run_edge_jobs``), then the subtree's aggregate."""
-    _check(settings)
+def start_job(settings: HSGDSettings, executor: Executor, job: EdgeJob) -> HierarchicalSGD:
+    """A server's round for ``job``: set up on the job's tree and clients' row counts, at the
+    job's cloud round, with every edge's simulated clock as the job carries it; its traffic
+    counters count the job's subtree only."""
     from fedhier.async_edges import BatchCommunication
 
     algorithm = HierarchicalSGD(settings)
@@ -195,24 +194,42 @@ def run_edge_job(settings: HSGDSettings, executor: Executor, job: EdgeJob) -> Ed
     hierarchy = job_hierarchy(settings, job)
     algorithm.setup(executor, job.params, info=info, hierarchy=hierarchy)
     algorithm.begin_cloud_round(executor, job.cloud_round)
-    clock = algorithm._clock()
-    clock.edge_time[:] = np.asarray(job.seconds, dtype=np.float64)
+    algorithm._clock().edge_time[:] = np.asarray(job.seconds, dtype=np.float64)
     edges = np.flatnonzero(hierarchy.edges_under(job.level) == job.edge)
-    algorithm.communication = BatchCommunication(hierarchy, edges)  # its own subtree's
+    algorithm.communication = BatchCommunication(hierarchy, edges)
+    return algorithm
+
+
+def edge_aggregates(algorithm: HierarchicalSGD,
+                    held: tuple[Params, np.ndarray] | None) -> tuple[Params, np.ndarray] | None:
+    """The level-1 aggregates (name -> [m, *shape]) of the held survivors of a job's last
+    edge round (:attr:`EdgeRunOutcome.held`) and their m edges (int64 [m]); None: none held."""
+    if held is None:
+        return None
+    models, survivors = held
+    hierarchy = algorithm._hierarchy()
+    present = np.zeros(len(algorithm.weights), dtype=bool)
+    present[survivors] = True
+    weights = presence_weights(algorithm.weights, present, hierarchy.edge_of_client())
+    return aggregate_levels(models, survivors, weights, hierarchy, 1,
+                            algorithm.settings.aggregators, algorithm.node_models)
+
+
+def run_edge_job(settings: HSGDSettings, executor: Executor, job: EdgeJob) -> EdgeReport:
+    """A server's half of its parent's period: from the parent's model, the edge rounds of
+    ``job`` with its subtree (an edge: its clients through ``executor``; above: its children
+    through ``executor.run_edge_jobs``), then the subtree's aggregate."""
+    _check(settings)
+    algorithm = start_job(settings, executor, job)
+    hierarchy, clock = algorithm._hierarchy(), algorithm._clock()
+    edges = np.flatnonzero(hierarchy.edges_under(job.level) == job.edge)
     rounds = job_rounds(settings, job)
     weight = float(algorithm.weights[np.isin(hierarchy.edge_of_client(), edges)].sum())
     if job.level == 1:
         outcome = train_edges(algorithm, executor, edges, job.cloud_round, rounds,
                               hold_level=2)
-        model = None
-        if outcome.held is not None:
-            models, survivors = outcome.held
-            present = np.zeros(n, dtype=bool)
-            present[survivors] = True
-            weights = presence_weights(algorithm.weights, present, hierarchy.edge_of_client())
-            averaged, _ = aggregate_levels(models, survivors, weights, hierarchy, 1,
-                                           settings.aggregators, algorithm.node_models)
-            model = {k: v[0] for k, v in averaged.items()}
+        averaged = edge_aggregates(algorithm, outcome.held)
+        model = None if averaged is None else {k: v[0] for k, v in averaged[0].items()}
         losses, failed, failed_edge_count = (outcome.losses, outcome.failed_clients,
                                              outcome.failed_edges)
     else:

@@ -54,11 +54,14 @@ from fedhier_strategies.cloud_step import as_cloud_step, make_cloud_strategy
 def check_sharded(cfg: RunConfig) -> None:
     """Refuse, in one line, what the sharded engine does not run (yet)."""
     try:
-        check_edge_tier(len(cfg.periods), cfg.mobility_rate > 0 or bool(cfg.mobility_trace),
+        check_edge_tier(cfg.mobility_rate > 0 or bool(cfg.mobility_trace),
                         cfg.regroup_every > 0, cfg.async_buffer > 0, bool(cfg.edge_periods))
     except ConfigError as error:
         raise ConfigError(str(error).replace("edge servers as processes need",
                                              "engine vectorized-ray needs")) from None
+    if len(cfg.periods) != 2:
+        raise ConfigError("engine vectorized-ray needs a two-level hierarchy (one local and "
+                          "one global period)")
     if cfg.local_optimizer().has_state and cfg.optimizer_state == "keep":
         raise ConfigError("engine vectorized-ray keeps no optimizer state between edge "
                           "rounds: use optimizer_state=reset (or engine vectorized)")

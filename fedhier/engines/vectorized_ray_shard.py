@@ -21,9 +21,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhier.aggregate import presence_weights
+from fedhier.async_edges import BatchCommunication
 from fedhier.config import RunConfig
-from fedhier.edge_tier import EdgeJob, EdgeReport, edge_hierarchy, train_edges
+from fedhier.edge_tier import (
+    EdgeJob,
+    EdgeReport,
+    edge_aggregates,
+    job_rounds,
+    start_job,
+    train_edges,
+)
 from fedhier.engines.batched_kernels import INDEX_CLIENT_BLOCK, ClientRows
 from fedhier.engines.vectorized import BatchedExecutor, training_for
 from fedhier.federation import Federation
@@ -31,11 +38,9 @@ from fedhier.grouping import ClientInfo
 from fedhier.hsgd import (
     ClientEvaluation,
     EdgeRoundWork,
-    HierarchicalSGD,
     HSGDSettings,
     Params,
     TrainResult,
-    aggregate_levels,
 )
 from fedhier.train import clients_batch_indices
 
@@ -138,35 +143,24 @@ class ShardExecutor:
 
 def run_shard_jobs(settings: HSGDSettings, executor: ShardExecutor,
                    jobs: Sequence[EdgeJob]) -> list[EdgeReport]:
-    """The edge half of a cloud round for the shard's edges (one job each, same cloud
-    round): the G / I edge rounds of all their clients in one batched computation per edge
-    round, then each edge's aggregate of its survivors, as :func:`fedhier.edge_tier.
-    run_edge_job` does for one edge. The shard's summed counters and losses ride on the
-    first report (the cloud sums the reports)."""
+    """The edge half of a cloud round for the shard's edges (one level-1 job each, same
+    cloud round and edge rounds): the edge rounds of all their clients in one batched
+    computation per edge round, then each edge's aggregate of its survivors, as
+    :func:`fedhier.edge_tier.run_edge_job` does for one edge. The shard's summed counters,
+    losses and traffic ride on the first report (the cloud sums the reports)."""
     first = jobs[0]
-    algorithm = HierarchicalSGD(settings)
-    n = len(first.edge_of_client)
-    info = ClientInfo(label_histograms=np.zeros((n, 1), dtype=np.int64),
-                      num_examples=np.asarray(first.num_examples, dtype=np.int64))
-    hierarchy = edge_hierarchy(settings, first.edge_of_client)
-    algorithm.setup(executor, first.params, info=info, hierarchy=hierarchy)
-    algorithm.begin_cloud_round(executor, first.cloud_round)
-    clock = algorithm._clock()
-    for job in jobs:
-        clock.edge_time[job.edge] = job.start_seconds
+    algorithm = start_job(settings, executor, first)
     edges = np.array(sorted(job.edge for job in jobs), dtype=np.int64)
-    outcome = train_edges(algorithm, executor, edges, first.cloud_round)
+    algorithm.communication = BatchCommunication(algorithm._hierarchy(), edges)
+    outcome = train_edges(algorithm, executor, edges, first.cloud_round,
+                          job_rounds(settings, first), hold_level=2)
+    averaged = edge_aggregates(algorithm, outcome.held)
     models: dict[int, Params] = {}
-    if outcome.held is not None:
-        held, survivors = outcome.held
-        present = np.zeros(n, dtype=bool)
-        present[survivors] = True
-        weights = presence_weights(algorithm.weights, present, hierarchy.edge_of_client())
-        averaged, nodes = aggregate_levels(held, survivors, weights, hierarchy, 1,
-                                           settings.aggregators, algorithm.node_models)
-        models = {int(e): {k: v[i].clone() for k, v in averaged.items()}
-                  for i, e in enumerate(nodes)}
-    traffic = algorithm.communication
+    if averaged is not None:
+        models = {int(e): {k: v[i].clone() for k, v in averaged[0].items()}
+                  for i, e in enumerate(averaged[1])}
+    edge_of = algorithm._hierarchy().edge_of_client()
+    traffic, seconds = algorithm.communication, algorithm._clock().edge_time
     reports = []
     for i, edge in enumerate(edges.tolist()):
         lead = i == 0
@@ -175,5 +169,8 @@ def run_shard_jobs(settings: HSGDSettings, executor: ShardExecutor,
             outcome.losses if lead else np.zeros_like(outcome.losses),
             outcome.failed_clients if lead else 0, outcome.failed_edges if lead else 0,
             traffic.client_edge_messages if lead else 0,
-            traffic.client_edge_bytes if lead else 0, float(clock.edge_time[edge])))
+            traffic.client_edge_bytes if lead else 0, seconds.copy(),
+            weight=float(algorithm.weights[edge_of == edge].sum()),
+            edge_cloud_messages=traffic.edge_cloud_messages if lead else 0,
+            edge_cloud_bytes=traffic.edge_cloud_bytes if lead else 0))
     return reports
