@@ -6,6 +6,7 @@ round is g = 2 steps: edge 0 aggregates after every edge round, edge 1 after eve
 states and models below are worked out by hand from that schedule (docs/hsgd.md)."""
 
 import numpy as np
+import pytest
 import torch
 
 from fedhier.hsgd import HSGDSettings
@@ -146,17 +147,24 @@ def test_a_client_without_steps_left_is_not_planned_from_its_carried_model():
     assert carried.tolist() == [1] and start.tolist() == [0, 2, 1, 1]
 
 
-def test_settle_aggregates_now_the_survivors_of_aggregating_edges_then_earlier_carries():
+@pytest.mark.parametrize("default_device", ["cpu", "meta"])
+def test_settle_aggregates_now_the_survivors_of_aggregating_edges_then_earlier_carries(
+        default_device):
+    """(Also under another default device, meta: the carried rows are indexed where the
+    models are.)"""
     s, clock = EdgePeriods(settings()), Clock()
     s.begin_cloud_round(4, 2)
-    out, ids, sent = s.settle(work(1, ALL, [2] * 4), col([1.0, 2.0, 3.0, 4.0]), ALL, ALL[:0],
-                              np.array([1, 0], dtype=I64), clock, 8)
+    first, second = col([1.0, 2.0, 3.0, 4.0]), col([5.0, 6.0, 7.0])
+    with torch.device(default_device):
+        out, ids, sent = s.settle(work(1, ALL, [2] * 4), first, ALL, ALL[:0],
+                                  np.array([1, 0], dtype=I64), clock, 8)
     assert rows(out) == [1.0, 2.0] and ids.tolist() == [0, 1] and sent == 4
     # round 2: client 3 is not sent (no steps left), client 2 continues from its carry;
     # edge 1 receives two models: client 2's and client 3's carried one
-    out, ids, sent = s.settle(work(2, [0, 1, 2], [2, 2, 2], carried=[2]),
-                              col([5.0, 6.0, 7.0]), np.array([0, 1, 2], dtype=I64), ALL[:0],
-                              np.array([1, 1], dtype=I64), clock, 8)
+    with torch.device(default_device):
+        out, ids, sent = s.settle(work(2, [0, 1, 2], [2, 2, 2], carried=[2]), second,
+                                  np.array([0, 1, 2], dtype=I64), ALL[:0],
+                                  np.array([1, 1], dtype=I64), clock, 8)
     assert ids.dtype == I64 and ids.tolist() == [0, 1, 2, 3] and rows(out) == [5, 6, 7, 4]
     assert sent == 2 and s.has_carry.tolist() == [False] * 4
     assert s.end_cloud_round() == {"edge_aggregations": [2, 1]}
