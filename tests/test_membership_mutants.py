@@ -275,3 +275,21 @@ def test_membership_for_picks_the_rules_the_settings_ask_for_in_order():
     assert [type(r) for r in membership_for(HSGDSettings(
         periods=(1, 3), groups=(3,), mobility=Mobility(trace=((2, 0, 1),)))).rules] == [Moving]
     assert membership_for(HSGDSettings(periods=(1, 3), groups=(3,))).rules == []
+
+
+@pytest.mark.parametrize("edge_rounds", [1, 2])
+def test_each_edge_round_of_a_cloud_round_takes_its_own_map(edge_rounds):
+    """Short cloud rounds: the map index and the first edge round (nothing to carry) count
+    from each cloud round's start."""
+    maps = [[0, 2, 1, 1, 2, 2], [0, 2, 1, 1, 0, 2]][:edge_rounds]
+    pace = RoundPace(seed=11, edge_rounds=edge_rounds, histograms=HIST)
+    rule = Moving(Maps(maps, "carry"))  # type: ignore[arg-type]
+    rule.begin_cloud_round(2, TREE, regroup_to([], []), pace)
+    first = edge_rounds + 1  # the second cloud round's first edge round
+    tree, handoff = rule.enter(first, TREE, pace)
+    assert edge_map(tree) == [0, 2, 1, 1, 2, 2]
+    assert handoff is not None and handoff.start_edges is None
+    if edge_rounds == 2:
+        tree, handoff = rule.enter(first + 1, tree, pace)
+        assert edge_map(tree) == [0, 2, 1, 1, 0, 2]
+        assert handoff is not None and handoff.start_edges.tolist() == [0, 2, 1, 1, 2, 2]
