@@ -155,3 +155,46 @@ def test_the_part_makes_its_tensors_on_the_models_device():
         stepped, _ = step_on(step, 3, children, np.array([0, 2]), np.array([1.0, 3.0]))
     assert out["w"].device.type == "cpu" and out["w"].tolist() == [[6.5]]
     assert stepped["w"].device.type == "cpu" and stepped["w"].tolist() == [[9.0]]
+
+
+def test_rules_that_measure_from_a_start_model_get_the_nodes_models():
+    asked = []
+
+    def reference(level, nodes):
+        asked.append((level, nodes.tolist()))
+        return {"w": torch.tensor([[0.0], [10.0]], dtype=F64)[:len(nodes)] if level == 1
+                else torch.tensor([[4.0]], dtype=F64)}
+
+    # edges' means 2 and 8 (weights 2, 2); the cloud clips from 4: updates -2, 4 -> -1, 1
+    out, _ = cloud_update(None, 2, col([1.0, 3.0, 8.0]), np.arange(3),
+                          np.array([1.0, 1.0, 2.0]), TREE, ("mean", "clip:1"), reference)
+    assert out["w"].tolist() == [[4.0]] and asked == [(2, [0])]
+    # with a step: the edges clip from their models 0 and 10: updates 1, 3 -> 1, 1 and -2 -> -1
+    step = Step({"w": torch.tensor([0.0], dtype=F64)})
+    asked.clear()
+    cloud_update(step, 2, col([1.0, 3.0, 8.0]), np.arange(3), np.array([1.0, 1.0, 2.0]),
+                 TREE, ("clip:1", "mean"), reference)
+    assert step.calls == [(2, {0: [1.0], 1: [9.0]}, {0: 2.0, 1: 2.0})]
+    assert asked == [(1, [0, 1])]
+
+
+def test_the_children_s_update_with_a_rule_that_orders_them():
+    children = col([1.0, 2.0, 3.0, 100.0])
+    out, _ = cloud_update_of_children(None, 1, children, np.arange(4), np.ones(4),
+                                      ("trimmed-mean:0.25",), col([0.0]))
+    assert out["w"].tolist() == [[2.5]]  # one cut at each end: (2 + 3) / 2
+
+
+def test_the_step_s_model_goes_to_the_children_s_device():
+    """A step (a Flower strategy) answers on the CPU; the global model goes where the
+    children's models are (meta here, a GPU in a GPU run)."""
+    children = {"w": torch.zeros(2, 1, dtype=F64, device="meta")}
+
+    class Fixed:
+        def step(self, cloud_round, kids, weights):
+            assert all(v["w"].device.type == "meta" for v in kids.values())
+            return {"w": torch.tensor([9.0], dtype=F64)}
+
+    out, nodes = step_on(Fixed(), 3, children, np.array([0, 2]), np.array([1.0, 3.0]))
+    assert out["w"].device.type == "meta" and tuple(out["w"].shape) == (1, 1)
+    assert nodes.tolist() == [0]
