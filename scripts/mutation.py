@@ -105,6 +105,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                                  ["-k", "(test_round_parts and not over_500_lines) or mutants"]),
     "fedhier/round/restore.py": (["tests/test_round_parts.py", "tests/test_restore_mutants.py"],
                                  ["-k", "(test_round_parts and not over_500_lines) or mutants"]),
+    "fedhier/round/executor.py": (["tests/test_round_parts.py", "tests/test_executor_mutants.py"],
+                                  ["-k", "(test_round_parts and not over_500_lines) or mutants"]),
     "fedhier/sim_clock.py": (["tests/test_sim_clock.py", "tests/test_sim_clock_mutants.py"],
                              ["-k", "transfer or waits or queues or share or pay_only or "
                               "bad_edge_slowdown or mutants"]),
