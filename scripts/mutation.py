@@ -79,6 +79,34 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                                   "tests/test_weights_mutants.py"],
                                  ["-k", "(test_round_parts and not over_500_lines) or mutants or "
                                   "((two_levels or participation) and vectorized)"]),
+    "fedhier/round/aggregation.py": (["tests/test_oracle.py", "tests/test_round_parts.py",
+                                      "tests/test_robust_aggregate.py", "tests/test_hsgd.py",
+                                      "tests/test_aggregation_mutants.py"],
+                                     ["-k", "(test_round_parts and not over_500_lines) or "
+                                      "mutants or clip_at_every_level or level_by_level or "
+                                      "((median or three_levels) and vectorized)"]),
+    "fedhier/round/schedule.py": (["tests/test_oracle.py", "tests/test_round_parts.py",
+                                   "tests/test_edge_periods.py", "tests/test_schedule_mutants.py"],
+                                  ["-k", "(test_round_parts and not over_500_lines) or "
+                                   "mutants or unequal_periods or stragglers_do_their or "
+                                   "schedule_names or ((per_edge_periods or fednova or "
+                                   "participation or stragglers_and or two_levels) and "
+                                   "vectorized and not bit_for_bit)"]),
+    "fedhier/round/membership.py": (["tests/test_oracle.py", "tests/test_round_parts.py",
+                                     "tests/test_membership_mutants.py"],
+                                    ["-k", "(test_round_parts and not over_500_lines) or "
+                                     "mutants or ((mobility_handoffs or regrouping_times) and "
+                                     "vectorized)"]),
+    "fedhier/round/cloud.py": (["tests/test_oracle.py", "tests/test_round_parts.py",
+                                "tests/test_cloud_mutants.py"],
+                               ["-k", "(test_round_parts and not over_500_lines) or mutants or "
+                                "((flower_server_optimiser or two_levels) and vectorized)"]),
+    "fedhier/round/records.py": (["tests/test_round_parts.py", "tests/test_records_mutants.py"],
+                                 ["-k", "(test_round_parts and not over_500_lines) or mutants"]),
+    "fedhier/round/restore.py": (["tests/test_round_parts.py", "tests/test_restore_mutants.py"],
+                                 ["-k", "(test_round_parts and not over_500_lines) or mutants"]),
+    "fedhier/round/executor.py": (["tests/test_round_parts.py", "tests/test_executor_mutants.py"],
+                                  ["-k", "(test_round_parts and not over_500_lines) or mutants"]),
     "fedhier/sim_clock.py": (["tests/test_sim_clock.py", "tests/test_sim_clock_mutants.py"],
                              ["-k", "transfer or waits or queues or share or pay_only or "
                               "bad_edge_slowdown or mutants"]),
