@@ -122,25 +122,10 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
             self.cloud_step.begin(cloud_round, self.global_params,
                                   hierarchy.num_nodes(hierarchy.num_levels - 1))
         stats: dict[str, Any] = {"losses": [], "failed_clients": 0, "failed_edges": 0}
-        accepted: list[tuple[EdgeJob, int]] = []
-        dropped = 0
-        arrival = self.now
-        arrivals: list[float] = []  # each accepted report's arrival at the edge's parent
-        while len(accepted) < s.asynchronous.buffer:
-            if self.idle:
-                self._start_jobs(executor, stats)
-            job = self.jobs.pop(min(self.jobs, key=lambda e: (self.jobs[e].finish, e)))
-            arrival = self._send_up(job)
-            staleness = self.version - job.version
-            if staleness > s.asynchronous.max_staleness:  # too old: the edge starts over
-                dropped += 1
-                self.idle[job.edge] = float(self._send_down([job.edge], arrival)[0])
-                continue
-            accepted.append((job, staleness))
-            arrivals.append(arrival)
+        accepted, at_cloud, dropped = self._collect(executor, stats)
         self._aggregate(accepted, cloud_round)
         edges = [job.edge for job, _ in accepted]
-        reached = self._send_down(edges, self._forward(edges, arrivals) if edges else arrival)
+        reached = self._send_down(edges, at_cloud)
         self.now = float(reached.max())
         for (job, _), when in zip(accepted, reached.tolist(), strict=True):
             self.idle[job.edge] = when
@@ -154,6 +139,35 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         if (periods := self._edge_periods()) is not None:  # each edge's, in its last job
             out["edge_aggregations"] = periods.aggregations.tolist()
         return out
+
+    def _collect(self, executor: Executor, stats: dict[str, Any],
+                 ) -> tuple[list[tuple[EdgeJob, int]], float, int]:
+        """The cloud's buffer: the first K edge reports to reach their parents, each with its
+        staleness; the simulated second the cloud has them all; how many were dropped."""
+        s = self.settings.asynchronous
+        accepted: list[tuple[EdgeJob, int]] = []
+        dropped = 0
+        arrival = self.now
+        arrivals: list[float] = []  # each accepted report's arrival at the edge's parent
+        while len(accepted) < s.buffer:
+            if self.idle:
+                self._start_jobs(executor, stats)
+            job = self.jobs.pop(min(self.jobs, key=lambda e: (self.jobs[e].finish, e)))
+            arrival = self._send_up(job)
+            staleness = self.version - job.version
+            if staleness > s.max_staleness:  # too old: the edge starts over
+                dropped += 1
+                self._restart(job.edge, arrival)
+                continue
+            accepted.append((job, staleness))
+            arrivals.append(arrival)
+        edges = [job.edge for job, _ in accepted]
+        return accepted, self._forward(edges, arrivals) if edges else arrival, dropped
+
+    def _restart(self, edge: int, when: float) -> None:
+        """``edge``'s report was dropped at second ``when``: the current model goes down to
+        it, and it starts over once it has it."""
+        self.idle[edge] = float(self._send_down([edge], when)[0])
 
     def _link(self, level: int, node: int) -> float:
         """When the link into level-``level`` node ``node`` is free (the cloud's: level L)."""
@@ -290,10 +304,14 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         """int64 [n]: each client's edge for a job starting now: its edge in the grouping,
         or, while it is in a job in flight, that job's edge."""
         edge_of = self._hierarchy().edge_of_client().copy()
-        for job in self.jobs.values():
+        for job in self._pending():
             if job.members is not None:
                 edge_of[job.members] = job.edge
         return edge_of
+
+    def _pending(self) -> list[EdgeJob]:
+        """The jobs whose reports the cloud has not aggregated yet (their clients stay)."""
+        return list(self.jobs.values())
 
     def _start_jobs(self, executor: Executor, stats: dict[str, Any]) -> None:
         """Train the jobs of every idle edge from the current global model: the G / I edge
@@ -308,7 +326,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         edge_of = self.training_map()
         if self.round_maps is not None:  # clients not in a job follow the round's moves
             busy = np.zeros(len(edge_of), dtype=bool)
-            for job in self.jobs.values():
+            for job in self._pending():
                 if job.members is not None:
                     busy[job.members] = True
             self._batch_maps = np.where(busy[None], edge_of[None], self.round_maps)
@@ -410,7 +428,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         super().setup(executor, initial, info=info, hierarchy=hierarchy)
         restored = self._restored_edge_models
         grouping = self._hierarchy().edge_of_client()
-        for job in self.jobs.values():
+        for job in self._pending():
             if job.members is None:
                 job.members = np.flatnonzero(grouping == job.edge)
         if restored is not None:
@@ -440,6 +458,10 @@ class BatchCommunication(Communication):
 def algorithm_for(settings: HSGDSettings,
                   cloud_step: CloudStep | None = None) -> HierarchicalSGD:
     """The round the settings ask for: synchronous H-SGD, or with asynchronous edges."""
+    if settings.asynchronous.regions:
+        from fedhier.async_regions import AsyncRegionsSGD
+
+        return AsyncRegionsSGD(settings, cloud_step)
     if settings.asynchronous.active:
         return AsyncHierarchicalSGD(settings, cloud_step)
     return HierarchicalSGD(settings, cloud_step)

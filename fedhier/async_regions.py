@@ -1,0 +1,225 @@
+"""Asynchronous regions: buffers at the levels between the edges and the cloud.
+
+``--region-buffer K_2,...,K_{L-1}`` (one K per level between the edges and the cloud, like
+``--periods`` takes one period per level) makes every node of level l (a *region*) buffer its
+own children's reports, as the cloud of :mod:`fedhier.async_edges` buffers the edges':
+
+* **Jobs** are those of asynchronous edges: from the global model of version v (cloud
+  aggregations so far) an edge's clients do the G / I edge rounds of cloud round v + 1 (the
+  regions aggregating inside the job on their schedule over the edges that started it
+  together), then the edge uploads its clients' last models.
+* **Arrival.** A report *arrives* at a node when its upload over the link into that node (the
+  simulated clock, :mod:`fedhier.sim_clock`: uploads into a node queue one after another) is
+  done. Arrivals are taken in simulated-time order (ties by edge id).
+* **A region fires** when K_l reports have arrived at it that it has not sent up yet
+  (K_l = 0: all of its children): it sends them up as *one* report over its parent's link,
+  ready at the K_l-th arrival. A node sends at most one report per cloud aggregation:
+  reports that arrive after it fired are held for its next one, which goes up no earlier
+  than the cloud aggregation that took the previous one (the cloud's last report arrival). The nodes ready at the same moment fire by (time, level, id).
+* **The cloud** aggregates its first K (``--async-buffer``; 0 = every child) of its
+  children's reports to *arrive*: with regions buffering, the cloud's K counts region
+  reports, not edge reports. The edge reports inside them are merged as asynchronous edges
+  merge theirs (:func:`fedhier.stale_reports.merge_reports`: each client's model moved by
+  w - w_base(e), weighted 1 / sqrt(1 + s)), and the new model goes back down to their edges,
+  which start their next job; every other edge keeps going or waits at its region.
+* **Staleness** s of an edge report = cloud aggregations between its job's start model and the
+  aggregation that takes it (the version counter of asynchronous edges). A report more than S
+  (``--max-staleness``) behind is dropped at its edge's parent: on arrival, and at the start
+  of every cloud round while it is held there; its edge then gets the current model and
+  starts over. A report inside a region's report is not dropped any more (in trees of 4+
+  levels a region above the edges' parents may hold it across cloud aggregations; it is
+  then weighted by its staleness as any other).
+
+A region with K_l = its number of children (or 0) waits for all of them: with every region
+so and the cloud's K = its number of children, this is synchronous H-SGD bit for bit (the
+same model, traffic and ``sim_seconds``); with one edge per region, ``--region-buffer 1``
+is the cloud-only buffer of :mod:`fedhier.async_edges` with the same K, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fedhier.async_edges import AsyncHierarchicalSGD, EdgeJob
+from fedhier.errors import ConfigError
+from fedhier.hsgd import Executor
+from fedhier.staleness import AsyncEdges
+from fedhier.topology import Hierarchy
+
+
+@dataclass
+class RegionReport:
+    """Edge reports travelling together: the jobs whose reports it holds, and the simulated
+    second it arrives (arrived) at the node it is sent to."""
+
+    jobs: list[EdgeJob]
+    arrival: float
+
+
+def children(tree: Hierarchy, level: int) -> np.ndarray:
+    """int64 [num_nodes(level)]: each level-``level`` node's number of children."""
+    return np.bincount(tree.parents[level - 1], minlength=tree.num_nodes(level))
+
+
+def parent_of(tree: Hierarchy, level: int, node: int) -> int:
+    """The level-(level + 1) node above level-``level`` node ``node`` (the cloud: 0)."""
+    return int(tree.parents[level][node]) if level + 1 < tree.num_levels else 0
+
+
+def check_tree(asynchronous: AsyncEdges, tree: Hierarchy) -> None:
+    """One-line ConfigError when a node has fewer children than its level's K."""
+    top = tree.num_levels
+    if len(asynchronous.regions) != top - 2:
+        raise ConfigError(f"region_buffer takes one K per level between the edges and the "
+                          f"cloud: {top - 2} for this tree, got {len(asynchronous.regions)}")
+    for level, k in enumerate(asynchronous.regions, start=2):
+        count = children(tree, level)
+        if k > count.min():
+            node = int(count.argmin())
+            raise ConfigError(f"region_buffer K={k} at level {level} is more than the "
+                              f"{count.min()} children of node {node}; it would wait for "
+                              "reports that never come")
+    if asynchronous.buffer > tree.num_nodes(top - 1):
+        raise ConfigError(f"async_buffer K={asynchronous.buffer} is more than the cloud's "
+                          f"{tree.num_nodes(top - 1)} children")
+
+
+class AsyncRegionsSGD(AsyncHierarchicalSGD):
+    """Asynchronous edges whose regions buffer their children's reports too (see the
+    module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: (level, node) -> the reports that arrived there and were not sent up yet
+        self.held: dict[tuple[int, int], list[RegionReport]] = {}
+        #: (arrival at the edge's parent, job): edge reports on their way up
+        self.in_transit: list[tuple[float, EdgeJob]] = []
+        #: "level:node" -> when the cloud aggregation that took its last report happened
+        self.fired_at: dict[str, float] = {}
+
+    def _pending(self) -> list[EdgeJob]:
+        return [*self.jobs.values(), *(job for _, job in self.in_transit),
+                *(job for reports in self.held.values() for r in reports for job in r.jobs)]
+
+    def _collect(self, executor: Executor, stats: dict[str, Any],
+                 ) -> tuple[list[tuple[EdgeJob, int]], float, int]:
+        """The cloud's first K children's reports (each region firing on its first K_l):
+        the edge reports in them with their staleness, when the last reaches the cloud, and
+        how many edge reports were dropped."""
+        s = self.settings.asynchronous
+        tree = self._hierarchy()
+        check_tree(s, tree)
+        top = tree.num_levels
+        need = s.buffer or tree.num_nodes(top - 1)
+        at_cloud: list[RegionReport] = []
+        fired: set[tuple[int, int]] = set()
+        dropped = self._drop_held()
+        parent = tree.edges_under(2)
+        while True:
+            self._fire(tree, fired, at_cloud, need)
+            if len(at_cloud) >= need:
+                break
+            if self.idle:
+                self._start_jobs(executor, stats)
+            first = min(self.jobs, key=lambda e: (self.jobs[e].finish, e), default=None)
+            if first is not None and (not self.in_transit
+                                      or self.jobs[first].finish <= self.in_transit[0][0]):
+                job = self.jobs.pop(first)  # it finishes before any report arrives
+                self.in_transit.append((self._send_up(job), job))
+                self.in_transit.sort(key=lambda t: (t[0], t[1].edge))
+                continue
+            if not self.in_transit:
+                raise RuntimeError("asynchronous regions: the cloud waits for reports that "
+                                   "never come")
+            now = self.in_transit[0][0]
+            while self.in_transit and self.in_transit[0][0] == now:  # every arrival at `now`
+                arrival, job = self.in_transit.pop(0)
+                if self.version - job.version > s.max_staleness:  # the edge starts over
+                    dropped += 1
+                    self._restart(job.edge, arrival)
+                    continue
+                self.held.setdefault((2, int(parent[job.edge])), []).append(
+                    RegionReport([job], arrival))
+        accepted = [(job, self.version - job.version) for r in at_cloud for job in r.jobs]
+        done = max(r.arrival for r in at_cloud)
+        for level, node in fired:
+            self.fired_at[f"{level}:{node}"] = done
+        return accepted, done, dropped
+
+    def _drop_held(self) -> int:
+        """Drop the edge reports held at the edges' parents that are now more than S cloud
+        aggregations behind; returns how many."""
+        dropped = 0
+        for (level, node), reports in list(self.held.items()):
+            if level != 2:
+                continue
+            keep = []
+            for report in reports:
+                job = report.jobs[0]
+                if self.version - job.version > self.settings.asynchronous.max_staleness:
+                    dropped += 1
+                    self._restart(job.edge, max(report.arrival, self.now))
+                else:
+                    keep.append(report)
+            self.held[(level, node)] = keep
+        return dropped
+
+    def _fire(self, tree: Hierarchy, fired: set[tuple[int, int]],
+              at_cloud: list[RegionReport], need: int) -> None:
+        """Every node holding its K_l unsent reports sends them up as one, earliest first
+        (by the K_l-th arrival, then level, then id), while the cloud needs reports."""
+        regions = self.settings.asynchronous.regions
+        while len(at_cloud) < need:
+            best: tuple[float, int, int, int] | None = None
+            for (level, node), reports in self.held.items():
+                if (level, node) in fired:
+                    continue
+                k = regions[level - 2] or int(children(tree, level)[node])
+                if len(reports) < k:
+                    continue
+                reports.sort(key=lambda r: r.arrival)
+                candidate = (max(reports[k - 1].arrival,
+                                 self.fired_at.get(f"{level}:{node}", -math.inf)),
+                             level, node, k)
+                if best is None or candidate[:3] < best[:3]:
+                    best = candidate
+            if best is None:
+                return
+            ready, level, node, k = best
+            reports = self.held[(level, node)]
+            self.held[(level, node)] = reports[k:]
+            fired.add((level, node))
+            above = parent_of(tree, level, node)
+            report = RegionReport([job for r in reports[:k] for job in r.jobs],
+                                  self._queue_on(level + 1, above, ready))
+            if level + 1 == tree.num_levels:
+                at_cloud.append(report)
+            else:
+                self.held.setdefault((level + 1, above), []).append(report)
+
+    # ---------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["async"]["regions"] = {
+            "held": [[level, node, [[r.arrival, r.jobs] for r in reports]]
+                     for (level, node), reports in sorted(self.held.items()) if reports],
+            "in_transit": [[arrival, job] for arrival, job in self.in_transit],
+            "fired_at": dict(self.fired_at)}
+        return state
+
+    def load_state_dict(self, state: Any) -> None:
+        super().load_state_dict(state)
+        saved = state["async"].get("regions")
+        if saved is None:
+            raise ConfigError("this checkpoint was written without region_buffer; resume "
+                              "it with the settings it was written with")
+        self.held = {(int(level), int(node)): [RegionReport(list(jobs), float(arrival))
+                                               for arrival, jobs in reports]
+                     for level, node, reports in saved["held"]}
+        self.in_transit = [(float(arrival), job) for arrival, job in saved["in_transit"]]
+        self.fired_at = {k: float(v) for k, v in saved["fired_at"].items()}
+
