@@ -115,7 +115,6 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
     # ---------------------------------------------------------------- one cloud round
     def cloud_round(self, executor: Executor, cloud_round: int) -> dict[str, Any]:
         """Wait for K fresh-enough reports, aggregate them; returns the training keys."""
-        s = self.settings
         membership = self._change_membership(executor, cloud_round)
         hierarchy = self._hierarchy()
         if self.cloud_step is not None:  # the model its next update starts from

@@ -15,7 +15,8 @@ own children's reports, as the cloud of :mod:`fedhier.async_edges` buffers the e
   (K_l = 0: all of its children): it sends them up as *one* report over its parent's link,
   ready at the K_l-th arrival. A node sends at most one report per cloud aggregation:
   reports that arrive after it fired are held for its next one, which goes up no earlier
-  than the cloud aggregation that took the previous one (the cloud's last report arrival). The nodes ready at the same moment fire by (time, level, id).
+  than the cloud aggregation that took the previous one (the cloud's last report arrival).
+  The nodes ready at the same moment fire by (time, level, id).
 * **The cloud** aggregates its first K (``--async-buffer``; 0 = every child) of its
   children's reports to *arrive*: with regions buffering, the cloud's K counts region
   reports, not edge reports. The edge reports inside them are merged as asynchronous edges
