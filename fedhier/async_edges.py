@@ -174,22 +174,25 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
             return self.link_free
         return self.relay_free.get(f"{level}:{node}", -math.inf)
 
-    def _queue_on(self, level: int, node: int, ready: float) -> float:
+    def _queue_on(self, level: int, node: int, ready: float, count: bool = True) -> float:
         """One model ready at ``ready`` goes up the link into ``node`` (level ``level``)
-        after the models already queued there; returns its arrival."""
+        after the models already queued there; returns its arrival. ``count``: add it to the
+        traffic now (else the caller does, when the report is taken in)."""
         arrivals, free = self._clock().upload_queue(np.array([ready]), self._link(level, node),
                                                     self.model_bytes)
         if level == self._hierarchy().num_levels:
             self.link_free = free
         else:
             self.relay_free[f"{level}:{node}"] = free
-        self.communication.add_edge_cloud(1, self.model_bytes)
+        if count:
+            self.communication.add_edge_cloud(1, self.model_bytes)
         return float(arrivals[0])
 
-    def _send_up(self, job: EdgeJob) -> float:
+    def _send_up(self, job: EdgeJob, count: bool = True) -> float:
         """A report goes up to the edge's parent (the cloud in a two-level tree, else its
         region), queuing on that node's link; returns when it arrives there."""
-        return self._queue_on(2, int(self._hierarchy().edges_under(2)[job.edge]), job.finish)
+        return self._queue_on(2, int(self._hierarchy().edges_under(2)[job.edge]), job.finish,
+                              count)
 
     def _forward(self, edges: list[int], arrivals: list[float]) -> float:
         """Above the edges' parents, each node whose subtree holds accepted reports sends

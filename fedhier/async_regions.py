@@ -10,7 +10,8 @@ own children's reports, as the cloud of :mod:`fedhier.async_edges` buffers the e
   together), then the edge uploads its clients' last models.
 * **Arrival.** A report *arrives* at a node when its upload over the link into that node (the
   simulated clock, :mod:`fedhier.sim_clock`: uploads into a node queue one after another) is
-  done. Arrivals are taken in simulated-time order (ties by edge id).
+  done. Arrivals are taken in simulated-time order (ties by edge id); an upload counts in
+  the traffic of the cloud round in which it arrives.
 * **A region fires** when K_l reports have arrived at it that it has not sent up yet
   (K_l = 0: all of its children): it sends them up as *one* report over its parent's link,
   ready at the K_l-th arrival. A node sends at most one report per cloud aggregation:
@@ -130,21 +131,20 @@ class AsyncRegionsSGD(AsyncHierarchicalSGD):
             if first is not None and (not self.in_transit
                                       or self.jobs[first].finish <= self.in_transit[0][0]):
                 job = self.jobs.pop(first)  # it finishes before any report arrives
-                self.in_transit.append((self._send_up(job), job))
+                self.in_transit.append((self._send_up(job, count=False), job))
                 self.in_transit.sort(key=lambda t: (t[0], t[1].edge))
                 continue
             if not self.in_transit:
                 raise RuntimeError("asynchronous regions: the cloud waits for reports that "
                                    "never come")
-            now = self.in_transit[0][0]
-            while self.in_transit and self.in_transit[0][0] == now:  # every arrival at `now`
-                arrival, job = self.in_transit.pop(0)
-                if self.version - job.version > s.max_staleness:  # the edge starts over
-                    dropped += 1
-                    self._restart(job.edge, arrival)
-                    continue
-                self.held.setdefault((2, int(parent[job.edge])), []).append(
-                    RegionReport([job], arrival))
+            arrival, job = self.in_transit.pop(0)  # the next arrival
+            self.communication.add_edge_cloud(1, self.model_bytes)  # counted on arrival
+            if self.version - job.version > s.max_staleness:  # the edge starts over
+                dropped += 1
+                self._restart(job.edge, arrival)
+                continue
+            self.held.setdefault((2, int(parent[job.edge])), []).append(
+                RegionReport([job], arrival))
         accepted = [(job, self.version - job.version) for r in at_cloud for job in r.jobs]
         done = max(r.arrival for r in at_cloud)
         for level, node in fired:

@@ -68,10 +68,12 @@ def check_region_buffers(asynchronous: AsyncEdges, groups: tuple[int, ...]) -> N
                           f"cloud: {len(groups) - 1} for groups {','.join(map(str, groups))}, "
                           f"got {len(regions)}")
     for level, k in enumerate(regions, start=2):
-        if k > groups[level - 2]:
+        fewest = groups[level - 2] // groups[level - 1]  # some node has at most this many
+        if k > fewest:
             raise ConfigError(f"region_buffer K={k} at level {level} is more than the "
-                              f"{groups[level - 2]} nodes below that level; it would wait for "
-                              "reports that never come")
+                              f"{fewest} children a node of that level may have "
+                              f"({groups[level - 2]} under {groups[level - 1]}); it would "
+                              "wait for reports that never come")
     if asynchronous.buffer > groups[-1]:
         raise ConfigError(f"async_buffer K={asynchronous.buffer} is more than the cloud's "
                           f"{groups[-1]} children; with region_buffer the cloud counts its "
