@@ -34,7 +34,8 @@ one aggregate up its parent's link, as a synchronous region does, and the new mo
 back down the same way. Inside the jobs the levels between aggregate on their schedule over
 the edges whose jobs started together (from the same global model); an edge outside that
 batch neither waits for nor joins such an aggregation. With K = N this is synchronous
-H-SGD bit for bit, traffic and simulated time included.
+H-SGD bit for bit, traffic and simulated time included. Regions that buffer their own
+children's reports (``region_buffer``) are :mod:`fedhier.async_regions`.
 
 Jobs train when they start (their result depends only on their start model, their round
 numbers and their clients), so executors run them as ordinary edge rounds restricted to the
@@ -52,6 +53,7 @@ import numpy as np
 import torch
 
 from fedhier.aggregate import aggregator
+from fedhier.async_regions import RegionBuffers, region_buffers
 from fedhier.communication import Communication
 from fedhier.edge_tier import train_edges
 from fedhier.errors import ConfigError
@@ -111,6 +113,8 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         #: (None: static clients); a batch's maps follow it for clients not in a job
         self.round_maps: np.ndarray | None = None
         self._batch_maps: np.ndarray | None = None
+        #: buffers of the nodes between the edges and the cloud (None: they relay)
+        self.regions: RegionBuffers[EdgeJob] | None = region_buffers(settings.asynchronous)
 
     # ---------------------------------------------------------------- one cloud round
     def cloud_round(self, executor: Executor, cloud_round: int) -> dict[str, Any]:
@@ -143,6 +147,8 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                  ) -> tuple[list[tuple[EdgeJob, int]], float, int]:
         """The cloud's buffer: the first K edge reports to reach their parents, each with its
         staleness; the simulated second the cloud has them all; how many were dropped."""
+        if self.regions is not None:  # the regions buffer: the cloud counts their reports
+            return self.regions.collect(self, executor, stats, self.now)
         s = self.settings.asynchronous
         accepted: list[tuple[EdgeJob, int]] = []
         dropped = 0
@@ -313,7 +319,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
 
     def _pending(self) -> list[EdgeJob]:
         """The jobs whose reports the cloud has not aggregated yet (their clients stay)."""
-        return list(self.jobs.values())
+        return [*self.jobs.values(), *(self.regions.pending() if self.regions else [])]
 
     def _start_jobs(self, executor: Executor, stats: dict[str, Any]) -> None:
         """Train the jobs of every idle edge from the current global model: the G / I edge
@@ -404,6 +410,8 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                           "edge_aggregations": ([] if (periods := self._edge_periods()) is None
                                                 else periods.aggregations.tolist()),
                           "now": self.now, "edge_models": dict(self.edge_models)}
+        if self.regions is not None:
+            state["async"]["regions"] = self.regions.state_dict()
         return state
 
     def load_state_dict(self, state: Any) -> None:
@@ -422,6 +430,8 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                                               dtype=np.int64)
         self.now = saved["now"]
         self._restored_edge_models = saved["edge_models"]
+        if self.regions is not None:
+            self.regions.load_state_dict(saved.get("regions"))
 
     def setup(self, executor: Executor, initial: Params, *, info: ClientInfo | None = None,
               hierarchy: Hierarchy | None = None) -> None:
@@ -460,10 +470,6 @@ class BatchCommunication(Communication):
 def algorithm_for(settings: HSGDSettings,
                   cloud_step: CloudStep | None = None) -> HierarchicalSGD:
     """The round the settings ask for: synchronous H-SGD, or with asynchronous edges."""
-    if settings.asynchronous.regions:
-        from fedhier.async_regions import AsyncRegionsSGD
-
-        return AsyncRegionsSGD(settings, cloud_step)
     if settings.asynchronous.active:
         return AsyncHierarchicalSGD(settings, cloud_step)
     return HierarchicalSGD(settings, cloud_step)

@@ -10,8 +10,9 @@ own children's reports, as the cloud of :mod:`fedhier.async_edges` buffers the e
   together), then the edge uploads its clients' last models.
 * **Arrival.** A report *arrives* at a node when its upload over the link into that node (the
   simulated clock, :mod:`fedhier.sim_clock`: uploads into a node queue one after another) is
-  done. Arrivals are taken in simulated-time order (ties by edge id); an upload counts in
-  the traffic of the cloud round in which it arrives.
+  done. Arrivals are taken in simulated-time order (ties by edge id; a node above the edges'
+  parents, in trees of 4+ levels, takes its children's reports in the order they were sent);
+  an upload counts in the traffic of the cloud round in which it arrives.
 * **A region fires** when K_l reports have arrived at it that it has not sent up yet
   (K_l = 0: all of its children): it sends them up as *one* report over its parent's link,
   ready at the K_l-th arrival. A node sends at most one report per cloud aggregation:
@@ -42,24 +43,43 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
-from fedhier.async_edges import AsyncHierarchicalSGD, EdgeJob
 from fedhier.errors import ConfigError
-from fedhier.hsgd import Executor
+from fedhier.hsgd import Executor, HSGDSettings
+from fedhier.stale_reports import EdgeJob
 from fedhier.staleness import AsyncEdges
 from fedhier.topology import Hierarchy
 
+J = TypeVar("J", bound=EdgeJob)
+
 
 @dataclass
-class RegionReport:
+class RegionReport(Generic[J]):
     """Edge reports travelling together: the jobs whose reports it holds, and the simulated
     second it arrives (arrived) at the node it is sent to."""
 
-    jobs: list[EdgeJob]
+    jobs: list[J]
     arrival: float
+
+
+class AsyncRound(Protocol[J]):
+    """What the buffers use of :class:`fedhier.async_edges.AsyncHierarchicalSGD`."""
+
+    settings: HSGDSettings
+    version: int
+    jobs: dict[int, J]
+    idle: dict[int, float]
+    communication: Any
+    model_bytes: int
+
+    def _hierarchy(self) -> Hierarchy: ...
+    def _start_jobs(self, executor: Executor, stats: dict[str, Any]) -> None: ...
+    def _send_up(self, job: J, count: bool = True) -> float: ...
+    def _queue_on(self, level: int, node: int, ready: float, count: bool = True) -> float: ...
+    def _restart(self, edge: int, when: float) -> None: ...
 
 
 def children(tree: Hierarchy, level: int) -> np.ndarray:
@@ -90,68 +110,75 @@ def check_tree(asynchronous: AsyncEdges, tree: Hierarchy) -> None:
                           f"{tree.num_nodes(top - 1)} children")
 
 
-class AsyncRegionsSGD(AsyncHierarchicalSGD):
-    """Asynchronous edges whose regions buffer their children's reports too (see the
-    module docstring)."""
+def region_buffers(asynchronous: AsyncEdges) -> RegionBuffers[Any] | None:
+    """The buffers the settings ask for (None: the regions relay the edges' reports)."""
+    return RegionBuffers(asynchronous) if asynchronous.regions else None
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+
+class RegionBuffers(Generic[J]):
+    """The reports held at, and on their way to, the nodes between the edges and the cloud
+    (see the module docstring); :meth:`collect` is the cloud's buffer over them."""
+
+    def __init__(self, asynchronous: AsyncEdges) -> None:
+        self.asynchronous = asynchronous
         #: (level, node) -> the reports that arrived there and were not sent up yet
-        self.held: dict[tuple[int, int], list[RegionReport]] = {}
+        self.held: dict[tuple[int, int], list[RegionReport[J]]] = {}
         #: (arrival at the edge's parent, job): edge reports on their way up
-        self.in_transit: list[tuple[float, EdgeJob]] = []
+        self.in_transit: list[tuple[float, J]] = []
         #: "level:node" -> when the cloud aggregation that took its last report happened
         self.fired_at: dict[str, float] = {}
 
-    def _pending(self) -> list[EdgeJob]:
-        return [*self.jobs.values(), *(job for _, job in self.in_transit),
+    def pending(self) -> list[J]:
+        """The jobs whose reports wait at a node or are on their way to one."""
+        return [*(job for _, job in self.in_transit),
                 *(job for reports in self.held.values() for r in reports for job in r.jobs)]
 
-    def _collect(self, executor: Executor, stats: dict[str, Any],
-                 ) -> tuple[list[tuple[EdgeJob, int]], float, int]:
+    def collect(self, rnd: AsyncRound[J], executor: Executor, stats: dict[str, Any],
+                now: float) -> tuple[list[tuple[J, int]], float, int]:
         """The cloud's first K children's reports (each region firing on its first K_l):
         the edge reports in them with their staleness, when the last reaches the cloud, and
-        how many edge reports were dropped."""
-        s = self.settings.asynchronous
-        tree = self._hierarchy()
+        how many edge reports were dropped (``now``: the last aggregation reached its edges)."""
+        s = self.asynchronous
+        tree = rnd._hierarchy()
         check_tree(s, tree)
         top = tree.num_levels
         need = s.buffer or tree.num_nodes(top - 1)
-        at_cloud: list[RegionReport] = []
+        at_cloud: list[RegionReport[J]] = []
         fired: set[tuple[int, int]] = set()
-        dropped = self._drop_held()
+        dropped = self._drop_held(rnd, now)
         parent = tree.edges_under(2)
+        jobs = rnd.jobs
         while True:
-            self._fire(tree, fired, at_cloud, need)
+            self._fire(rnd, tree, fired, at_cloud, need)
             if len(at_cloud) >= need:
                 break
-            if self.idle:
-                self._start_jobs(executor, stats)
-            first = min(self.jobs, key=lambda e: (self.jobs[e].finish, e), default=None)
+            if rnd.idle:
+                rnd._start_jobs(executor, stats)
+            first = min(jobs, key=lambda e: (jobs[e].finish, e), default=None)
             if first is not None and (not self.in_transit
-                                      or self.jobs[first].finish <= self.in_transit[0][0]):
-                job = self.jobs.pop(first)  # it finishes before any report arrives
-                self.in_transit.append((self._send_up(job, count=False), job))
+                                      or jobs[first].finish <= self.in_transit[0][0]):
+                job = jobs.pop(first)  # it finishes before any report arrives
+                self.in_transit.append((rnd._send_up(job, count=False), job))
                 self.in_transit.sort(key=lambda t: (t[0], t[1].edge))
                 continue
             if not self.in_transit:
                 raise RuntimeError("asynchronous regions: the cloud waits for reports that "
                                    "never come")
             arrival, job = self.in_transit.pop(0)  # the next arrival
-            self.communication.add_edge_cloud(1, self.model_bytes)  # counted on arrival
-            if self.version - job.version > s.max_staleness:  # the edge starts over
+            rnd.communication.add_edge_cloud(1, rnd.model_bytes)  # counted on arrival
+            if rnd.version - job.version > s.max_staleness:  # the edge starts over
                 dropped += 1
-                self._restart(job.edge, arrival)
+                rnd._restart(job.edge, arrival)
                 continue
             self.held.setdefault((2, int(parent[job.edge])), []).append(
                 RegionReport([job], arrival))
-        accepted = [(job, self.version - job.version) for r in at_cloud for job in r.jobs]
+        accepted = [(job, rnd.version - job.version) for r in at_cloud for job in r.jobs]
         done = max(r.arrival for r in at_cloud)
         for level, node in fired:
             self.fired_at[f"{level}:{node}"] = done
         return accepted, done, dropped
 
-    def _drop_held(self) -> int:
+    def _drop_held(self, rnd: AsyncRound[J], now: float) -> int:
         """Drop the edge reports held at the edges' parents that are now more than S cloud
         aggregations behind; returns how many."""
         dropped = 0
@@ -161,19 +188,19 @@ class AsyncRegionsSGD(AsyncHierarchicalSGD):
             keep = []
             for report in reports:
                 job = report.jobs[0]
-                if self.version - job.version > self.settings.asynchronous.max_staleness:
+                if rnd.version - job.version > self.asynchronous.max_staleness:
                     dropped += 1
-                    self._restart(job.edge, max(report.arrival, self.now))
+                    rnd._restart(job.edge, max(report.arrival, now))
                 else:
                     keep.append(report)
             self.held[(level, node)] = keep
         return dropped
 
-    def _fire(self, tree: Hierarchy, fired: set[tuple[int, int]],
-              at_cloud: list[RegionReport], need: int) -> None:
+    def _fire(self, rnd: AsyncRound[J], tree: Hierarchy, fired: set[tuple[int, int]],
+              at_cloud: list[RegionReport[J]], need: int) -> None:
         """Every node holding its K_l unsent reports sends them up as one, earliest first
         (by the K_l-th arrival, then level, then id), while the cloud needs reports."""
-        regions = self.settings.asynchronous.regions
+        regions = self.asynchronous.regions
         while len(at_cloud) < need:
             best: tuple[float, int, int, int] | None = None
             for (level, node), reports in self.held.items():
@@ -196,7 +223,7 @@ class AsyncRegionsSGD(AsyncHierarchicalSGD):
             fired.add((level, node))
             above = parent_of(tree, level, node)
             report = RegionReport([job for r in reports[:k] for job in r.jobs],
-                                  self._queue_on(level + 1, above, ready))
+                                  rnd._queue_on(level + 1, above, ready))
             if level + 1 == tree.num_levels:
                 at_cloud.append(report)
             else:
@@ -204,17 +231,12 @@ class AsyncRegionsSGD(AsyncHierarchicalSGD):
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        state["async"]["regions"] = {
-            "held": [[level, node, [[r.arrival, r.jobs] for r in reports]]
-                     for (level, node), reports in sorted(self.held.items()) if reports],
-            "in_transit": [[arrival, job] for arrival, job in self.in_transit],
-            "fired_at": dict(self.fired_at)}
-        return state
+        return {"held": [[level, node, [[r.arrival, r.jobs] for r in reports]]
+                         for (level, node), reports in sorted(self.held.items()) if reports],
+                "in_transit": [[arrival, job] for arrival, job in self.in_transit],
+                "fired_at": dict(self.fired_at)}
 
-    def load_state_dict(self, state: Any) -> None:
-        super().load_state_dict(state)
-        saved = state["async"].get("regions")
+    def load_state_dict(self, saved: dict[str, Any] | None) -> None:
         if saved is None:
             raise ConfigError("this checkpoint was written without region_buffer; resume "
                               "it with the settings it was written with")
@@ -223,4 +245,3 @@ class AsyncRegionsSGD(AsyncHierarchicalSGD):
                      for level, node, reports in saved["held"]}
         self.in_transit = [(float(arrival), job) for arrival, job in saved["in_transit"]]
         self.fired_at = {k: float(v) for k, v in saved["fired_at"].items()}
-
