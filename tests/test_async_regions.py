@@ -7,7 +7,7 @@ from fedhier.cli import main
 from fedhier.config import RunConfig
 from tests.test_async_edges import ASYNC_KEYS, RUNNERS, run
 from tests.test_faults import _same_final, run_interrupted_at
-from tests.test_vectorized import TOL, assert_same_runs
+from tests.test_vectorized import assert_same_runs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -48,7 +48,7 @@ def test_engines_agree_with_buffering_regions(tmp_path):
                        fail_rate=0.1, momentum=0.5, optimizer_state="keep", rounds=4)
     records = run(cfg, tmp_path / "inprocess")
     run(cfg, tmp_path / "vectorized", "vectorized")
-    assert_same_runs(tmp_path / "inprocess", tmp_path / "vectorized", TOL)
+    assert_same_runs(tmp_path / "inprocess", tmp_path / "vectorized", 1e-5)
     # every aggregation: one edge report from each region, some of them stale
     assert all(sorted(e // 2 for e, _ in r["async_reports"]) == [0, 1] for r in records[1:])
     assert max(s for r in records[1:] for _, s in r["async_reports"]) >= 1
