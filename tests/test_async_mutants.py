@@ -1,0 +1,77 @@
+"""Tests written against the survivors of `python scripts/mutation.py stale_reports`
+(docs/testing.md, "Mutation"): the rule's start models (``clip``) for stale reports on both
+ways of computing, a job's clients grouped by the job and not the grouping, and the device
+the merged model is made on. Closed cases, no training."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedhier.async_edges import EdgeJob
+from fedhier.stale_reports import merge_reports
+from fedhier.topology import Hierarchy
+
+W = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+BASE = torch.tensor([0.1, 0.3, -0.7], dtype=torch.float64)  # a stale report's start model
+X = torch.tensor([[1.0, 2.0, 0.5], [3.0, -1.0, 1.5], [0.25, 4.0, -2.0], [-1.0, 0.5, 0.0],
+                  [2.0, 2.0, 2.0], [0.0, -3.0, 1.0]], dtype=torch.float64)
+REF = torch.tensor([[0.2, 0.1, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)  # edges' starts
+WEIGHTS = np.array([1.0, 3.0, 2.0, 2.0, 1.0, 4.0])
+TREE = Hierarchy(periods=(1, 2), parents=(np.array([0, 0, 0, 1, 1, 1]),))
+
+
+def _node_models(level, nodes):
+    return {"p": W.unsqueeze(0).repeat(len(nodes), 1)}
+
+
+def _jobs(stale: int, shifted: bool = False):
+    """Edge 0's report, ``stale`` aggregations old (``shifted``: the same report written as
+    a fresh one, its models and start moved by w - base), and edge 1's fresh report."""
+    d = (W - BASE) if shifted else torch.zeros(3, dtype=torch.float64)
+    old = EdgeJob(0, 0, {"p": W.clone() if shifted else BASE}, 1.0, {"p": X[:3] + d},
+                  np.array([0, 1, 2]), np.array([0, 1, 2]), {"p": REF[0] + d})
+    new = EdgeJob(1, 3, {"p": W.clone()}, 1.0, {"p": X[3:]}, np.array([3, 4, 5]),
+                  np.array([3, 4, 5]), {"p": REF[1]})
+    return [(old, 0 if shifted else stale), (new, 0)]
+
+
+@pytest.mark.parametrize("above", ["mean", "median"])  # the linear way and the moved one
+def test_clip_measures_a_stale_report_from_its_moved_start(above):
+    """A stale report with clip at the edges = the same report moved by w - base and made
+    fresh, its clients' weights times 1/sqrt(1 + s): clip(x + d; r + d) = clip(x; r) + d."""
+    rules = ("clip:0.5x", above)
+    stale = merge_reports(_jobs(3), {"p": W}, WEIGHTS, TREE, rules, _node_models)
+    factor = np.array([1 / math.sqrt(4)] * 3 + [1.0] * 3)
+    fresh = merge_reports(_jobs(3, shifted=True), {"p": W}, WEIGHTS * factor, TREE, rules,
+                          _node_models)
+    assert stale is not None and fresh is not None
+    torch.testing.assert_close(stale["p"], fresh["p"], rtol=1e-12, atol=1e-12)
+    unclipped = merge_reports(_jobs(3), {"p": W}, WEIGHTS, TREE, ("mean", above),
+                              _node_models)
+    assert unclipped is not None
+    assert float((unclipped["p"] - stale["p"]).abs().max()) > 1e-3  # clip acts here
+
+
+def test_a_job_groups_its_clients_by_the_job_not_by_the_grouping():
+    """Client 2 trained in edge 0's job though the grouping now has it at edge 1: the median
+    at the edges takes it with edge 0's clients."""
+    moved_tree = TREE.with_edge_map(np.array([0, 0, 1, 1, 1, 1]))
+    rules = ("median", "mean")
+    want = merge_reports(_jobs(2), {"p": W}, WEIGHTS, TREE, rules, _node_models)
+    got = merge_reports(_jobs(2), {"p": W}, WEIGHTS, moved_tree, rules, _node_models)
+    assert want is not None and got is not None
+    torch.testing.assert_close(got["p"], want["p"], rtol=0, atol=0)
+
+
+def test_the_merged_model_is_made_where_the_models_are():
+    """Under another default device (meta) the merge still indexes and returns CPU tensors."""
+    want = merge_reports(_jobs(2), {"p": W}, WEIGHTS, TREE, ("median", "mean"), _node_models)
+    jobs = _jobs(2)
+    with torch.device("meta"):
+        got = merge_reports(jobs, {"p": W}, WEIGHTS, TREE, ("median", "mean"),
+                            lambda level, nodes: {})
+    assert want is not None and got is not None
+    assert got["p"].device.type == "cpu"
+    torch.testing.assert_close(got["p"], want["p"], rtol=0, atol=0)
