@@ -75,3 +75,21 @@ def test_the_merged_model_is_made_where_the_models_are():
     assert want is not None and got is not None
     assert got["p"].device.type == "cpu"
     torch.testing.assert_close(got["p"], want["p"], rtol=0, atol=0)
+
+
+def test_a_rule_above_the_edges_measures_from_the_nodes_models():
+    """clip at the cloud measures the edges' aggregates from the model node_models gives for
+    the cloud (level 2, node 0), not from an edge's start."""
+    calls = []
+
+    def node_models(level, nodes):
+        calls.append((level, nodes.tolist()))
+        return {"p": W.unsqueeze(0).repeat(len(nodes), 1)}
+
+    rules = ("mean", "clip:0.5x")
+    got = merge_reports(_jobs(2), {"p": W}, WEIGHTS, TREE, rules, node_models)
+    assert calls and all(call == (2, [0]) for call in calls)
+    far = merge_reports(_jobs(2), {"p": W}, WEIGHTS, TREE, rules,
+                        lambda level, nodes: {"p": (W + 10).repeat(len(nodes), 1)})
+    assert got is not None and far is not None
+    assert float((got["p"] - far["p"]).abs().max()) > 1e-3
