@@ -79,9 +79,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                                   "tests/test_weights_mutants.py"],
                                  ["-k", "(test_round_parts and not over_500_lines) or mutants or "
                                   "((two_levels or participation) and vectorized)"]),
-    "fedhier/stale_reports.py": (["tests/test_async_edges.py", "tests/test_async_compose.py",
-                                  "tests/test_oracle.py"],
-                                 ["-k", "stale_reports_enter or matches_the_oracle or "
+    "fedhier/stale_reports.py": (["tests/test_async_mutants.py", "tests/test_async_edges.py",
+                                  "tests/test_async_compose.py", "tests/test_oracle.py"],
+                                 ["-k", "test_async_mutants or stale_reports_enter or "
+                                  "matches_the_oracle or "
                                   "((async_staleness or async_regions) and vectorized)"]),
     "fedhier/async_regions.py": (["tests/test_async_regions.py", "tests/test_oracle.py"],
                                  ["-k", "bad_region or (async_regions and vectorized)"]),
