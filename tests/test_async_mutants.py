@@ -93,3 +93,34 @@ def test_a_rule_above_the_edges_measures_from_the_nodes_models():
                         lambda level, nodes: {"p": (W + 10).repeat(len(nodes), 1)})
     assert got is not None and far is not None
     assert float((got["p"] - far["p"]).abs().max()) > 1e-3
+
+
+class _Exploding:
+    """A cloud step whose update is not finite (its ``strategy`` names it in the error)."""
+
+    class strategy:  # noqa: N801 - stands for a Flower strategy instance's class
+        pass
+
+    strategy = strategy()
+
+    def step(self, cloud_round, children, weights):
+        return {"p": torch.full((3,), float("nan"), dtype=torch.float64)}
+
+
+def test_a_cloud_step_that_makes_the_model_non_finite_stops_the_run_in_one_line():
+    from fedhier.faults import RunFailureError
+
+    with pytest.raises(RunFailureError) as caught:
+        merge_reports(_jobs(2), {"p": W}, WEIGHTS, TREE, ("mean", "mean"), _node_models,
+                      _Exploding(), cloud_round=7)
+    assert str(caught.value) == (
+        "the cloud step (strategy) made the global model non-finite in cloud round 7; lower "
+        "--server-lr or use --cloud-strategy average")
+
+
+def test_a_report_without_its_start_model_is_a_clear_error():
+    jobs = _jobs(2)
+    jobs[0][0].reference = None
+    with pytest.raises(ValueError) as caught:
+        merge_reports(jobs, {"p": W}, WEIGHTS, TREE, ("clip:0.5x", "mean"), _node_models)
+    assert str(caught.value) == "a report without the model its rule needs (a job's reference)"
