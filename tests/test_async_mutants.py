@@ -124,3 +124,18 @@ def test_a_report_without_its_start_model_is_a_clear_error():
     with pytest.raises(ValueError) as caught:
         merge_reports(jobs, {"p": W}, WEIGHTS, TREE, ("clip:0.5x", "mean"), _node_models)
     assert str(caught.value) == "a report without the model its rule needs (a job's reference)"
+
+
+class _PlainStep:
+    """A cloud step that is not a Flower strategy's (no ``strategy``): the error names it."""
+
+    def step(self, cloud_round, children, weights):
+        return {"p": torch.full((3,), float("inf"), dtype=torch.float64)}
+
+
+def test_the_error_names_a_plain_cloud_step_by_its_own_class():
+    from fedhier.faults import RunFailureError
+
+    with pytest.raises(RunFailureError, match=r"^the cloud step \(_PlainStep\) made"):
+        merge_reports(_jobs(2), {"p": W}, WEIGHTS, TREE, ("mean", "mean"), _node_models,
+                      _PlainStep(), cloud_round=2)
