@@ -48,10 +48,11 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                              "tests/test_config.py"],
                             ["-k", "(test_topology or schedule or test_grouping or test_config) "
                              "and not edge_tag"]),
-    "fedhier/staleness.py": (["tests/test_oracle.py", "tests/test_async_edges.py",
-                              "tests/test_async_regions.py"],
-                             ["-k", "(async_staleness and vectorized) or stale_reports_enter or "
-                              "reject_a_buffer or bad_async or bad_region"]),
+    "fedhier/staleness.py": (["tests/test_async_mutants.py", "tests/test_oracle.py",
+                              "tests/test_async_edges.py", "tests/test_async_regions.py"],
+                             ["-k", "test_async_mutants or (async_staleness and vectorized) or "
+                              "stale_reports_enter or reject_a_buffer or bad_async or "
+                              "bad_region"]),
     "fedhier/plan.py": (["tests/test_oracle.py", "tests/test_knobs.py"],
                         ["-k", "((participation or stragglers_and) and vectorized) or "
                          "sample_clients or straggler_plan"]),

@@ -139,3 +139,52 @@ def test_the_error_names_a_plain_cloud_step_by_its_own_class():
     with pytest.raises(RunFailureError, match=r"^the cloud step \(_PlainStep\) made"):
         merge_reports(_jobs(2), {"p": W}, WEIGHTS, TREE, ("mean", "mean"), _node_models,
                       _PlainStep(), cloud_round=2)
+
+
+# --------------------------------------------------------------------------- staleness.py
+def test_async_settings_check_their_bounds_exactly():
+    from fedhier.errors import ConfigError
+    from fedhier.staleness import AsyncEdges
+
+    AsyncEdges(2, 0).check(4)  # S = 0 and K = N are allowed
+    AsyncEdges(4, 0).check(4)
+    AsyncEdges(0, 0, (0,)).check(4)  # 0 = all of a node's children
+    for bad, message in [(AsyncEdges(-1, 4), "async_buffer and max_staleness must be >= 0, "
+                                             "got -1 and 4"),
+                         (AsyncEdges(1, -1), "async_buffer and max_staleness must be >= 0, "
+                                             "got 1 and -1"),
+                         (AsyncEdges(0, 4, (1, -2)), "region_buffer must be >= 0 at every "
+                                                     "level, got 1,-2")]:
+        with pytest.raises(ConfigError) as caught:
+            bad.check(4)
+        assert str(caught.value) == message
+    AsyncEdges(9, 4, (1,)).check(4)  # with regions the cloud's K is checked against the tree
+
+
+def test_region_buffers_check_the_tree_exactly():
+    from fedhier.errors import ConfigError
+    from fedhier.staleness import AsyncEdges, check_region_buffers
+
+    check_region_buffers(AsyncEdges(2, 4, (2,)), (4, 2))  # K = the children, K = regions
+    check_region_buffers(AsyncEdges(1, 4, (3, 1)), (12, 4, 2))
+    check_region_buffers(AsyncEdges(3), (4,))  # no regions: nothing to check here
+    cases = [
+        (AsyncEdges(0, 4, (1,)), (4,), "region_buffer needs a tree of 3+ levels (--groups "
+         "N,R): with two levels no node lies between the edges and the cloud"),
+        (AsyncEdges(0, 4, (1,)), (8, 4, 2), "region_buffer takes one K per level between the "
+         "edges and the cloud: 2 for groups 8,4,2, got 1"),
+        (AsyncEdges(0, 4, (3,)), (4, 2), "region_buffer K=3 at level 2 is more than the 2 "
+         "children a node of that level may have (4 under 2); it would wait for reports that "
+         "never come"),
+        (AsyncEdges(0, 4, (1, 3)), (12, 4, 2), "region_buffer K=3 at level 3 is more than the "
+         "2 children a node of that level may have (4 under 2); it would wait for reports "
+         "that never come"),
+        (AsyncEdges(3, 4, (1,)), (4, 2), "async_buffer K=3 is more than the cloud's 2 "
+         "children; with region_buffer the cloud counts its children's reports"),
+        (AsyncEdges(3, 4, (1, 1)), (12, 6, 2), "async_buffer K=3 is more than the cloud's 2 "
+         "children; with region_buffer the cloud counts its children's reports"),
+    ]
+    for settings, groups, message in cases:
+        with pytest.raises(ConfigError) as caught:
+            check_region_buffers(settings, groups)
+        assert str(caught.value) == message
