@@ -34,7 +34,8 @@ one aggregate up its parent's link, as a synchronous region does, and the new mo
 back down the same way. Inside the jobs the levels between aggregate on their schedule over
 the edges whose jobs started together (from the same global model); an edge outside that
 batch neither waits for nor joins such an aggregation. With K = N this is synchronous
-H-SGD bit for bit, traffic and simulated time included.
+H-SGD bit for bit, traffic and simulated time included. Regions that buffer their own
+children's reports (``region_buffer``) are :mod:`fedhier.async_regions`.
 
 Jobs train when they start (their result depends only on their start model, their round
 numbers and their clients), so executors run them as ordinary edge rounds restricted to the
@@ -52,7 +53,8 @@ import numpy as np
 import torch
 
 from fedhier.aggregate import aggregator
-from fedhier.communication import Communication
+from fedhier.async_regions import RegionBuffers, region_buffers
+from fedhier.communication import BatchCommunication
 from fedhier.edge_tier import train_edges
 from fedhier.errors import ConfigError
 from fedhier.grouping import ClientInfo
@@ -111,36 +113,22 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         #: (None: static clients); a batch's maps follow it for clients not in a job
         self.round_maps: np.ndarray | None = None
         self._batch_maps: np.ndarray | None = None
+        #: buffers of the nodes between the edges and the cloud (None: they relay)
+        self.regions: RegionBuffers[EdgeJob] | None = region_buffers(settings.asynchronous)
 
     # ---------------------------------------------------------------- one cloud round
     def cloud_round(self, executor: Executor, cloud_round: int) -> dict[str, Any]:
         """Wait for K fresh-enough reports, aggregate them; returns the training keys."""
-        s = self.settings
         membership = self._change_membership(executor, cloud_round)
         hierarchy = self._hierarchy()
         if self.cloud_step is not None:  # the model its next update starts from
             self.cloud_step.begin(cloud_round, self.global_params,
                                   hierarchy.num_nodes(hierarchy.num_levels - 1))
         stats: dict[str, Any] = {"losses": [], "failed_clients": 0, "failed_edges": 0}
-        accepted: list[tuple[EdgeJob, int]] = []
-        dropped = 0
-        arrival = self.now
-        arrivals: list[float] = []  # each accepted report's arrival at the edge's parent
-        while len(accepted) < s.asynchronous.buffer:
-            if self.idle:
-                self._start_jobs(executor, stats)
-            job = self.jobs.pop(min(self.jobs, key=lambda e: (self.jobs[e].finish, e)))
-            arrival = self._send_up(job)
-            staleness = self.version - job.version
-            if staleness > s.asynchronous.max_staleness:  # too old: the edge starts over
-                dropped += 1
-                self.idle[job.edge] = float(self._send_down([job.edge], arrival)[0])
-                continue
-            accepted.append((job, staleness))
-            arrivals.append(arrival)
+        accepted, at_cloud, dropped = self._collect(executor, stats)
         self._aggregate(accepted, cloud_round)
         edges = [job.edge for job, _ in accepted]
-        reached = self._send_down(edges, self._forward(edges, arrivals) if edges else arrival)
+        reached = self._send_down(edges, at_cloud)
         self.now = float(reached.max())
         for (job, _), when in zip(accepted, reached.tolist(), strict=True):
             self.idle[job.edge] = when
@@ -155,28 +143,62 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
             out["edge_aggregations"] = periods.aggregations.tolist()
         return out
 
+    def _collect(self, executor: Executor, stats: dict[str, Any],
+                 ) -> tuple[list[tuple[EdgeJob, int]], float, int]:
+        """The cloud's buffer: the first K edge reports to reach their parents, each with its
+        staleness; the simulated second the cloud has them all; how many were dropped."""
+        if self.regions is not None:  # the regions buffer: the cloud counts their reports
+            return self.regions.collect(self, executor, stats, self.now)
+        s = self.settings.asynchronous
+        accepted: list[tuple[EdgeJob, int]] = []
+        dropped = 0
+        arrival = self.now
+        arrivals: list[float] = []  # each accepted report's arrival at the edge's parent
+        while len(accepted) < s.buffer:
+            if self.idle:
+                self._start_jobs(executor, stats)
+            job = self.jobs.pop(min(self.jobs, key=lambda e: (self.jobs[e].finish, e)))
+            arrival = self._send_up(job)
+            staleness = self.version - job.version
+            if staleness > s.max_staleness:  # too old: the edge starts over
+                dropped += 1
+                self._restart(job.edge, arrival)
+                continue
+            accepted.append((job, staleness))
+            arrivals.append(arrival)
+        edges = [job.edge for job, _ in accepted]
+        return accepted, self._forward(edges, arrivals) if edges else arrival, dropped
+
+    def _restart(self, edge: int, when: float) -> None:
+        """``edge``'s report was dropped at second ``when``: the current model goes down to
+        it, and it starts over once it has it."""
+        self.idle[edge] = float(self._send_down([edge], when)[0])
+
     def _link(self, level: int, node: int) -> float:
         """When the link into level-``level`` node ``node`` is free (the cloud's: level L)."""
         if level == self._hierarchy().num_levels:
             return self.link_free
         return self.relay_free.get(f"{level}:{node}", -math.inf)
 
-    def _queue_on(self, level: int, node: int, ready: float) -> float:
+    def _queue_on(self, level: int, node: int, ready: float, count: bool = True) -> float:
         """One model ready at ``ready`` goes up the link into ``node`` (level ``level``)
-        after the models already queued there; returns its arrival."""
+        after the models already queued there; returns its arrival. ``count``: add it to the
+        traffic now (else the caller does, when the report is taken in)."""
         arrivals, free = self._clock().upload_queue(np.array([ready]), self._link(level, node),
                                                     self.model_bytes)
         if level == self._hierarchy().num_levels:
             self.link_free = free
         else:
             self.relay_free[f"{level}:{node}"] = free
-        self.communication.add_edge_cloud(1, self.model_bytes)
+        if count:
+            self.communication.add_edge_cloud(1, self.model_bytes)
         return float(arrivals[0])
 
-    def _send_up(self, job: EdgeJob) -> float:
+    def _send_up(self, job: EdgeJob, count: bool = True) -> float:
         """A report goes up to the edge's parent (the cloud in a two-level tree, else its
         region), queuing on that node's link; returns when it arrives there."""
-        return self._queue_on(2, int(self._hierarchy().edges_under(2)[job.edge]), job.finish)
+        return self._queue_on(2, int(self._hierarchy().edges_under(2)[job.edge]), job.finish,
+                              count)
 
     def _forward(self, edges: list[int], arrivals: list[float]) -> float:
         """Above the edges' parents, each node whose subtree holds accepted reports sends
@@ -290,10 +312,14 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         """int64 [n]: each client's edge for a job starting now: its edge in the grouping,
         or, while it is in a job in flight, that job's edge."""
         edge_of = self._hierarchy().edge_of_client().copy()
-        for job in self.jobs.values():
+        for job in self._pending():
             if job.members is not None:
                 edge_of[job.members] = job.edge
         return edge_of
+
+    def _pending(self) -> list[EdgeJob]:
+        """The jobs whose reports the cloud has not aggregated yet (their clients stay)."""
+        return [*self.jobs.values(), *(self.regions.pending() if self.regions else [])]
 
     def _start_jobs(self, executor: Executor, stats: dict[str, Any]) -> None:
         """Train the jobs of every idle edge from the current global model: the G / I edge
@@ -308,7 +334,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         edge_of = self.training_map()
         if self.round_maps is not None:  # clients not in a job follow the round's moves
             busy = np.zeros(len(edge_of), dtype=bool)
-            for job in self.jobs.values():
+            for job in self._pending():
                 if job.members is not None:
                     busy[job.members] = True
             self._batch_maps = np.where(busy[None], edge_of[None], self.round_maps)
@@ -384,6 +410,8 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                           "edge_aggregations": ([] if (periods := self._edge_periods()) is None
                                                 else periods.aggregations.tolist()),
                           "now": self.now, "edge_models": dict(self.edge_models)}
+        if self.regions is not None:
+            state["async"]["regions"] = self.regions.state_dict()
         return state
 
     def load_state_dict(self, state: Any) -> None:
@@ -402,6 +430,8 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                                               dtype=np.int64)
         self.now = saved["now"]
         self._restored_edge_models = saved["edge_models"]
+        if self.regions is not None:
+            self.regions.load_state_dict(saved.get("regions"))
 
     def setup(self, executor: Executor, initial: Params, *, info: ClientInfo | None = None,
               hierarchy: Hierarchy | None = None) -> None:
@@ -410,7 +440,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         super().setup(executor, initial, info=info, hierarchy=hierarchy)
         restored = self._restored_edge_models
         grouping = self._hierarchy().edge_of_client()
-        for job in self.jobs.values():
+        for job in self._pending():
             if job.members is None:
                 job.members = np.flatnonzero(grouping == job.edge)
         if restored is not None:
@@ -421,20 +451,6 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         self.idle = dict.fromkeys(range(edges), 0.0)
         self.edge_models = {k: v.unsqueeze(0).repeat(edges, *([1] * v.dim()))
                             for k, v in self.global_params.items()}
-
-
-class BatchCommunication(Communication):
-    """Traffic counters for a batch of edges training together: an aggregation above the
-    edges counts the nodes that have an edge of the batch under them."""
-
-    def __init__(self, hierarchy: Hierarchy, edges: np.ndarray) -> None:
-        super().__init__()
-        self.hierarchy, self.edges = hierarchy, edges
-
-    def add_aggregation(self, hierarchy: Hierarchy, level: int, model_bytes: int) -> None:
-        for lower in range(1, level):
-            nodes = len(np.unique(self.hierarchy.edges_under(lower)[self.edges]))
-            self.add_edge_cloud(2 * nodes, model_bytes)
 
 
 def algorithm_for(settings: HSGDSettings,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from fedhier.topology import Hierarchy
 
 
@@ -38,3 +40,17 @@ class Communication:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+class BatchCommunication(Communication):
+    """Traffic counters for a batch of edges training together: an aggregation above the
+    edges counts the nodes that have an edge of the batch under them."""
+
+    def __init__(self, hierarchy: Hierarchy, edges: np.ndarray) -> None:
+        super().__init__()
+        self.hierarchy, self.edges = hierarchy, edges
+
+    def add_aggregation(self, hierarchy: Hierarchy, level: int, model_bytes: int) -> None:
+        for lower in range(1, level):
+            nodes = len(np.unique(self.hierarchy.edges_under(lower)[self.edges]))
+            self.add_edge_cloud(2 * nodes, model_bytes)

@@ -154,6 +154,10 @@ class RunConfig:
     async_buffer: int = field(default=0, metadata=_help(
         "asynchronous edges: the cloud aggregates as soon as K edges reported their G steps "
         "(0 = synchronous; K = number of edges is synchronous H-SGD)"))
+    region_buffer: tuple[int, ...] = field(default=(), metadata=_help(
+        "asynchronous regions (3+ levels): one K per level between the edges and the cloud; "
+        "each node there aggregates its first K children's reports (0 = all of them) and "
+        "async_buffer then counts the cloud's children's reports (0 = all)"))
     max_staleness: int = field(default=4, metadata=_help(
         "asynchronous edges: drop a report more than S cloud aggregations old; fresher ones "
         "weigh 1/sqrt(1+s)"))
@@ -367,7 +371,7 @@ class RunConfig:
         """The :class:`fedhier.staleness.AsyncEdges` settings of this run."""
         from fedhier.staleness import AsyncEdges
 
-        return AsyncEdges(self.async_buffer, self.max_staleness)
+        return AsyncEdges(self.async_buffer, self.max_staleness, self.region_buffer)
 
     @property
     def aggregator_names(self) -> tuple[str, ...]:

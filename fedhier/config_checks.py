@@ -62,6 +62,9 @@ def validate(cfg: RunConfig) -> None:
     cfg.mobility()  # unreadable or inconsistent mobility files: stop before any output
     cfg.time_model().check_edges(cfg.num_edges)
     cfg.asynchronous().check(cfg.num_edges)
+    from fedhier.staleness import check_region_buffers
+
+    check_region_buffers(cfg.asynchronous(), cfg.groups)
     if cfg.edge_servers:
         check_edge_servers(cfg)
 
@@ -92,7 +95,7 @@ def check_edge_servers(cfg: RunConfig) -> None:
     from fedhier.edge_tier import check_edge_tier
 
     check_edge_tier(cfg.mobility_rate > 0 or bool(cfg.mobility_trace),
-                    cfg.regroup_every > 0, cfg.async_buffer > 0, bool(cfg.edge_periods))
+                    cfg.regroup_every > 0, cfg.asynchronous().active, bool(cfg.edge_periods))
 
 
 def check_limits(cfg: RunConfig) -> None:

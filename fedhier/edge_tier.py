@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from fedhier.aggregate import aggregator, presence_weights
+from fedhier.communication import BatchCommunication
 from fedhier.errors import ConfigError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import (
@@ -185,8 +186,6 @@ def start_job(settings: HSGDSettings, executor: Executor, job: EdgeJob) -> Hiera
     """A server's round for ``job``: set up on the job's tree and clients' row counts, at the
     job's cloud round, with every edge's simulated clock as the job carries it; its traffic
     counters count the job's subtree only."""
-    from fedhier.async_edges import BatchCommunication
-
     algorithm = HierarchicalSGD(settings)
     n = len(job.edge_of_client)
     info = ClientInfo(label_histograms=np.zeros((n, 1), dtype=np.int64),

@@ -55,11 +55,15 @@ from fedhier.topology import Hierarchy
 
 
 class EdgeJob(Protocol):
-    """What a report is read for here (:class:`fedhier.async_edges.EdgeJob` has it): the edge,
-    the start model ``base``, the survivors' models and ids, the clients it trained, and the
-    edge's model before its last edge round (``reference``, for ``clip``)."""
+    """What a report is read for here and in :mod:`fedhier.async_regions`
+    (:class:`fedhier.async_edges.EdgeJob` has it): the edge, its start model's version, when
+    its training ends, the start model ``base``, the survivors' models and ids, the clients
+    it trained, and the edge's model before its last edge round (``reference``, for
+    ``clip``)."""
 
     edge: int
+    version: int
+    finish: float
     base: Params
     models: Params | None
     survivors: np.ndarray

@@ -48,9 +48,11 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                              "tests/test_config.py"],
                             ["-k", "(test_topology or schedule or test_grouping or test_config) "
                              "and not edge_tag"]),
-    "fedhier/staleness.py": (["tests/test_oracle.py", "tests/test_async_edges.py"],
-                             ["-k", "(async_staleness and vectorized) or stale_reports_enter or "
-                              "reject_a_buffer or bad_async"]),
+    "fedhier/staleness.py": (["tests/test_async_mutants.py", "tests/test_oracle.py",
+                              "tests/test_async_edges.py", "tests/test_async_regions.py"],
+                             ["-k", "test_async_mutants or (async_staleness and vectorized) or "
+                              "stale_reports_enter or reject_a_buffer or bad_async or "
+                              "bad_region"]),
     "fedhier/plan.py": (["tests/test_oracle.py", "tests/test_knobs.py"],
                         ["-k", "((participation or stragglers_and) and vectorized) or "
                          "sample_clients or straggler_plan"]),
@@ -107,6 +109,18 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                                  ["-k", "(test_round_parts and not over_500_lines) or mutants"]),
     "fedhier/round/executor.py": (["tests/test_round_parts.py", "tests/test_executor_mutants.py"],
                                   ["-k", "(test_round_parts and not over_500_lines) or mutants"]),
+    "fedhier/stale_reports.py": (["tests/test_async_mutants.py", "tests/test_async_edges.py",
+                                  "tests/test_async_compose.py", "tests/test_oracle.py"],
+                                 ["-k", "test_async_mutants or stale_reports_enter or "
+                                  "matches_the_oracle or "
+                                  "((async_staleness or async_regions) and vectorized)"]),
+    "fedhier/async_regions.py": (["tests/test_async_regions.py", "tests/test_oracle.py"],
+                                 ["-k", "bad_region or (async_regions and vectorized)"]),
+    "fedhier/async_edges.py": (["tests/test_async_edges.py", "tests/test_async_compose.py",
+                                "tests/test_oracle.py"],
+                               ["-k", "stale_reports_enter or reject_a_buffer or bad_async or "
+                                "jobs_in_flight or matches_the_oracle or "
+                                "((async_staleness or async_regions) and vectorized)"]),
     "fedhier/sim_clock.py": (["tests/test_sim_clock.py", "tests/test_sim_clock_mutants.py"],
                              ["-k", "transfer or waits or queues or share or pay_only or "
                               "bad_edge_slowdown or mutants"]),

@@ -19,7 +19,8 @@ turns those facts into numbers is computed here:
   (``carry``) and aggregates at the new edge;
 - the coordinate-wise median, level by level;
 - a cloud step computed by a Flower strategy (any callable over the cloud's children);
-- asynchronous edges: jobs from the model version they started at, FedBuff's 1/sqrt(1+s).
+- asynchronous edges: jobs from the model version they started at, FedBuff's 1/sqrt(1+s);
+  asynchronous regions: each region sends its first K_r children's reports up as one.
 
 Models are dicts {"linear.weight": [C, D], "linear.bias": [C]}, float64.
 """
@@ -341,3 +342,77 @@ def async_hsgd(problem: Problem, initial: Model, reports: Sequence[Sequence[int]
             version_of_edge[e] = r
         stalenesses.append(pairs)
     return versions[-1], stalenesses
+
+
+# --------------------------------------------------------------------------- asynchronous regions
+def async_regions_hsgd(problem: Problem, initial: Model, reports: Sequence[Sequence[int]],
+                       region_buffer: int, cloud_buffer: int) -> Model:
+    """Asynchronous three-level H-SGD whose regions buffer: aggregation r takes the reports of
+    edges ``reports[r]`` (docs/hsgd.md, "Asynchronous regions").
+
+    The buffer rule, checked on ``reports``: in every aggregation each region sends at most one
+    report, made of exactly K_r of its edges' reports (``region_buffer``; 0 = all of its
+    edges), and the cloud takes exactly K of the regions' reports (``cloud_buffer``; 0 = one
+    from every region). An AssertionError says which aggregation breaks it.
+
+    Jobs: the edges that got the model of version v together (those of aggregation v; every
+    edge at v = 0) start from it as one batch; its clients do P_3 steps, each edge averaging
+    its clients every P_1 and each region the batch's clients under it every P_2, except at
+    step P_3 (the report is the clients' last models). The aggregation is the rule of
+    :func:`async_hsgd` (the mean at every level is the data-weighted mean over the clients):
+    Σ_j a_j x_j / Σ_j a_j + Σ_e A_e (w - w_base(e)) / Σ_e A_e, a_j = ω_j / sqrt(1 + s),
+    s = aggregations between the job's start model and the one that takes it.
+    """
+    p = problem
+    assert p.levels == 3, "the oracle's regions are those of a three-level tree"
+    omega = p.weights()
+    region = p.node_of_edge(2)
+    num_regions = int(region.max()) + 1
+    versions = [initial]
+    version_of_edge = np.zeros(p.num_edges, dtype=np.int64)
+    batches: dict[int, dict[int, Model]] = {}  # version -> client -> last model of its job
+
+    def train_batch(v: int) -> dict[int, Model]:
+        batch = [e for e in range(p.num_edges) if version_of_edge[e] == v]
+        clients = [int(j) for j in np.flatnonzero(np.isin(p.edge_of, batch))]
+        models = {j: versions[v] for j in clients}
+        for step_end in range(p.periods[0], p.periods[-1] + 1, p.periods[0]):
+            models = {j: gd_steps(models[j], p.xs[j], p.ys[j], p.lr, p.periods[0])
+                      for j in clients}
+            level = p.level_after(step_end)
+            if level == p.levels:
+                continue  # the job ends: the clients' models are the report
+            node = p.node_of_edge(level)
+            for a in sorted({int(node[e]) for e in batch}):
+                js = [j for j in clients if node[p.edge_of[j]] == a]
+                avg = mean([models[j] for j in js], omega[js])
+                models.update(dict.fromkeys(js, avg))
+        return models
+
+    for r, edges in enumerate(reports, start=1):
+        per_region = np.bincount(region[list(edges)], minlength=num_regions)
+        sizes = np.bincount(region, minlength=num_regions)
+        for a in range(num_regions):
+            want = region_buffer or sizes[a]
+            assert per_region[a] in (0, want), (r, a, per_region[a], want)
+        assert np.count_nonzero(per_region) == (cloud_buffer or num_regions), (r, per_region)
+        for e in edges:
+            v = int(version_of_edge[e])
+            if v not in batches:
+                batches[v] = train_batch(v)
+        w = versions[-1]
+        xs, a_j, bases, big_a = [], [], [], []
+        for e in sorted(edges):
+            v = int(version_of_edge[e])
+            decay = 1.0 / math.sqrt(1.0 + (r - 1 - v))
+            members = np.flatnonzero(p.edge_of == e)
+            xs += [batches[v][int(j)] for j in members]
+            a_j += list(omega[members] * decay)
+            bases.append(versions[v])
+            big_a.append(float(omega[members].sum() * decay))
+        first = mean(xs, a_j)
+        drift = mean([{k: w[k] - b[k] for k in w} for b in bases], big_a)
+        versions.append({k: first[k] + drift[k] for k in w})
+        for e in edges:
+            version_of_edge[e] = r
+    return versions[-1]

@@ -347,6 +347,7 @@ FLAG_VALUES: dict[str, list[str]] = {
     "max_update_ratio": ["1000", "0", "2", *FLOAT_NOISE],
     "checkpoint_every": ["0", "1", *INT_NOISE],
     "async_buffer": ["0", "0", "1", "2", "3", *INT_NOISE],
+    "region_buffer": ["", "", "1", "0", "2", "1,1", "-1", "x", "1,,2"],
     "max_staleness": ["4", "0", "1", *INT_NOISE],
     "step_seconds": ["0.01", "0", "1e-9", *FLOAT_NOISE],
     "compute_spread": ["0", "0.5", "3", *FLOAT_NOISE],

@@ -387,3 +387,22 @@ def test_the_schedule_is_the_documented_one(periods, edge_periods):
         want = [p.level_after(step + 1, edge_periods[i] if edge_periods else None)
                 for i in range(4)]
         assert edge_levels_after(step, periods, edge_periods, 4).tolist() == want, step
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_async_regions_buffer_their_edges(data, engine):
+    """Each region sends its first edge report up, the cloud waits for both regions: the
+    oracle checks the buffer rule on the records and recomputes the model; the result is not
+    the cloud-only buffer's (the cloud's first 2 edge reports)."""
+    flags = ("--groups", "4,2", "--grouping", "contiguous", "--periods", "1,2,4",
+             "--edge-slowdown", "2:3,3:2", "--max-staleness", "8")
+    r = run(data, engine, *flags, "--region-buffer", "1", rounds=5)
+    records = r["records"][1:]
+    assert all(rec["stale_dropped"] == 0 for rec in records)
+    reports = [[edge for edge, _ in rec["async_reports"]] for rec in records]
+    want = oracle.async_regions_hsgd(problem(data, r, (1, 2, 4)), initial(r), reports, 1, 0)
+    assert max(s for rec in records for _, s in rec["async_reports"]) >= 1
+    assert gap(r, want) <= TOL
+    assert moved(r, want) > 1e-2
+    cloud_only = run(data, engine, *flags, "--async-buffer", "2", rounds=5)
+    assert gap(cloud_only, want) > 1e-4, gap(cloud_only, want)

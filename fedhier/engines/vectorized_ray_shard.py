@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhier.async_edges import BatchCommunication
+from fedhier.communication import BatchCommunication
 from fedhier.config import RunConfig
 from fedhier.edge_tier import (
     EdgeJob,
