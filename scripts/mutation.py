@@ -51,9 +51,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "fedhier/staleness.py": (["tests/test_oracle.py", "tests/test_async_edges.py"],
                              ["-k", "(async_staleness and vectorized) or stale_reports_enter or "
                               "reject_a_buffer or bad_async"]),
-    "fedhier/plan.py": (["tests/test_oracle.py", "tests/test_knobs.py"],
+    "fedhier/plan.py": (["tests/test_oracle.py", "tests/test_knobs.py",
+                         "tests/test_plan_mutants.py"],
                         ["-k", "((participation or stragglers_and) and vectorized) or "
-                         "sample_clients or straggler_plan"]),
+                         "sample_clients or straggler_plan or test_plan_mutants"]),
     "fedhier/aggregate.py": (["tests/test_aggregate.py", "tests/test_aggregate_mutants.py",
                               "tests/test_robust_aggregate.py", "tests/test_knobs.py"],
                              ["-k", "(test_aggregate or test_robust_aggregate or "
@@ -79,6 +80,13 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                                   "tests/test_weights_mutants.py"],
                                  ["-k", "(test_round_parts and not over_500_lines) or mutants or "
                                   "((two_levels or participation) and vectorized)"]),
+    "fedhier/config_checks.py": (["tests/test_config.py", "tests/test_ranges.py",
+                                  "tests/test_settings_declaration.py",
+                                  "tests/test_config_mutants.py"],
+                                 ["-k", "not cli_refuses and not issue_cases"]),
+    "fedhier/config.py": (["tests/test_config.py", "tests/test_ranges.py",
+                           "tests/test_settings_declaration.py", "tests/test_config_mutants.py"],
+                          ["-k", "not cli_refuses and not issue_cases"]),
     "fedhier/sim_clock.py": (["tests/test_sim_clock.py", "tests/test_sim_clock_mutants.py"],
                              ["-k", "transfer or waits or queues or share or pay_only or "
                               "bad_edge_slowdown or mutants"]),
