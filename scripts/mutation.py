@@ -51,8 +51,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "fedhier/staleness.py": (["tests/test_oracle.py", "tests/test_async_edges.py"],
                              ["-k", "(async_staleness and vectorized) or stale_reports_enter or "
                               "reject_a_buffer or bad_async"]),
-    "fedhier/plan.py": (["tests/test_oracle.py", "tests/test_knobs.py",
-                         "tests/test_plan_mutants.py"],
+    "fedhier/plan.py": (["tests/test_plan_mutants.py", "tests/test_oracle.py",
+                         "tests/test_knobs.py"],
                         ["-k", "((participation or stragglers_and) and vectorized) or "
                          "sample_clients or straggler_plan or test_plan_mutants"]),
     "fedhier/aggregate.py": (["tests/test_aggregate.py", "tests/test_aggregate_mutants.py",
@@ -87,6 +87,14 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "fedhier/config.py": (["tests/test_config.py", "tests/test_ranges.py",
                            "tests/test_settings_declaration.py", "tests/test_config_mutants.py"],
                           ["-k", "not cli_refuses and not issue_cases"]),
+    # the round's loop: the closed-form fake executor's runs first (-x: most mutants stop
+    # there), then the round's parts and the oracle's cheapest vectorized cases
+    "fedhier/hsgd.py": (["tests/test_hsgd_mutants.py", "tests/test_round_parts.py",
+                         "tests/test_oracle.py"],
+                        ["-k", "test_hsgd_mutants or (test_round_parts and not over_500_lines) "
+                         "or ((two_levels and uniform or three_levels or participation or "
+                         "mobility_handoffs or per_edge_periods or async_staleness or "
+                         "flower_server_optimiser) and vectorized)"]),
     "fedhier/sim_clock.py": (["tests/test_sim_clock.py", "tests/test_sim_clock_mutants.py"],
                              ["-k", "transfer or waits or queues or share or pay_only or "
                               "bad_edge_slowdown or mutants"]),
