@@ -41,7 +41,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 #: tests and the oracle's cheapest (vectorized) runs: a case through the inprocess engine
 #: costs seconds per mutant.
 MODULES: dict[str, tuple[list[str], list[str]]] = {
-    "fedhier/ranges.py": (["tests/test_ranges.py"], []),
+    "fedhier/ranges.py": (["tests/test_ranges.py", "tests/test_config_mutants.py"],
+                          ["-k", "not cli_refuses and not issue_cases"]),
     "fedhier/topology.py": (["tests/test_topology.py", "tests/test_topology_exact.py",
                              "tests/test_topology_mutants.py",
                              "tests/test_oracle.py", "tests/test_grouping.py",
