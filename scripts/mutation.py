@@ -93,9 +93,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "fedhier/hsgd.py": (["tests/test_hsgd_mutants.py", "tests/test_round_parts.py",
                          "tests/test_oracle.py"],
                         ["-k", "test_hsgd_mutants or (test_round_parts and not over_500_lines) "
-                         "or ((two_levels and uniform or three_levels or participation or "
-                         "mobility_handoffs or per_edge_periods or async_staleness or "
-                         "flower_server_optimiser) and vectorized)"]),
+                         "or ((mobility_handoffs or test_per_edge_periods or async_staleness "
+                         "or flower_server_optimiser) and vectorized)"]),
     "fedhier/sim_clock.py": (["tests/test_sim_clock.py", "tests/test_sim_clock_mutants.py"],
                              ["-k", "transfer or waits or queues or share or pay_only or "
                               "bad_edge_slowdown or mutants"]),

@@ -310,3 +310,40 @@ def test_regroup_due_counts_from_the_second_round():
 def test_bad_settings_are_refused():
     with pytest.raises(ConfigError):
         settings(periods=(2, 3))
+
+
+class Recorder:
+    """A cloud step that records what it is told and takes the first child's model + 100."""
+
+    def __init__(self) -> None:
+        self.begun: list[tuple[int, float, int]] = []
+        self.steps: list[tuple[int, list[int], list[float]]] = []
+
+    def begin(self, cloud_round, global_params, num_children):
+        self.begun.append((cloud_round, float(global_params["w"][0]), num_children))
+
+    def step(self, cloud_round, children, child_weights):
+        self.steps.append((cloud_round, sorted(children), [child_weights[c] for c in
+                                                           sorted(children)]))
+        return {"w": children[0]["w"] + 100}
+
+
+def test_a_cloud_step_is_told_each_round_and_gives_the_global_model():
+    """Round 1's edges after 2 edge rounds: edge 0 = 3.0, edge 1 = 22/3 (weights 2 and 6);
+    the step returns edge 0's + 100 = 103; round 2 starts there: edge 0 = 106, + 100."""
+    step = Recorder()
+    algo = HierarchicalSGD(settings(), cloud_step=step)
+    final = algo.run(Fake(), {"w": torch.zeros(1)}, 2)
+    assert step.begun == [(1, 0.0, 2), (2, pytest.approx(103.0), 2)]
+    assert step.steps == [(1, [0, 1], [2.0, 6.0]), (2, [0, 1], [2.0, 6.0])]
+    assert float(final["w"][0]) == pytest.approx(206.0)
+    assert algo.state_dict()["cloud_step"].steps == step.steps
+
+
+def test_an_executors_own_state_joins_the_checkpoint():
+    class Stateful(Fake):
+        def state_dict(self):
+            return {"strikes": [1, 2]}
+
+    algo, _, _, _ = run(settings(), fake=Stateful())
+    assert algo.state_dict()["executor"] == {"strikes": [1, 2]}
