@@ -183,6 +183,9 @@ def test_a_card_may_not_set_the_runs_own_settings(tmp_path):
     assert_refused(lambda: RunConfig.from_mapping({"dataset": bad}),
                    f"[defaults] of {bad} cannot set 'seed'; a card sets only what fits its "
                    "data, not dataset, data_path, out, seed, engine, device")
+    typo = card(tmp_path, "typo", 'rounds = "x"')
+    assert_refused(lambda: RunConfig.from_mapping({"dataset": typo}),
+                   f"rounds in [defaults] of {typo} must be an integer, got 'x'")
 
 
 def test_a_shipped_cards_defaults():
@@ -236,6 +239,10 @@ def test_the_flower_apps_defaults_count_as_not_set():
                    "rounds in run_config must be an integer, got 'x'")
     assert_refused(lambda: RunConfig.from_mapping({"rounds": "x"}),
                    "rounds in config must be an integer, got 'x'")
+    # a later error names the run_config too
+    assert_refused(lambda: RunConfig.from_app_config({"periods": [2, 4], "local_period": 3}),
+                   "local_period=3 contradicts periods=[2, 4] in run_config; give one or the "
+                   "other")
 
 
 def test_a_toml_files_errors_name_the_file(tmp_path):
@@ -326,6 +333,8 @@ def test_replace_with_a_new_i_or_g_resets_a_two_level_schedule():
     assert RunConfig().replace(lr=0.5).periods == (5, 20)
     deep = RunConfig(groups=(4, 2), periods=(1, 2, 4))
     assert deep.replace(periods=(2, 4, 8)).periods == (2, 4, 8)
+    assert deep.replace(lr=0.5).periods == (1, 2, 4)
+    assert deep.replace(periods=(2, 4, 8), local_period=2).periods == (2, 4, 8)
     assert_refused(lambda: deep.replace(local_period=2),
                    "replace periods, not local/global_period, on a deeper tree")
     assert_refused(lambda: deep.replace(global_period=8),
