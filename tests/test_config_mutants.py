@@ -278,6 +278,7 @@ def test_mobility_reads_the_trace_in_edge_rounds_and_the_matrix(files, tmp_path)
     assert cfg.mobility() == Mobility(rate=0.0, reachability=((False, True), (True, False)),
                                       trace=((9, 1, 1),), handoff="carry",
                                       admission="min-divergence")
+    assert [type(x) for x in cfg.mobility().trace[0]] == [int, int, int]  # not 9.0
     assert_refused(lambda: RunConfig(local_period=2, global_period=8, rounds=2, clients=4,
                                      groups=(2,), mobility_trace=str(trace)),
                    "mobility trace t3.csv row 2: round 3 is not in 1..2")
