@@ -349,3 +349,16 @@ def test_the_views_of_groups_and_periods():
     assert RunConfig(edge_periods="2,4,4,4").edge_period_list == (2, 4, 4, 4)
     assert RunConfig(aggregators=" mean , median").aggregator_names == ("mean", "median")
     assert RunConfig().to_run_config()["local-period"] == 5
+
+
+def test_groups_and_periods_given_directly_are_checked_by_name():
+    assert_refused(lambda: RunConfig(groups=2.5), "groups in config must be integers, got 2.5")
+    assert_refused(lambda: RunConfig(periods=[2, "x"]),
+                   "periods in config must be an integer or a comma-separated list of "
+                   "integers, got [2, 'x']")
+
+
+def test_edge_periods_set_i_to_their_gcd_only_when_all_are_positive():
+    assert RunConfig(edge_periods="1,2,2,4").periods == (1, 20)
+    assert_refused(lambda: RunConfig(edge_periods="0,5,5,5"),
+                   "edge_periods must be positive integers, got [0, 5, 5, 5]")
