@@ -362,3 +362,6 @@ def test_edge_periods_set_i_to_their_gcd_only_when_all_are_positive():
     assert RunConfig(edge_periods="1,2,2,4").periods == (1, 20)
     assert_refused(lambda: RunConfig(edge_periods="0,5,5,5"),
                    "edge_periods must be positive integers, got [0, 5, 5, 5]")
+    # all zero: gcd 0 would make I = 0 and a message about local_period instead
+    assert_refused(lambda: RunConfig(edge_periods="0,0,0,0"),
+                   "edge_periods must be positive integers, got [0, 0, 0, 0]")
