@@ -347,3 +347,40 @@ def test_an_executors_own_state_joins_the_checkpoint():
 
     algo, _, _, _ = run(settings(), fake=Stateful())
     assert algo.state_dict()["executor"] == {"strikes": [1, 2]}
+
+
+def test_regrouping_asks_the_clients_gradients_at_the_current_global_model():
+    """Gradient grouping regroups at the start of cloud round 2 (regroup_every 1) from the
+    gradients at the global model then, 6.25 (round 1 above); at set-up, at 0."""
+    class Gradients(Fake):
+        def __init__(self) -> None:
+            super().__init__()
+            self.asked: list[float] = []
+
+        def client_gradients(self, params):
+            self.asked.append(float(params["w"][0]))
+            return torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.1], [0.1, 1.0]])
+
+    fake = Gradients()
+    algo = HierarchicalSGD(HSGDSettings(periods=(1, 2), groups=(2,), grouping="gradient",
+                                        regroup_every=1))
+    algo.run(fake, {"w": torch.zeros(1)}, 2)
+    assert fake.asked == [0.0, pytest.approx(6.25, abs=1e-6)]
+
+
+def test_the_cloud_aggregates_edge_servers_aggregates_by_their_weights():
+    """Edges 0 and 1 report 3 and 22/3 with weights 2 and 6: (6 + 44) / 8 = 6.25; one
+    cloud aggregation of 2 edges: 4 messages of 10 bytes."""
+    algo = HierarchicalSGD(settings())
+    algo.setup(Fake(), {"w": torch.zeros(1)})
+    algo.begin_cloud_round(Fake(), 1)
+    algo.aggregate_edges(1, {"w": torch.tensor([[3.0], [22 / 3]])}, np.array([0, 1]),
+                         np.array([2.0, 6.0]))
+    assert float(algo.global_params["w"][0]) == pytest.approx(6.25, abs=1e-6)
+    assert algo.edge_models["w"].flatten().tolist() == pytest.approx([6.25, 6.25], abs=1e-6)
+    assert algo.communication.as_dict() == {"client_edge_messages": 0, "edge_cloud_messages": 4,
+                                            "client_edge_bytes": 0, "edge_cloud_bytes": 40}
+    assert algo.node_models(2, np.zeros(1, dtype=np.int64))["w"].flatten().tolist() == \
+        pytest.approx([6.25], abs=1e-6)
+    assert algo.node_models(1, np.array([1]))["w"].flatten().tolist() == \
+        pytest.approx([6.25], abs=1e-6)
