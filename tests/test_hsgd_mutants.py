@@ -384,3 +384,42 @@ def test_the_cloud_aggregates_edge_servers_aggregates_by_their_weights():
         pytest.approx([6.25], abs=1e-6)
     assert algo.node_models(1, np.array([1]))["w"].flatten().tolist() == \
         pytest.approx([6.25], abs=1e-6)
+
+
+@pytest.mark.parametrize("weighting,ratio,expected", [
+    ("samples", 10.0, 13 / 7),  # evaluated rows 4, 1, 1, 1: (4*1 + 2 + 3 + 4) / 7
+    ("uniform", 10.0, 2.5),     # every client 1: (1 + 2 + 3 + 4) / 4
+    ("samples", 2.0, 11 / 5),   # rows capped at 2 x median 1: 2, 1, 1, 1
+])
+def test_the_evaluation_weighs_by_the_rows_each_client_evaluated(weighting, ratio, expected):
+    from fedhier.reply_policy import ReplyPolicy
+
+    evaluation = ClientEvaluation(loss=np.array([1.0, 2.0, 3.0, 4.0]),
+                                  accuracy=np.zeros(4),
+                                  num_examples=np.array([4, 1, 1, 1], dtype=np.int64))
+    fake = Fake(evaluation=lambda params, cloud_round: evaluation)
+    s = settings(weighting=weighting, policy=ReplyPolicy(max_weight_ratio=ratio))
+    _, _, records, _ = run(s, fake=fake)
+    assert records[0]["train_loss"] == pytest.approx(expected, abs=1e-12)
+
+
+def test_a_checkpoint_holds_its_own_copy_and_a_resumed_run_takes_it_back():
+    step = Recorder()
+    algo = HierarchicalSGD(settings(), cloud_step=step)
+    tree = Hierarchy((1, 2), (np.array([1, 0, 0, 1], dtype=np.int64),))
+    algo.setup(Fake(), {"w": torch.zeros(1)}, hierarchy=tree)
+    algo.cloud_round(Fake(), 1)
+    state = algo.state_dict()
+    assert set(state) == {"communication", "cloud_step", "hierarchy", "clock", "num_examples"}
+    assert max(state["clock"]["edge_time"]) == algo.elapsed_seconds() > 0
+    algo.cloud_round(Fake(), 2)  # the live step records round 2; the checkpoint does not
+    assert len(step.steps) == 2 and len(state["cloud_step"].steps) == 1
+    resumed = HierarchicalSGD(settings())
+    resumed.load_state_dict(state)
+    assert resumed.cloud_step is state["cloud_step"]
+    resumed.setup(Fake(), {"w": torch.zeros(1)})
+    assert resumed.hierarchy.edge_of_client().tolist() == [1, 0, 0, 1]  # not contiguous
+    assert resumed.elapsed_seconds() == max(state["clock"]["edge_time"])
+    kept = HierarchicalSGD(settings(), cloud_step=step)
+    kept.load_state_dict({**state, "cloud_step": None})
+    assert kept.cloud_step is step
