@@ -423,3 +423,36 @@ def test_a_checkpoint_holds_its_own_copy_and_a_resumed_run_takes_it_back():
     kept = HierarchicalSGD(settings(), cloud_step=step)
     kept.load_state_dict({**state, "cloud_step": None})
     assert kept.cloud_step is step
+
+
+@pytest.mark.parametrize("fednova,expected", [(True, 247 / 24), (False, 10.75)])
+def test_fednova_rescales_stragglers_updates_by_hand(fednova, expected):
+    """Seed 0, fraction 0.5: clients 0 and 2 are stragglers (draws 0.498, 0.927, 0.440,
+    0.903), I = 2: they do 1 step, the others 2. FedNova: edge 0 (p = 1/2, 1/2; tau 1, 2)
+    tau_eff = 1.5 and moves 1.5 * (1 + 2) / 2 = 2.25 per edge round; edge 1 (p = 1/3, 2/3;
+    tau 1, 2) tau_eff = 5/3, moves 5/3 * 11/3 = 55/9. After G = 4: edges 4.5 and 110/9, the
+    cloud (2 * 4.5 + 6 * 110/9) / 8 = 247/24. Without it: edges move 2.5 and 19/3 per edge
+    round: (2 * 5 + 6 * 38/3) / 8 = 10.75."""
+    s = settings(periods=(2, 4), workload=Workload(straggler_fraction=0.5,
+                                                    normalize_updates=fednova))
+    _, fake, _, final = run(s)
+    assert fake.calls[0][0].steps.tolist() == [1, 2, 1, 2]
+    assert final == pytest.approx(expected, abs=1e-5)
+
+
+def test_an_edge_rounds_outcome_by_hand():
+    """Edge round 1 of the run above (I = 1): level 1, no failure, loss 25/8 over weight 8."""
+    algo = HierarchicalSGD(settings())
+    fake = Fake()
+    algo.setup(fake, {"w": torch.zeros(1)})
+    algo.begin_cloud_round(fake, 1)
+    work, plan = algo.plan(1)
+    out = algo.complete(work, plan, fake.train(work, algo.start_models(work)))
+    assert out == {"level": 1, "failed_clients": 0, "failed_edges": 0,
+                   "train_loss": pytest.approx(3.125), "loss_weight": 8.0}
+    work, plan = algo.plan(2)
+    out = algo.complete(work, plan, fake.train(work, algo.start_models(work)),
+                        hold_cloud=True)
+    assert out["level"] == 2 and out["held"][1].tolist() == [0, 1, 2, 3]
+    assert out["held"][0]["w"].flatten().tolist() == pytest.approx([2.5, 3.5, 20 / 3, 23 / 3])
+    assert float(algo.global_params["w"][0]) == 0.0  # held: not aggregated
