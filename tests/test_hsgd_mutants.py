@@ -456,3 +456,28 @@ def test_an_edge_rounds_outcome_by_hand():
     assert out["level"] == 2 and out["held"][1].tolist() == [0, 1, 2, 3]
     assert out["held"][0]["w"].flatten().tolist() == pytest.approx([2.5, 3.5, 20 / 3, 23 / 3])
     assert float(algo.global_params["w"][0]) == 0.0  # held: not aggregated
+
+
+def test_diagnostics_and_the_evaluation_are_asked_at_the_rounds_global_model():
+    class Asked(Fake):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gradients_at: list[float] = []
+            self.evaluated: list[tuple[float, int]] = []
+
+        def client_gradients(self, params):
+            self.gradients_at.append(float(params["w"][0]))
+            return torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.1], [0.1, 1.0]])
+
+        def evaluate(self, params, cloud_round):
+            self.evaluated.append((float(params["w"][0]), cloud_round))
+            return None
+
+    fake = Asked()
+    _, _, records, _ = run(settings(diagnostics_every=2), rounds=2, fake=fake)
+    # round 0 and round 2 (every 2), each at the global model of that round
+    assert fake.gradients_at == [0.0, pytest.approx(12.5, abs=1e-5)]
+    assert fake.evaluated == [(0.0, 0), (pytest.approx(6.25, abs=1e-6), 1),
+                              (pytest.approx(12.5, abs=1e-5), 2)]
+    diagnostic = set(records[0]) - set(records[1])
+    assert diagnostic and diagnostic <= set(records[2])
