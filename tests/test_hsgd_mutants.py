@@ -481,3 +481,14 @@ def test_diagnostics_and_the_evaluation_are_asked_at_the_rounds_global_model():
                               (pytest.approx(12.5, abs=1e-5), 2)]
     diagnostic = set(records[0]) - set(records[1])
     assert diagnostic and diagnostic <= set(records[2])
+
+
+def test_a_clipped_middle_level_measures_from_its_last_aggregate():
+    """Periods 1, 2, 4 over one region; aggregators mean, clip:1, mean. Step 2: edges 3 and
+    22/3, the region clips both updates from 0 to norm 1: 1. Steps 3-4 from 1: edges 4 and
+    25/3; the region measures from its last aggregate, 1 (not the global 0): updates 3 and
+    22/3 clipped to 1: 2, the cloud's mean of one region: 2."""
+    s = settings(periods=(1, 2, 4), groups=(2, 1), aggregators=("mean", "clip:1", "mean"))
+    _, fake, _, final = run(s)
+    assert fake.calls[2][1]["w"].flatten().tolist() == pytest.approx([1.0, 1.0], abs=1e-6)
+    assert final == pytest.approx(2.0, abs=1e-6)
