@@ -41,7 +41,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 #: tests and the oracle's cheapest (vectorized) runs: a case through the inprocess engine
 #: costs seconds per mutant.
 MODULES: dict[str, tuple[list[str], list[str]]] = {
-    "fedhier/ranges.py": (["tests/test_ranges.py"], []),
+    "fedhier/ranges.py": (["tests/test_ranges.py", "tests/test_config_mutants.py"],
+                          ["-k", "not cli_refuses and not issue_cases"]),
     "fedhier/topology.py": (["tests/test_topology.py", "tests/test_topology_exact.py",
                              "tests/test_topology_mutants.py",
                              "tests/test_oracle.py", "tests/test_grouping.py",
@@ -53,9 +54,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                              ["-k", "test_async_mutants or (async_staleness and vectorized) or "
                               "stale_reports_enter or reject_a_buffer or bad_async or "
                               "bad_region"]),
-    "fedhier/plan.py": (["tests/test_oracle.py", "tests/test_knobs.py"],
+    "fedhier/plan.py": (["tests/test_plan_mutants.py", "tests/test_oracle.py",
+                         "tests/test_knobs.py"],
                         ["-k", "((participation or stragglers_and) and vectorized) or "
-                         "sample_clients or straggler_plan"]),
+                         "sample_clients or straggler_plan or test_plan_mutants"]),
     "fedhier/aggregate.py": (["tests/test_aggregate.py", "tests/test_aggregate_mutants.py",
                               "tests/test_robust_aggregate.py", "tests/test_knobs.py"],
                              ["-k", "(test_aggregate or test_robust_aggregate or "
@@ -121,6 +123,20 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                                ["-k", "stale_reports_enter or reject_a_buffer or bad_async or "
                                 "jobs_in_flight or matches_the_oracle or "
                                 "((async_staleness or async_regions) and vectorized)"]),
+    "fedhier/config_checks.py": (["tests/test_config.py", "tests/test_ranges.py",
+                                  "tests/test_settings_declaration.py",
+                                  "tests/test_config_mutants.py"],
+                                 ["-k", "not cli_refuses and not issue_cases"]),
+    "fedhier/config.py": (["tests/test_config.py", "tests/test_ranges.py",
+                           "tests/test_settings_declaration.py", "tests/test_config_mutants.py"],
+                          ["-k", "not cli_refuses and not issue_cases"]),
+    # the round's loop: the closed-form fake executor's runs first (-x: most mutants stop
+    # there), then the round's parts and the oracle's cheapest vectorized cases
+    "fedhier/hsgd.py": (["tests/test_hsgd_mutants.py", "tests/test_round_parts.py",
+                         "tests/test_oracle.py"],
+                        ["-k", "test_hsgd_mutants or (test_round_parts and not over_500_lines) "
+                         "or ((mobility_handoffs or test_per_edge_periods or async_staleness "
+                         "or flower_server_optimiser) and vectorized)"]),
     "fedhier/sim_clock.py": (["tests/test_sim_clock.py", "tests/test_sim_clock_mutants.py"],
                              ["-k", "transfer or waits or queues or share or pay_only or "
                               "bad_edge_slowdown or mutants"]),
