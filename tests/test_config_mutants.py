@@ -126,8 +126,6 @@ NEED = "edge servers as processes need "
 
 
 @pytest.mark.parametrize("kw,needs", [
-    ({"groups": (4, 2), "periods": (1, 2, 4)},
-     "a two-level hierarchy (one local and one global period)"),
     ({"mobility_rate": 0.5}, "static clients (no mobility)"),
     ({"regroup_every": 1}, "a fixed grouping (no regroup_every)"),
     ({"async_buffer": 1}, "synchronous edges (no async_buffer)"),
@@ -135,6 +133,12 @@ NEED = "edge servers as processes need "
 ])
 def test_edge_servers_refuse_what_they_do_not_run(kw, needs):
     assert_refused(lambda: RunConfig(edge_servers=True, **kw), NEED + needs)
+
+
+def test_edge_servers_run_deeper_trees():
+    """Servers at every level (docs/deployment.md, regions): three levels are accepted."""
+    cfg = RunConfig(edge_servers=True, groups=(4, 2), periods=(1, 2, 4))
+    assert (cfg.edge_servers, cfg.groups, cfg.periods) == (True, (4, 2), (1, 2, 4))
 
 
 def test_edge_servers_refuse_a_trace_too(files):
