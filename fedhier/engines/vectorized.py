@@ -395,6 +395,42 @@ class BatchedExecutor:
 
 
 
+@dataclass
+class BatchedRun:
+    """What a batched engine's run starts from (the data, the device, the initial model, the
+    run folder's recorder) and how it ends (:meth:`finish`): shared by ``vectorized`` and
+    ``vectorized-ray``."""
+
+    fed: Federation
+    device: torch.device
+    model: nn.Module
+    recorder: RunRecorder
+
+    @classmethod
+    def start(cls, cfg: RunConfig, folder: RunFolder, engine: str, progress: bool,
+              federation: Federation | None, resume: Checkpoint | None) -> BatchedRun:
+        """Prepare ``cfg``'s data (or take ``federation``: benchmarks build federations the
+        partitioners cannot, e.g. replicated clients), its model and ``engine``'s recorder."""
+        fed = federation if federation is not None else prepare(cfg)
+        if fed.num_clients != cfg.clients:
+            raise ConfigError(f"the federation has {fed.num_clients} clients but "
+                              f"clients={cfg.clients}")
+        device = resolve_device(cfg.device)
+        model = initial_model(cfg, fed).to(device)
+        recorder = RunRecorder(folder, cfg, fed, engine, progress,
+                               resume_round=resume.round if resume else None,
+                               elapsed=resume.wall_seconds if resume else 0.0)
+        return cls(fed, device, model, recorder)
+
+    def finish(self, cfg: RunConfig, algorithm: Any, executor: Any,
+               resume: Checkpoint | None) -> dict[str, Any]:
+        """Run ``algorithm`` with ``executor`` from the initial model to the end, recorded;
+        summary.json's dict."""
+        return run_recorded(algorithm, executor, cfg, self.recorder, params_of(self.model),
+                            central_evaluation(cfg, self.fed, self.model, self.device),
+                            resume=resume)
+
+
 def run_vectorized(cfg: RunConfig, folder: RunFolder, progress: bool = True, *,
                    federation: Federation | None = None,
                    resume: Checkpoint | None = None,
@@ -414,17 +450,8 @@ def run_vectorized(cfg: RunConfig, folder: RunFolder, progress: bool = True, *,
     Returns:
         summary.json's dict.
     """
-    fed = federation if federation is not None else prepare(cfg)
-    if fed.num_clients != cfg.clients:
-        raise ConfigError(f"the federation has {fed.num_clients} clients but "
-                          f"clients={cfg.clients}")
-    device = resolve_device(cfg.device)
-    model = initial_model(cfg, fed).to(device)
-    recorder = RunRecorder(folder, cfg, fed, "vectorized", progress,
-                           resume_round=resume.round if resume else None,
-                           elapsed=resume.wall_seconds if resume else 0.0)
+    run = BatchedRun.start(cfg, folder, "vectorized", progress, federation, resume)
     algorithm = algorithm_for(settings_for(cfg), as_cloud_step(make_cloud_strategy(
         cfg.cloud_strategy, cfg.server_lr, cfg.server_momentum)))
-    executor = (make_executor or BatchedExecutor.build)(cfg, fed, model, device)
-    return run_recorded(algorithm, executor, cfg, recorder, params_of(model),
-                        central_evaluation(cfg, fed, model, device), resume=resume)
+    executor = (make_executor or BatchedExecutor.build)(cfg, run.fed, run.model, run.device)
+    return run.finish(cfg, algorithm, executor, resume)

@@ -31,7 +31,7 @@ import torch
 from fedhier.checkpoint import Checkpoint
 from fedhier.config import RunConfig
 from fedhier.edge_tier import EdgeJob, EdgeReport, EdgeTierHierarchicalSGD, check_edge_tier
-from fedhier.engines.vectorized import BatchedExecutor
+from fedhier.engines.vectorized import BatchedExecutor, BatchedRun
 from fedhier.engines.vectorized_ray_worker import (
     check_reachable,
     peak_rss_bytes,
@@ -43,11 +43,8 @@ from fedhier.errors import ConfigError
 from fedhier.federation import Federation
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, Params, TrainResult
-from fedhier.recorded_run import run_recorded
 from fedhier.run_folder import RunFolder
-from fedhier.run_recorder import RunRecorder
-from fedhier.run_setup import central_evaluation, initial_model, prepare, settings_for
-from fedhier.train import params_of, resolve_device
+from fedhier.run_setup import settings_for
 from fedhier_strategies.cloud_step import as_cloud_step, make_cloud_strategy
 
 
@@ -165,23 +162,14 @@ def run_vectorized_ray(cfg: RunConfig, folder: RunFolder, progress: bool = True,
     """
     check_sharded(cfg)
     check_reachable(cfg.ray_address)
-    fed = federation if federation is not None else prepare(cfg)
-    if fed.num_clients != cfg.clients:
-        raise ConfigError(f"the federation has {fed.num_clients} clients but "
-                          f"clients={cfg.clients}")
-    device = resolve_device(cfg.device)
-    model = initial_model(cfg, fed).to(device)
-    recorder = RunRecorder(folder, cfg, fed, "vectorized-ray", progress,
-                           resume_round=resume.round if resume else None,
-                           elapsed=resume.wall_seconds if resume else 0.0)
+    run = BatchedRun.start(cfg, folder, "vectorized-ray", progress, federation, resume)
     algorithm = EdgeTierHierarchicalSGD(settings_for(cfg), as_cloud_step(make_cloud_strategy(
         cfg.cloud_strategy, cfg.server_lr, cfg.server_momentum)))
     with ray_session(cfg.ray_address, cfg.ray_workers):
         worker_pool(min(cfg.ray_workers, cfg.num_edges))  # they boot while the driver sets up
-        executor = RayShardExecutor(cfg, fed, BatchedExecutor.build(cfg, fed, model, device),
-                                    cfg.ray_workers)
-        summary = run_recorded(algorithm, executor, cfg, recorder, params_of(model),
-                               central_evaluation(cfg, fed, model, device), resume=resume)
+        whole = BatchedExecutor.build(cfg, run.fed, run.model, run.device)
+        executor = RayShardExecutor(cfg, run.fed, whole, cfg.ray_workers)
+        summary = run.finish(cfg, algorithm, executor, resume)
         summary["sharding"] = executor.stats()
     return summary
 
