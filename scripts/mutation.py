@@ -116,8 +116,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                                  ["-k", "test_async_mutants or stale_reports_enter or "
                                   "matches_the_oracle or "
                                   "((async_staleness or async_regions) and vectorized)"]),
-    "fedhier/async_regions.py": (["tests/test_async_regions.py", "tests/test_oracle.py"],
-                                 ["-k", "bad_region or (async_regions and vectorized)"]),
+    "fedhier/async_regions.py": (["tests/test_async_regions_mutants.py",
+                                  "tests/test_async_regions.py", "tests/test_oracle.py"],
+                                 ["-k", "test_async_regions_mutants or bad_region or "
+                                  "(async_regions and vectorized)"]),
     "fedhier/async_edges.py": (["tests/test_async_edges.py", "tests/test_async_compose.py",
                                 "tests/test_oracle.py"],
                                ["-k", "stale_reports_enter or reject_a_buffer or bad_async or "
