@@ -12,7 +12,7 @@ import platform
 import time
 from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,6 +26,9 @@ from fedhier.grouping import ClientInfo
 from fedhier.run_folder import RunFolder, read_metrics
 from fedhier.topology import Hierarchy
 from fedhier.train import resolve_device
+
+if TYPE_CHECKING:
+    from fedhier.checkpoint import Checkpoint
 
 WEIGHTING_TEXT = {
     "samples": "clients weighted by their number of training rows (FedAvg practice)",
@@ -110,6 +113,15 @@ class RunRecorder:
                              y_train[rows], minlength=fed.bundle.num_classes).tolist()}
                         for j, rows in enumerate(fed.partitions)],
             "holdout": [rows.tolist() for rows in fed.holdouts]})
+
+    @classmethod
+    def for_run(cls, folder: RunFolder, cfg: RunConfig, fed: Federation, engine: str,
+                progress: bool, resume: Checkpoint | None) -> RunRecorder:
+        """A new run's recorder, or (``resume``) one continuing after the checkpoint's cloud
+        round with its wall seconds."""
+        return cls(folder, cfg, fed, engine, progress,
+                   resume_round=resume.round if resume else None,
+                   elapsed=resume.wall_seconds if resume else 0.0)
 
     def save_initial(self, state: Mapping[str, torch.Tensor]) -> None:
         self.folder.save_model("model_initial.safetensors", state)

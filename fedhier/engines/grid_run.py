@@ -91,9 +91,7 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
             f"the federation has {num_nodes} nodes but {what}; they must match")
     device = resolve_device(cfg.device)
     model = initial_model(cfg, fed).to(device)
-    recorder = RunRecorder(folder, cfg, fed, engine, progress,
-                           resume_round=resume.round if resume else None,
-                           elapsed=resume.wall_seconds if resume else 0.0)
+    recorder = RunRecorder.for_run(folder, cfg, fed, engine, progress, resume)
     strategy = strategy_for(cfg)
     run_config = ConfigRecord(cfg.to_run_config())
     algorithm: HierarchicalSGD = strategy.algorithm

@@ -417,9 +417,7 @@ class BatchedRun:
                               f"clients={cfg.clients}")
         device = resolve_device(cfg.device)
         model = initial_model(cfg, fed).to(device)
-        recorder = RunRecorder(folder, cfg, fed, engine, progress,
-                               resume_round=resume.round if resume else None,
-                               elapsed=resume.wall_seconds if resume else 0.0)
+        recorder = RunRecorder.for_run(folder, cfg, fed, engine, progress, resume)
         return cls(fed, device, model, recorder)
 
     def finish(self, cfg: RunConfig, algorithm: Any, executor: Any,
