@@ -22,8 +22,10 @@ draw (participation, stragglers, faults, mini-batches, compute speeds), keyed by
 client and the round, is the one-process run's: the split run equals it up to the float
 rounding of averaging the children's averages instead of all clients at once. Nodes hold no
 state between jobs: each job carries the tree and the clients' row counts, so a restarted
-process simply takes the next job. Static groupings and equal periods only (checked by
-:func:`check_edge_tier`).
+process simply takes the next job. Per-edge periods run inside the jobs (each I_i divides the
+period above the edges, so a job holds whole periods of every edge; the cloud counts each
+edge's aggregations, :func:`schedule_keys`); clients' kept optimizer state stays with the
+clients. Static groupings and synchronous edges only (checked by :func:`check_edge_tier`).
 """
 
 from __future__ import annotations

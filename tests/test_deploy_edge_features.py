@@ -33,7 +33,7 @@ def run_both(cfg: RunConfig, root) -> None:
 
 
 @pytest.mark.parametrize("change", [
-    dict(groups=(2,), periods=(2, 8), edge_periods="2,4"),
+    dict(groups=(2,), periods=(2, 8), edge_periods="2,4", rounds=1),
     dict(edge_periods="2,4,4,2", normalize_updates=True, straggler_fraction=0.5,
          participation=0.75, fail_rate=0.1),
 ], ids=["two-levels", "regions-fednova-faults"])
@@ -55,7 +55,7 @@ def test_a_gradient_grouping_on_servers_equals_the_one_process_run(tmp_path):
     """The deployment places each client by the clients' gradients at the initial model;
     the cloud collects the same gradients through the servers, groups by them and finds
     every client where it is connected (its set-up refuses any other placement)."""
-    cfg = BASE.replace(grouping="gradient")
+    cfg = BASE.replace(grouping="gradient", rounds=1)
     edges, regions = tree_placement(cfg)
     contiguous = tree_placement(cfg.replace(grouping="contiguous"))[0]
     assert edges.tolist() != contiguous.tolist()  # the gradients placed the clients
@@ -64,7 +64,7 @@ def test_a_gradient_grouping_on_servers_equals_the_one_process_run(tmp_path):
     assert_same_runs(tmp_path / "ref", tmp_path / "split", TOL)
 
 
-KEEP = BASE.replace(momentum=0.9, optimizer_state="keep", rounds=3, checkpoint_every=1)
+KEEP = BASE.replace(momentum=0.9, optimizer_state="keep", checkpoint_every=1)
 
 
 def test_kept_optimizer_state_on_servers_equals_the_one_process_run_and_resumes(
@@ -88,7 +88,7 @@ def test_kept_optimizer_state_on_servers_equals_the_one_process_run_and_resumes(
 
     def interrupt() -> None:  # 2 crash points for round 0, 3 per later round
         calls["n"] += 1
-        if calls["n"] == 9:
+        if calls["n"] == 6:  # round 2's record
             raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
@@ -98,7 +98,7 @@ def test_kept_optimizer_state_on_servers_equals_the_one_process_run_and_resumes(
                            RunFolder.create(tmp_path / "resumed", split), engine=ENGINE,
                            progress=False)
     resume = load_checkpoint(tmp_path / "resumed")
-    assert resume.round == 2 and sorted(resume.client_states) == list(range(KEEP.clients))
+    assert resume.round == 1 and sorted(resume.client_states) == list(range(KEEP.clients))
     run_federation(servers_grid(split), split, RunFolder.claim_existing(tmp_path / "resumed"),
                    engine=ENGINE, progress=False, resume=resume)
     assert_same_runs(tmp_path / "ref", tmp_path / "resumed", TOL)
