@@ -21,6 +21,7 @@ from fedhier.edge_tier import EdgeJob, EdgeReport
 from fedhier.faults import RunFailureError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, Params, TrainResult
+from fedhier_clients.app import run_config_of
 from fedhier_clients.records import to_record
 from fedhier_strategies.edge.messages import (
     EDGE_ID,
@@ -61,6 +62,9 @@ class EdgeServersExecutor(GridExecutor):
         self.node_of_edge: dict[int, int] = {}
         self.ancestors = [np.full(num_clients, -1, dtype=np.int64)
                           for _ in range(level - 1)]
+        cfg = run_config_of(run_config)  # do the clients keep optimizer state?
+        self.keeps_client_state = cfg.local_optimizer().has_state and \
+            cfg.optimizer_state == "keep"
 
     @property
     def edge_of_client(self) -> np.ndarray:
@@ -199,9 +203,11 @@ class EdgeServersExecutor(GridExecutor):
 
     def client_state(self) -> ClientStates:
         """The served clients' kept state (``query.state`` through their servers), by
-        client; {} when they keep none. A server that does not answer leaves its clients
-        out (they would resume with fresh state), named in a warning."""
+        client; {} when they keep none (nothing asked). A server that does not answer
+        leaves its clients out (they would resume with fresh state), named in a warning."""
         states: ClientStates = {}
+        if not self.keeps_client_state:
+            return states
         answered = set()
         for reply in self._per_edge(f"{MessageType.QUERY}.state", {}):
             answered.add(reply.metadata.src_node_id)
