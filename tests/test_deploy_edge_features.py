@@ -35,8 +35,8 @@ def run_both(cfg: RunConfig, root) -> None:
 @pytest.mark.parametrize("change", [
     dict(groups=(2,), periods=(2, 8), edge_periods="2,4", rounds=1),
     dict(edge_periods="2,4,4,2", normalize_updates=True, straggler_fraction=0.5,
-         participation=0.75, fail_rate=0.1),
-], ids=["two-levels", "regions-fednova-faults"])
+         participation=0.75, fail_rate=0.1, compute_spread=0.5, edge_slowdown="1:3"),
+], ids=["two-levels", "regions-fednova-faults-sim-time"])
 def test_per_edge_periods_on_servers_equal_the_one_process_run(change, tmp_path):
     """Each edge aggregates its clients at its own period inside its job (every I_i divides
     the period above the edges, so a job holds whole periods of each edge); the cloud
