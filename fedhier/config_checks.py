@@ -83,19 +83,10 @@ def check_grouping(grouping: str) -> None:
 
 def check_edge_servers(cfg: RunConfig) -> None:
     """What edge servers as processes do not run (yet), in one line."""
-    from fedhier.grouping import grouping_needs
-
-    if "gradients" in grouping_needs(cfg.grouping):
-        raise ConfigError(f"edge servers as processes place clients before the run; the "
-                          f"'{cfg.grouping}' grouping needs their gradients: choose "
-                          "contiguous, random or a label-based grouping")
-    if cfg.local_optimizer().has_state and cfg.optimizer_state == "keep":
-        raise ConfigError("edge servers do not forward clients' kept optimizer state "
-                          "(checkpoints): use optimizer_state reset")
     from fedhier.edge_tier import check_edge_tier
 
     check_edge_tier(cfg.mobility_rate > 0 or bool(cfg.mobility_trace),
-                    cfg.regroup_every > 0, cfg.asynchronous().active, bool(cfg.edge_periods))
+                    cfg.regroup_every > 0, cfg.asynchronous().active)
 
 
 def check_limits(cfg: RunConfig) -> None:

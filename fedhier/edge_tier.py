@@ -22,8 +22,10 @@ draw (participation, stragglers, faults, mini-batches, compute speeds), keyed by
 client and the round, is the one-process run's: the split run equals it up to the float
 rounding of averaging the children's averages instead of all clients at once. Nodes hold no
 state between jobs: each job carries the tree and the clients' row counts, so a restarted
-process simply takes the next job. Static groupings and equal periods only (checked by
-:func:`check_edge_tier`).
+process simply takes the next job. Per-edge periods run inside the jobs (each I_i divides the
+period above the edges, so a job holds whole periods of every edge; the cloud counts each
+edge's aggregations, :func:`schedule_keys`); clients' kept optimizer state stays with the
+clients. Static groupings and synchronous edges only (checked by :func:`check_edge_tier`).
 """
 
 from __future__ import annotations
@@ -50,8 +52,11 @@ from fedhier.topology import Hierarchy
 
 
 def check_edge_tier(mobile: bool, regroups: bool, asynchronous: bool,
-                    edge_periods: bool) -> None:
-    """Refuse, in one line, what servers as processes do not run (yet)."""
+                    edge_periods: bool = False) -> None:
+    """Refuse, in one line, what servers as processes do not run (yet). Per-edge periods
+    run on the server tier (each I_i divides the period above the edges, so an edge's job
+    holds whole periods of its own): only the sharded engine, which shares these checks,
+    passes ``edge_periods`` to refuse them."""
     for failed, needs in ((mobile, "static clients (no mobility)"),
                           (regroups, "a fixed grouping (no regroup_every)"),
                           (asynchronous, "synchronous edges (no async_buffer)"),
@@ -62,7 +67,7 @@ def check_edge_tier(mobile: bool, regroups: bool, asynchronous: bool,
 
 def _check(settings: HSGDSettings) -> None:
     check_edge_tier(settings.mobility.active, bool(settings.regroup_every),
-                    settings.asynchronous.active, bool(settings.edge_periods))
+                    settings.asynchronous.active)
 
 
 # ------------------------------------------------------------------------ the edge's half
@@ -393,7 +398,21 @@ class EdgeTierHierarchicalSGD(HierarchicalSGD):
             "failed_clients": below.failed, "failed_edges": below.failed_edges}
         if below.unreached:
             out["unreached_" + server_names(top)[top - 1] + "s"] = below.unreached
+        out.update(schedule_keys(self, rounds))
         return out
+
+
+def schedule_keys(algorithm: HierarchicalSGD, rounds: range) -> dict[str, Any]:
+    """The record keys of the cloud round's schedule (per-edge periods: each edge's
+    aggregations), counted over ``rounds`` as the one-process round counts them in
+    :meth:`~fedhier.round.schedule.Schedule.settle`: once per edge round an edge aggregates
+    in, whether or not its clients took part (its servers ran them)."""
+    schedule = algorithm.schedule
+    counts = getattr(schedule, "aggregations", None)
+    if counts is not None:
+        for edge_round in rounds:
+            counts += schedule.levels(edge_round, len(counts)) > 0
+    return schedule.end_cloud_round()
 
 
 def server_name(level: int) -> str:

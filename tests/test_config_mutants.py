@@ -129,7 +129,6 @@ NEED = "edge servers as processes need "
     ({"mobility_rate": 0.5}, "static clients (no mobility)"),
     ({"regroup_every": 1}, "a fixed grouping (no regroup_every)"),
     ({"async_buffer": 1}, "synchronous edges (no async_buffer)"),
-    ({"edge_periods": "5,5,5,5"}, "one local period for every edge (no edge_periods)"),
 ])
 def test_edge_servers_refuse_what_they_do_not_run(kw, needs):
     assert_refused(lambda: RunConfig(edge_servers=True, **kw), NEED + needs)
@@ -147,18 +146,11 @@ def test_edge_servers_refuse_a_trace_too(files):
                    NEED + "static clients (no mobility)")
 
 
-def test_edge_servers_refuse_gradient_grouping_and_kept_momentum_only():
-    assert_refused(lambda: RunConfig(edge_servers=True, grouping="gradient"),
-                   "edge servers as processes place clients before the run; the 'gradient' "
-                   "grouping needs their gradients: choose contiguous, random or a "
-                   "label-based grouping")
-    assert_refused(lambda: RunConfig(edge_servers=True, momentum=0.5, optimizer_state="keep"),
-                   "edge servers do not forward clients' kept optimizer state (checkpoints): "
-                   "use optimizer_state reset")
-    # momentum alone, or keep without state to keep: accepted
-    assert RunConfig(edge_servers=True, momentum=0.5).edge_servers
-    assert RunConfig(edge_servers=True, optimizer_state="keep").edge_servers
-    assert RunConfig(edge_servers=True, grouping="contiguous").edge_servers
+def test_edge_servers_run_per_edge_periods_gradient_grouping_and_kept_momentum():
+    """Once refused; run on servers since (tests/test_deploy_edge_features.py)."""
+    assert RunConfig(edge_servers=True, edge_periods="5,5,5,5").edge_servers
+    assert RunConfig(edge_servers=True, grouping="gradient").edge_servers
+    assert RunConfig(edge_servers=True, momentum=0.5, optimizer_state="keep").edge_servers
 
 
 # -- fedhier/config.py: building a RunConfig ------------------------------------------------

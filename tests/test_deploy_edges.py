@@ -177,12 +177,19 @@ def test_ctrl_c_stops_every_process_of_the_three_tiers(tmp_path):
 
 def test_resume_after_killing_the_cloud_side_equals_one_uninterrupted_run(tmp_path):
     """SIGKILL the cloud SuperLink after round 1: the command stops everything (exit 1), the
-    checkpoint of round 1 stays; `--resume` on fresh processes finishes the run."""
+    checkpoint of round 1 stays (with the clients' kept momentum, gathered through the edge
+    servers); `--resume` on fresh processes finishes the run (the momentum put back through
+    them)."""
     port = deploy.free_port_block(ports_needed(4, 2))
     out = tmp_path / "run"
     # kill the cloud once round 1 is recorded (and checkpointed)
     proc, lines = _start_until(_edge_cmd(port, out, "--rounds", "3", "--checkpoint-every", "1",
+                                         "--momentum", "0.9", "--optimizer-state", "keep",
                                          "--insecure"), "round 1/3")
+    # the checkpoint follows the record once the clients' state came back through the edges
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoint.pt").is_file() and time.monotonic() < deadline:
+        time.sleep(0.2)
     subprocess.run(["pkill", "-KILL", "-f", f"flower-superlink --host 127.0.0.1 --port {port} "],
                    check=True)
     rest, err = proc.communicate(timeout=300)
@@ -198,7 +205,7 @@ def test_resume_after_killing_the_cloud_side_equals_one_uninterrupted_run(tmp_pa
     assert "round 3/3" in resumed.stdout
     cfg = RunConfig(dataset="digits", clients=4, groups=(2,), grouping="contiguous",
                     local_period=2, global_period=2, rounds=3, batch_size=8, seed=11,
-                    checkpoint_every=1)
+                    checkpoint_every=1, momentum=0.9, optimizer_state="keep")
     run_inprocess(cfg, RunFolder.create(tmp_path / "inprocess"), progress=False)
     assert_same_run(tmp_path / "inprocess", out, 3,
                     ignore=frozenset({"wire_client_edge_bytes", "wire_edge_cloud_bytes"}))

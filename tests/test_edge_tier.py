@@ -120,8 +120,6 @@ def test_an_edge_that_misses_its_job_leaves_its_clients_out_of_that_round(tmp_pa
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(momentum=0.9, optimizer_state="keep"), "kept optimizer state"),
-    (dict(grouping="gradient"), "needs their gradients"),
     (dict(mobility_rate=0.1), "static clients"),
     (dict(async_buffer=2), "synchronous edges"),
     (dict(regroup_every=2), "fixed grouping"),

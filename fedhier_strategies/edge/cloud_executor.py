@@ -21,13 +21,17 @@ from fedhier.edge_tier import EdgeJob, EdgeReport
 from fedhier.faults import RunFailureError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, Params, TrainResult
+from fedhier_clients.app import run_config_of
 from fedhier_clients.records import to_record
 from fedhier_strategies.edge.messages import (
     EDGE_ID,
     PARTITION_IDS,
     PATH,
+    ClientStates,
     job_content,
     report_from_reply,
+    state_content,
+    states_of,
 )
 from fedhier_strategies.grid_executor import GridExecutor
 
@@ -58,6 +62,9 @@ class EdgeServersExecutor(GridExecutor):
         self.node_of_edge: dict[int, int] = {}
         self.ancestors = [np.full(num_clients, -1, dtype=np.int64)
                           for _ in range(level - 1)]
+        cfg = run_config_of(run_config)  # do the clients keep optimizer state?
+        self.keeps_client_state = cfg.local_optimizer().has_state and \
+            cfg.optimizer_state == "keep"
 
     @property
     def edge_of_client(self) -> np.ndarray:
@@ -194,5 +201,36 @@ class EdgeServersExecutor(GridExecutor):
             return None
         return torch.stack([grads[c] for c in self.served])
 
-    def client_state(self) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
-        return {}  # clients' kept state is not forwarded by edge servers (checked at start)
+    def client_state(self) -> ClientStates:
+        """The served clients' kept state (``query.state`` through their servers), by
+        client; {} when they keep none (nothing asked). A server that does not answer
+        leaves its clients out (they would resume with fresh state), named in a warning."""
+        states: ClientStates = {}
+        if not self.keeps_client_state:
+            return states
+        answered = set()
+        for reply in self._per_edge(f"{MessageType.QUERY}.state", {}):
+            answered.add(reply.metadata.src_node_id)
+            states.update(states_of(reply.content))
+        missing = sorted(e for e, node in self.node_of_edge.items() if node not in answered)
+        if missing:
+            log.warning("checkpoint: servers %s did not send their clients' kept state",
+                        missing[:10])
+        return states
+
+    def restore_client_state(self, state: ClientStates) -> None:
+        """Send each server its clients' kept state from a checkpoint (``query.restore``)."""
+        by_edge: dict[int, ClientStates] = {}
+        for client, records in state.items():
+            by_edge.setdefault(int(self.ancestors[-1][client]), {})[client] = records
+        messages = []
+        for edge, states in by_edge.items():
+            content = state_content(states)
+            content["config"] = self.evaluate_config
+            messages.append(Message(content, message_type=f"{MessageType.QUERY}.restore",
+                                    dst_node_id=self.node_of_edge[edge]))
+        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
+        failed = len(messages) - sum(not r.has_error() for r in replies)
+        if failed:
+            raise RunFailureError(f"{failed} server(s) could not restore their clients' "
+                                  "kept state from the checkpoint")

@@ -21,6 +21,12 @@ server its clients through its own SuperLink under the client message contract
                        ``accuracy``, ``holdout-accuracy`` (NaN: none), ``num-examples``
 ``query.gradient``     ``arrays``; reply ArrayRecord ``gradient`` (``g``: [k, P] in
                        ``partition-ids`` order)
+``query.state``        for a checkpoint, the kept state of the clients under the server (their
+                       ``context.state``: momentum with ``optimizer-state = keep``); reply one
+                       ArrayRecord ``state/<client>/<name>`` per client and record (none when
+                       the clients keep nothing)
+``query.restore``      a resumed run's kept state back to the clients, in the same records
+                       (the server's clients only); reply ``metrics``: ``edge-id``
 =====================  ==========================================================================
 """
 
@@ -45,6 +51,29 @@ FIRST_ROUND = "first-edge-round"
 NUM_ROUNDS = "num-edge-rounds"
 #: The config keys a parent adds for a server (not the run configuration's).
 EDGE_KEYS = (EDGE_ID, LEVEL, FIRST_ROUND, NUM_ROUNDS)
+#: The prefix of a client's kept-state record: ``state/<client>/<name>``.
+STATE_PREFIX = "state/"
+
+#: Clients' kept state: client -> record name -> tensor name -> tensor.
+ClientStates = dict[int, dict[str, dict[str, torch.Tensor]]]
+
+
+def state_content(states: ClientStates) -> RecordDict:
+    """Clients' kept state as records (``query.state``'s reply, ``query.restore``'s
+    message)."""
+    return RecordDict({f"{STATE_PREFIX}{client}/{name}": ArrayRecord(dict(tensors))
+                       for client, records in states.items()
+                       for name, tensors in records.items()})
+
+
+def states_of(content: RecordDict) -> ClientStates:
+    """The clients' kept state in ``content`` (the records of :func:`state_content`)."""
+    states: ClientStates = {}
+    for key, record in content.array_records.items():
+        if key.startswith(STATE_PREFIX):
+            client, name = key[len(STATE_PREFIX):].split("/", 1)
+            states.setdefault(int(client), {})[name] = dict(record.to_torch_state_dict())
+    return states
 
 
 def job_content(job: EdgeJob, run_config: ConfigRecord) -> RecordDict:

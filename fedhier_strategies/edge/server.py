@@ -7,7 +7,9 @@ SuperLink): an edge its clients with a
 ids, a server above the edges its child servers with an
 :class:`~fedhier_strategies.edge.cloud_executor.EdgeServersExecutor`. It holds no training
 state between messages (:mod:`fedhier.edge_tier`), so a restarted server takes the next job
-as if nothing happened. The process around it (claiming tasks
+as if nothing happened; clients' kept optimizer state stays with the clients (their runtime's
+``context.state``), the server only forwards its parent's checkpoint queries for it
+(``query.state``, ``query.restore``). The process around it (claiming tasks
 from Flower's runtime APIs) is :mod:`fedhier.engines.deployment.edge_process`; tests run it in
 one process on :class:`~fedhier.engines.inprocess_grid.InProcessGrid` s.
 """
@@ -35,6 +37,8 @@ from fedhier_strategies.edge.messages import (
     PATH,
     job_from_message,
     report_content,
+    state_content,
+    states_of,
 )
 from fedhier_strategies.grid_executor import GridExecutor
 
@@ -75,7 +79,9 @@ class EdgeServer:
                 executor = GridExecutor(
                     self.grid, run_config, timeout=timeout,
                     min_available_nodes=len(self.clients), clients=self.clients,
-                    num_clients=cfg.clients, policy=cfg.reply_policy())
+                    num_clients=cfg.clients, policy=cfg.reply_policy(),
+                    keeps_client_state=(cfg.local_optimizer().has_state
+                                        and cfg.optimizer_state == "keep"))
             else:
                 from fedhier_strategies.edge.cloud_executor import EdgeServersExecutor
 
@@ -101,6 +107,11 @@ class EdgeServer:
                 raise ConfigError(f"server {self.edge} (level {self.level}) got the job of "
                                   f"server {job.edge} (level {job.level})")
             return report_content(run_edge_job(settings_for(cfg), executor, job))
+        if kind == f"{MessageType.QUERY}.state":  # the clients keep it: ask them
+            return state_content(executor.client_state())
+        if kind == f"{MessageType.QUERY}.restore":
+            executor.restore_client_state(states_of(msg.content))
+            return RecordDict({"metrics": MetricRecord({EDGE_ID: self.edge})})
         params = to_tensors(cast(ArrayRecord, msg.content["arrays"]))
         if kind == MessageType.EVALUATE:
             return self._evaluate(executor, params, int(config["server-round"]))  # type: ignore[arg-type]
