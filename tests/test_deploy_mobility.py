@@ -6,10 +6,12 @@ another's), then on real processes (`fedhier deploy local --edges 2 --mobility-r
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from flwr.app import Context
 
@@ -27,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 #: 6 clients at 2 edges, 3 edge rounds per cloud round: moves land inside the cloud round.
 BASE = RunConfig(dataset="digits", clients=6, groups=(2,), grouping="contiguous",
-                 local_period=2, global_period=6, rounds=3, batch_size=8, seed=5,
+                 local_period=2, global_period=6, rounds=2, batch_size=8, seed=5,
                  mobility_rate=0.5)
 TOL = 1e-5
 
@@ -75,10 +77,9 @@ def without_handoffs(path: Path) -> list[list[dict]]:
 
 @pytest.mark.parametrize("change", [
     {},
-    dict(handoff="carry"),
     dict(handoff="carry", participation=0.7, fail_rate=0.15, compute_spread=0.5),
     dict(mobility_rate=0.0, regroup_every=1, grouping="random"),
-], ids=["fresh", "carry", "carry-faults-sim-time", "regroup"])
+], ids=["fresh", "carry-faults-sim-time", "regroup"])
 def test_moving_clients_equal_the_simulated_mobile_run(change, tmp_path, monkeypatch):
     cfg = BASE.replace(**change)
     run_inprocess(cfg, RunFolder.create(tmp_path / "ref", cfg), progress=False)
@@ -105,9 +106,76 @@ def test_moving_clients_equal_the_simulated_mobile_run(change, tmp_path, monkeyp
         assert carried == [0] * len(moves)
 
 
-def test_edge_models_follow_segments_not_the_cloud(tmp_path, monkeypatch):
-    """Without moves a mobile run's edge jobs are whole cloud rounds (nothing re-attached)."""
-    cfg = BASE.replace(mobility_rate=0.0, mobility_trace="", regroup_every=0)
-    mover = run_moving(cfg, tmp_path / "split", monkeypatch)
-    assert mover.calls == []
-    assert np.isfinite(metrics(tmp_path / "split")[-1]["test_loss"])
+
+def test_the_cloud_asks_the_driver_and_waits_for_its_answer(tmp_path):
+    """The handshake of a real deployment (files under its work folder): the cloud's request
+    is served by the driver's poll, and the cloud gets the driver's seconds per client; a
+    failed re-attachment comes back to the cloud as one error."""
+    done: list[tuple[int, int]] = []
+
+    def move(client: int, edge: int) -> float:
+        if client == 9:
+            raise RuntimeError("no such SuperNode")
+        done.append((client, edge))
+        return 0.25 * edge
+
+    driver = reattach_module.ReattachDriver(tmp_path / "reattach", move)
+    cloud = reattach_module.FileReattacher(tmp_path / "reattach", timeout=30)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(RuntimeError):
+                driver.poll()
+            time.sleep(0.01)
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        assert cloud.reattach({3: 1, 0: 2}) == {3: 0.25, 0: 0.5}
+        assert cloud.reattach({1: 0}) == {1: 0.0}
+        with pytest.raises(RuntimeError, match="no such SuperNode"):
+            cloud.reattach({9: 1})
+    finally:
+        stop.set()
+        server.join()
+    assert done == [(3, 1), (0, 2), (1, 0)]
+    assert sorted(p.name for p in (tmp_path / "reattach").iterdir()) == [
+        f"{kind}-{n}.json" for kind in ("done", "request") for n in (1, 2, 3)]
+    assert driver.poll() == 0  # every request answered once
+
+
+@pytest.mark.slow
+@pytest.mark.deployment
+def test_a_mobile_deployment_equals_the_simulated_mobile_run(tmp_path, capsys):
+    """4 clients under 2 edge servers on real processes (TLS, SuperNode authentication):
+    clients move (carry handoff, moves inside cloud rounds) and are regrouped; every move
+    restarts the client's SuperNode at its new edge's SuperLink, and the run equals the
+    simulated mobile run to 1e-5, every re-attachment timed in metrics.jsonl."""
+    from fedhier.engines.deployment.ports import ports_needed
+    from tests.helpers import assert_same_run
+    from tests.test_deploy import leftovers
+    from tests.test_deploy_edges import deploy_on_free_ports
+
+    flags = ["--dataset", "digits", "--nodes", "4", "--grouping", "random", "--periods", "1,3",
+             "--rounds", "2", "--batch-size", "8", "--seed", "4", "--mobility-rate", "0.5",
+             "--handoff", "carry", "--regroup-every", "1"]
+    ports = ports_needed(4, 2)
+    out, port = deploy_on_free_ports([*flags, "--edges", "2"], ports, tmp_path / "real",
+                                     capsys)
+    assert "re-attached to edge" in out
+    assert leftovers(range(port, port + ports)) == ""
+    cfg = RunConfig(dataset="digits", clients=4, groups=(2,), periods=(1, 3),
+                    grouping="random", rounds=2, batch_size=8, seed=4, mobility_rate=0.5,
+                    handoff="carry", regroup_every=1)
+    run_inprocess(cfg, RunFolder.create(tmp_path / "inprocess", cfg), progress=False)
+    real = metrics(tmp_path / "real")
+    handoffs = [h for r in real for h in r.get("handoffs", [])]
+    wire = frozenset(k for r in real for k in r if k.startswith("wire_")) | {"handoffs"}
+    assert_same_run(tmp_path / "inprocess", tmp_path / "real", 2, ignore=wire)
+    moves = [m for r in metrics(tmp_path / "inprocess") for m in r.get("moves", [])]
+    assert any((m[0] - 1) % 3 for m in moves)  # a carry move inside a cloud round
+    assert {(h["edge_round"], h["client"], h["to"]) for h in handoffs} >= {
+        (m[0], m[1], m[3]) for m in moves}  # each move re-attached (and regroupings)
+    assert all(0 < h["seconds"] < 300 for h in handoffs)
+    assert any(h["bytes"] > 0 for h in handoffs)

@@ -21,16 +21,22 @@ from fedhier_strategies.grid_executor import GridExecutor
 FOLLOW_TIMEOUT = 60.0
 
 
-def follow_clients(executor: GridExecutor, clients: list[int],
+def follow_clients(executor: GridExecutor, clients: list[int], seen: dict[int, int],
                    timeout: float = FOLLOW_TIMEOUT) -> None:
-    """Make ``executor`` (an edge's GridExecutor) serve exactly ``clients`` (partition ids)."""
+    """Make ``executor`` (an edge's GridExecutor) serve exactly ``clients`` (partition ids).
+
+    ``seen``: node -> client of every node this edge has known (updated): a node of a client
+    that left and is not coming back is not asked (it may still be listed while it stops).
+    """
     clients = sorted(int(c) for c in clients)
+    seen.update(executor.client_of_node)
     nodes = {c: n for c, n in executor.node_ids.items() if c in clients}
     missing = set(clients) - set(nodes)
     deadline = time.time() + timeout
     while missing:
-        fresh = [n for n in executor.grid.get_node_ids() if n not in nodes.values()]
-        if len(fresh) >= len(missing):
+        fresh = [n for n in executor.grid.get_node_ids() if n not in nodes.values()
+                 and seen.get(n, -1) in missing | {-1}]
+        if fresh:
             messages = [Message(RecordDict({executor.configrecord_key: executor.train_config}),
                                 message_type=MessageType.QUERY, dst_node_id=n) for n in fresh]
             for reply in executor.grid.send_and_receive(messages, timeout=timeout):
@@ -39,6 +45,7 @@ def follow_clients(executor: GridExecutor, clients: list[int],
                 pid = None if metrics is None else metrics.get("partition-id")
                 if isinstance(pid, int) and pid in missing:
                     nodes[pid] = reply.metadata.src_node_id
+                    seen[reply.metadata.src_node_id] = pid
                     missing.discard(pid)
         if missing and time.time() > deadline:
             raise RunFailureError(f"clients {sorted(missing)[:10]} did not come online at "

@@ -63,6 +63,7 @@ class EdgeServer:
         if level > 1 and not self.children:
             raise ConfigError(f"server {edge} of level {level} needs its child servers")
         self._executor: GridExecutor | None = None
+        self.seen: dict[int, int] = {}  # node -> client, every node it has known (follow)
         self._config: RunConfig | None = None
 
     def executor(self, cfg: RunConfig) -> GridExecutor:
@@ -103,7 +104,7 @@ class EdgeServer:
                                   f"server {job.edge} (level {job.level})")
             if self.level == 1 and clients_of(job.edge_of_client, self.edge) != self.clients:
                 self.clients = clients_of(job.edge_of_client, self.edge)  # clients moved
-                follow_clients(executor, self.clients)
+                follow_clients(executor, self.clients, self.seen)
             return report_content(run_edge_job(settings_for(cfg), executor, job))
         params = to_tensors(cast(ArrayRecord, msg.content["arrays"]))
         if kind == MessageType.EVALUATE:
