@@ -139,7 +139,7 @@ def test_the_cloud_asks_the_driver_and_waits_for_its_answer(tmp_path):
     finally:
         stop.set()
         server.join()
-    assert done == [(3, 1), (0, 2), (1, 0)]
+    assert sorted(done[:2]) == [(0, 2), (3, 1)] and done[2:] == [(1, 0)]  # side by side
     assert sorted(p.name for p in (tmp_path / "reattach").iterdir()) == [
         f"{kind}-{n}.json" for kind in ("done", "request") for n in (1, 2, 3)]
     assert driver.poll() == 0  # every request answered once

@@ -243,6 +243,7 @@ class EdgeTierDeployment(LocalDeployment):
         t0 = time.perf_counter()
         old = self.supernodes[client]
         self.procs.stop([old])
+        stopped = time.perf_counter() - t0
         online = old.log_text().count(ONLINE)
         assert self.edges is not None
         self.edges[client] = self.parents[0][client] = edge  # a restarted edge serves it
@@ -265,7 +266,7 @@ class EdgeTierDeployment(LocalDeployment):
         seconds = time.perf_counter() - t0
         self.reattach_seconds.append(seconds)
         self.echo(f"client {client} re-attached to edge {edge} (SuperLink {HOST}:{port}) in "
-                  f"{seconds:.2f} s")
+                  f"{seconds:.2f} s (stopped in {stopped:.2f} s)")
         return seconds
 
     def start_edge_process(self, index: int, append: bool = True) -> Managed:

@@ -27,6 +27,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 #: The folder of the re-attach requests, in the cloud ServerApp's environment.
@@ -75,7 +76,7 @@ def reattacher_from_env() -> FileReattacher | None:
 
 class ReattachDriver:
     """The driver's side: answers every request in ``folder`` with ``move(client, edge)``
-    (returns the seconds it took) for each of its clients."""
+    (returns the seconds it took) for each of its clients, side by side."""
 
     def __init__(self, folder: Path, move: Callable[[int, int], float]) -> None:
         self.folder = Path(folder)
@@ -90,8 +91,11 @@ class ReattachDriver:
             if done.is_file():
                 continue
             moves = json.loads(request.read_text())["moves"]
-            try:
-                seconds = {c: self.move(int(c), int(e)) for c, e in moves.items()}
+            try:  # the clients of one request restart side by side
+                with ThreadPoolExecutor(max_workers=max(1, len(moves))) as pool:
+                    futures = {c: pool.submit(self.move, int(c), int(e))
+                               for c, e in moves.items()}
+                seconds = {c: f.result() for c, f in futures.items()}
                 _write_json(done, {"seconds": seconds})
             except Exception as exc:  # noqa: BLE001 - the cloud reports it in one line
                 _write_json(done, {"error": f"{type(exc).__name__}: {exc}"})
