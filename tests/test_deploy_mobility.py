@@ -149,33 +149,34 @@ def test_the_cloud_asks_the_driver_and_waits_for_its_answer(tmp_path):
 @pytest.mark.deployment
 def test_a_mobile_deployment_equals_the_simulated_mobile_run(tmp_path, capsys):
     """4 clients under 2 edge servers on real processes (TLS, SuperNode authentication):
-    clients move (carry handoff, moves inside cloud rounds) and are regrouped; every move
-    restarts the client's SuperNode at its new edge's SuperLink, and the run equals the
-    simulated mobile run to 1e-5, every re-attachment timed in metrics.jsonl."""
+    clients move (carry handoff; two moves at the cloud round's start, one inside it); every
+    move restarts the client's SuperNode at its new edge's SuperLink, and the run equals the
+    simulated mobile run to 1e-5, every re-attachment timed in metrics.jsonl. (Regrouping
+    re-attaches the same way, at cloud-round starts: tested in-process above, and by the
+    command of docs/deployment.md "Moving clients", too slow for CI.)"""
     from fedhier.engines.deployment.ports import ports_needed
     from tests.helpers import assert_same_run
     from tests.test_deploy import leftovers
     from tests.test_deploy_edges import deploy_on_free_ports
 
     flags = ["--dataset", "digits", "--nodes", "4", "--grouping", "random", "--periods", "1,3",
-             "--rounds", "2", "--batch-size", "8", "--seed", "4", "--mobility-rate", "0.5",
-             "--handoff", "carry", "--regroup-every", "1"]
+             "--rounds", "1", "--batch-size", "8", "--seed", "4", "--mobility-rate", "0.5",
+             "--handoff", "carry"]
     ports = ports_needed(4, 2)
     out, port = deploy_on_free_ports([*flags, "--edges", "2"], ports, tmp_path / "real",
                                      capsys)
     assert "re-attached to edge" in out
     assert leftovers(range(port, port + ports)) == ""
     cfg = RunConfig(dataset="digits", clients=4, groups=(2,), periods=(1, 3),
-                    grouping="random", rounds=2, batch_size=8, seed=4, mobility_rate=0.5,
-                    handoff="carry", regroup_every=1)
+                    grouping="random", rounds=1, batch_size=8, seed=4, mobility_rate=0.5,
+                    handoff="carry")
     run_inprocess(cfg, RunFolder.create(tmp_path / "inprocess", cfg), progress=False)
     real = metrics(tmp_path / "real")
     handoffs = [h for r in real for h in r.get("handoffs", [])]
     wire = frozenset(k for r in real for k in r if k.startswith("wire_")) | {"handoffs"}
-    assert_same_run(tmp_path / "inprocess", tmp_path / "real", 2, ignore=wire)
+    assert_same_run(tmp_path / "inprocess", tmp_path / "real", 1, ignore=wire)
     moves = [m for r in metrics(tmp_path / "inprocess") for m in r.get("moves", [])]
     assert any((m[0] - 1) % 3 for m in moves)  # a carry move inside a cloud round
-    assert {(h["edge_round"], h["client"], h["to"]) for h in handoffs} >= {
-        (m[0], m[1], m[3]) for m in moves}  # each move re-attached (and regroupings)
+    assert [[h["edge_round"], h["client"], h["from"], h["to"]] for h in handoffs] == moves
     assert all(0 < h["seconds"] < 300 for h in handoffs)
-    assert any(h["bytes"] > 0 for h in handoffs)
+    assert [h["bytes"] > 0 for h in handoffs] == [bool((m[0] - 1) % 3) for m in moves]
