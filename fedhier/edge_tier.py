@@ -39,6 +39,7 @@ import torch
 
 from fedhier.aggregate import aggregator, presence_weights
 from fedhier.communication import BatchCommunication
+from fedhier.edge_moves import apply_job_handoff, job_settings, run_segments
 from fedhier.errors import ConfigError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import (
@@ -52,13 +53,14 @@ from fedhier.topology import Hierarchy
 
 
 def check_edge_tier(mobile: bool, regroups: bool, asynchronous: bool,
-                    edge_periods: bool = False) -> None:
+                    edge_periods: bool = False, *, moves: bool = False) -> None:
     """Refuse, in one line, what servers as processes do not run (yet). Per-edge periods
     run on the server tier (each I_i divides the period above the edges, so an edge's job
     holds whole periods of its own): only the sharded engine, which shares these checks,
-    passes ``edge_periods`` to refuse them."""
-    for failed, needs in ((mobile, "static clients (no mobility)"),
-                          (regroups, "a fixed grouping (no regroup_every)"),
+    passes ``edge_periods`` to refuse them. ``moves``: clients can be re-attached to other
+    edges (:mod:`fedhier.edge_moves`; mobility, regrouping)."""
+    for failed, needs in ((mobile and not moves, "static clients (no mobility)"),
+                          (regroups and not moves, "a fixed grouping (no regroup_every)"),
                           (asynchronous, "synchronous edges (no async_buffer)"),
                           (edge_periods, "one local period for every edge (no edge_periods)")):
         if failed:
@@ -67,7 +69,7 @@ def check_edge_tier(mobile: bool, regroups: bool, asynchronous: bool,
 
 def _check(settings: HSGDSettings) -> None:
     check_edge_tier(settings.mobility.active, bool(settings.regroup_every),
-                    settings.asynchronous.active)
+                    settings.asynchronous.active, moves=True)
 
 
 # ------------------------------------------------------------------------ the edge's half
@@ -130,7 +132,10 @@ class EdgeJob:
         num_examples: int64 [n], every client's rows (the averaging weights); seconds:
         float64 [E], every edge's simulated clock; parents: the tree above the edges
         (``Hierarchy.parents[1:]``: edge -> region, ...); first_round, num_rounds: the
-        job's edge rounds (1-based; 0, 0: all of the cloud round's).
+        job's edge rounds (1-based; 0, 0: all of the cloud round's);
+        start_edge_of_client: int64 [n], a ``carry`` handoff at the job's first edge round
+        (each client's start model's edge; None: none), carried: name -> [m, *shape] the
+        models of the m edges ``carried_edges`` it names (:mod:`fedhier.edge_moves`).
     """
 
     edge: int
@@ -143,6 +148,9 @@ class EdgeJob:
     parents: tuple[np.ndarray, ...] = ()
     first_round: int = 0
     num_rounds: int = 0
+    start_edge_of_client: np.ndarray | None = None
+    carried: Params = field(default_factory=dict)
+    carried_edges: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 @dataclass
@@ -191,7 +199,7 @@ def start_job(settings: HSGDSettings, executor: Executor, job: EdgeJob) -> Hiera
     """A server's round for ``job``: set up on the job's tree and clients' row counts, at the
     job's cloud round, with every edge's simulated clock as the job carries it; its traffic
     counters count the job's subtree only."""
-    algorithm = HierarchicalSGD(settings)
+    algorithm = HierarchicalSGD(job_settings(settings))
     n = len(job.edge_of_client)
     info = ClientInfo(label_histograms=np.zeros((n, 1), dtype=np.int64),
                       num_examples=np.asarray(job.num_examples, dtype=np.int64))
@@ -199,6 +207,7 @@ def start_job(settings: HSGDSettings, executor: Executor, job: EdgeJob) -> Hiera
     algorithm.setup(executor, job.params, info=info, hierarchy=hierarchy)
     algorithm.begin_cloud_round(executor, job.cloud_round)
     algorithm._clock().edge_time[:] = np.asarray(job.seconds, dtype=np.float64)
+    apply_job_handoff(algorithm, job)
     edges = np.flatnonzero(hierarchy.edges_under(job.level) == job.edge)
     algorithm.communication = BatchCommunication(hierarchy, edges)
     return algorithm
@@ -234,6 +243,8 @@ def run_edge_job(settings: HSGDSettings, executor: Executor, job: EdgeJob) -> Ed
                               hold_level=2)
         averaged = edge_aggregates(algorithm, outcome.held)
         model = None if averaged is None else {k: v[0] for k, v in averaged[0].items()}
+        if (rounds.stop - 1) * settings.local_period % settings.periods[1]:
+            model = {k: v[edges[0]].clone() for k, v in algorithm.edge_models.items()}
         losses, failed, failed_edge_count = (outcome.losses, outcome.failed_clients,
                                              outcome.failed_edges)
     else:
@@ -304,20 +315,21 @@ def run_children(algorithm: HierarchicalSGD, executor: Executor, level: int, nod
     loss_sums = np.zeros((len(rounds), 2))
     out = ChildrenOutcome(None, np.zeros(0, dtype=np.int64), np.zeros(0), loss_sums)
     for start in range(rounds.start, rounds.stop, span):
+        count = min(span, rounds.stop - start)  # a shorter range: a segment (edge_moves)
         jobs = [EdgeJob(int(child), cloud_round,
                         {k: v[np.flatnonzero(under == child)[0]].clone()
                          for k, v in algorithm.edge_models.items()},
                         edge_of, algorithm._info().num_examples, clock.edge_time.copy(),
-                        level - 1, tuple(hierarchy.parents[1:]), start, span)
+                        level - 1, tuple(hierarchy.parents[1:]), start, count)
                 for child in children]
         reports = sorted(executor.run_edge_jobs(jobs), key=lambda r: r.edge)  # type: ignore[attr-defined]
-        rows = slice(start - rounds.start, start - rounds.start + span)
+        rows = slice(start - rounds.start, start - rounds.start + count)
         for report in reports:
             mine = np.flatnonzero(under == report.edge)
             if not report.reached:  # counted as if all its clients failed every edge round
                 out.unreached.append(report.edge)
-                out.failed += int(np.isin(edge_of, mine).sum()) * span
-                out.failed_edges += len(mine) * span
+                out.failed += int(np.isin(edge_of, mine).sum()) * count
+                out.failed_edges += len(mine) * count
                 continue
             loss_sums[rows, 0] += report.losses[:, 0] * report.losses[:, 1]
             loss_sums[rows, 1] += report.losses[:, 1]
@@ -369,6 +381,8 @@ class EdgeTierHierarchicalSGD(HierarchicalSGD):
         the servers it is connected to (``executor.ancestors``: per level 1 .. L-1 each
         client's server, when known)."""
         super().setup(executor, initial, info=info, hierarchy=hierarchy)
+        if self.membership.rules:  # clients move: re-attached where the tree puts them
+            return
         connected = getattr(executor, "ancestors", None) or ()
         names = server_names(self._hierarchy().num_levels)
         for level, where in enumerate(connected, start=1):
@@ -384,18 +398,23 @@ class EdgeTierHierarchicalSGD(HierarchicalSGD):
     def cloud_round(self, executor: Executor, cloud_round: int) -> dict[str, Any]:
         """Send every child server its job, wait for the reports, aggregate them at the
         cloud."""
-        self.begin_cloud_round(executor, cloud_round)
+        changed = self.begin_cloud_round(executor, cloud_round)
         per_round = self.settings.edge_rounds_per_cloud_round
         rounds = range((cloud_round - 1) * per_round + 1, cloud_round * per_round + 1)
         top = self._hierarchy().num_levels
-        below = run_children(self, executor, top, 0, cloud_round, rounds)
+        below, handoffs = run_segments(self, executor, run_children, top, cloud_round,
+                                       rounds)
         if below.models is not None:
             self.aggregate_edges(cloud_round, below.models, below.children, below.weights)
         reported = below.losses[:, 1] > 0
         out: dict[str, Any] = {
             "local_train_loss": (float(np.mean(below.losses[reported, 0]))
                                  if reported.any() else None),
-            "failed_clients": below.failed, "failed_edges": below.failed_edges}
+            "failed_clients": below.failed, "failed_edges": below.failed_edges, **changed}
+        if self.membership.rules:
+            out.update(self.membership.end_cloud_round(self._hierarchy()))
+        if handoffs:
+            out["handoffs"] = handoffs
         if below.unreached:
             out["unreached_" + server_names(top)[top - 1] + "s"] = below.unreached
         out.update(schedule_keys(self, rounds))

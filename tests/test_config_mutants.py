@@ -126,8 +126,10 @@ NEED = "edge servers as processes need "
 
 
 @pytest.mark.parametrize("kw,needs", [
-    ({"mobility_rate": 0.5}, "static clients (no mobility)"),
-    ({"regroup_every": 1}, "a fixed grouping (no regroup_every)"),
+    ({"mobility_rate": 0.5, "groups": (4, 2), "periods": (1, 2, 4)},
+     "static clients (no mobility)"),
+    ({"regroup_every": 1, "groups": (4, 2), "periods": (1, 2, 4)},
+     "a fixed grouping (no regroup_every)"),
     ({"async_buffer": 1}, "synchronous edges (no async_buffer)"),
 ])
 def test_edge_servers_refuse_what_they_do_not_run(kw, needs):
@@ -141,9 +143,13 @@ def test_edge_servers_run_deeper_trees():
 
 
 def test_edge_servers_refuse_a_trace_too(files):
+    """Clients move between edge servers of two levels (fedhier.edge_moves), not deeper."""
     assert_refused(lambda: RunConfig(edge_servers=True, mobility_trace=files["trace"],
-                                     clients=4, groups=(2,)),
+                                     clients=4, groups=(2, 1), periods=(1, 2, 4)),
                    NEED + "static clients (no mobility)")
+    for kw in ({"mobility_trace": files["trace"]}, {"mobility_rate": 0.5},
+               {"regroup_every": 1}):
+        assert RunConfig(edge_servers=True, clients=4, groups=(2,), **kw).edge_servers
 
 
 def test_edge_servers_run_per_edge_periods_gradient_grouping_and_kept_momentum():

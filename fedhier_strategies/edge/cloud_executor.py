@@ -66,6 +66,11 @@ class EdgeServersExecutor(GridExecutor):
         self.keeps_client_state = cfg.local_optimizer().has_state and \
             cfg.optimizer_state == "keep"
 
+        from fedhier.engines.deployment.reattach import reattacher_from_env
+
+        #: moves clients between edges (fedhier.edge_moves.Reattacher); from the deployment
+        self.reattacher = reattacher_from_env()
+
     @property
     def edge_of_client(self) -> np.ndarray:
         """int64 [n]: the edge each client is connected to (-1: not served here)."""
@@ -129,6 +134,17 @@ class EdgeServersExecutor(GridExecutor):
         assert histograms is not None
         return ClientInfo(label_histograms=histograms, num_examples=sizes,
                           edge_tags=self.edge_of_client.copy())
+
+    def reattach(self, moves: dict[int, int]) -> dict[int, float]:
+        """Connect each client of ``moves`` (client -> edge) to its new edge and wait until it
+        is online there (:class:`fedhier.edge_moves.Reattacher`); client -> seconds."""
+        if self.reattacher is None:
+            raise RunFailureError("clients move between edge servers but this deployment "
+                                  "cannot re-attach them (fedhier deploy local --edges can)")
+        seconds = self.reattacher.reattach(moves)
+        for client, edge in moves.items():
+            self.edge_of_client[client] = edge
+        return seconds
 
     # ---------------------------------------------------------------- training
     def train(self, work: EdgeRoundWork, edge_models: Params) -> TrainResult:

@@ -14,7 +14,9 @@ server its clients through its own SuperLink under the client message contract
                        (``edge-of-client``, ``num-examples`` int64 [n], ``edge-seconds``
                        float64 [E], ``parents-k`` the tree above the edges), ``config``: the
                        run configuration plus ``server-round``, ``edge-id``, ``node-level``,
-                       ``first-edge-round``, ``num-edge-rounds``.
+                       ``first-edge-round``, ``num-edge-rounds``; with a ``carry``
+                       handoff also ``start-edge-of-client``, ``carried-edges`` in the job
+                       record and ArrayRecord ``carried`` (those edges' models).
                        Reply: ``arrays`` (the edge's aggregate; absent when no client survived)
                        and ``metrics`` (see :func:`report_from_reply`)
 ``evaluate``           ``arrays`` (the global model); reply ``metrics``: per client ``loss``,
@@ -46,6 +48,8 @@ PARTITION_IDS = "partition-ids"
 #: Per client of a server above the edges, its servers at levels 1 .. l-1 (flattened).
 PATH = "server-path"
 JOB_RECORD = "edge-job"
+#: A carry handoff's models of the moved clients' old edges (name -> [m, *shape]).
+CARRIED = "carried"
 LEVEL = "node-level"
 FIRST_ROUND = "first-edge-round"
 NUM_ROUNDS = "num-edge-rounds"
@@ -89,8 +93,14 @@ def job_content(job: EdgeJob, run_config: ConfigRecord) -> RecordDict:
               "edge-seconds": np.asarray(job.seconds, dtype=np.float64)}
     arrays.update({f"parents-{k}": np.asarray(p, dtype=np.int64)
                    for k, p in enumerate(job.parents, start=1)})
+    if job.start_edge_of_client is not None:  # a carry handoff (fedhier.edge_moves)
+        arrays["start-edge-of-client"] = np.asarray(job.start_edge_of_client, dtype=np.int64)
+        arrays["carried-edges"] = np.asarray(job.carried_edges, dtype=np.int64)
     tree = ArrayRecord({k: torch.as_tensor(v) for k, v in arrays.items()})
-    return RecordDict({"arrays": to_record(job.params), JOB_RECORD: tree, "config": config})
+    content = RecordDict({"arrays": to_record(job.params), JOB_RECORD: tree, "config": config})
+    if job.start_edge_of_client is not None:
+        content[CARRIED] = to_record(job.carried)
+    return content
 
 
 def job_from_message(msg: Message) -> EdgeJob:
@@ -98,6 +108,11 @@ def job_from_message(msg: Message) -> EdgeJob:
     tree = cast(ArrayRecord, msg.content[JOB_RECORD]).to_torch_state_dict()
     parents = tuple(tree[f"parents-{k}"].numpy() for k in range(1, len(tree))
                     if f"parents-{k}" in tree)
+    handoff: dict = {}
+    if "start-edge-of-client" in tree:
+        handoff = dict(start_edge_of_client=tree["start-edge-of-client"].numpy(),
+                       carried_edges=tree["carried-edges"].numpy(),
+                       carried=to_tensors(cast(ArrayRecord, msg.content[CARRIED])))
     return EdgeJob(edge=int(config[EDGE_ID]),  # type: ignore[arg-type]
                    cloud_round=int(config["server-round"]),  # type: ignore[arg-type]
                    params=to_tensors(cast(ArrayRecord, msg.content["arrays"])),
@@ -107,7 +122,8 @@ def job_from_message(msg: Message) -> EdgeJob:
                    level=int(config.get(LEVEL, 1)),  # type: ignore[arg-type]
                    parents=parents,
                    first_round=int(config.get(FIRST_ROUND, 0)),  # type: ignore[arg-type]
-                   num_rounds=int(config.get(NUM_ROUNDS, 0)))  # type: ignore[arg-type]
+                   num_rounds=int(config.get(NUM_ROUNDS, 0)),  # type: ignore[arg-type]
+                   **handoff)
 
 
 def report_content(report: EdgeReport) -> RecordDict:

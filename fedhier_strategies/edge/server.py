@@ -30,6 +30,7 @@ from fedhier.errors import ConfigError
 from fedhier.run_setup import settings_for
 from fedhier_clients.app import run_config_of
 from fedhier_clients.records import to_tensors
+from fedhier_strategies.edge.follow import clients_of, follow_clients
 from fedhier_strategies.edge.messages import (
     EDGE_ID,
     EDGE_KEYS,
@@ -66,6 +67,7 @@ class EdgeServer:
         if level > 1 and not self.children:
             raise ConfigError(f"server {edge} of level {level} needs its child servers")
         self._executor: GridExecutor | None = None
+        self.seen: dict[int, int] = {}  # node -> client, every node it has known (follow)
         self._config: RunConfig | None = None
 
     def executor(self, cfg: RunConfig) -> GridExecutor:
@@ -106,6 +108,9 @@ class EdgeServer:
             if (job.edge, job.level) != (self.edge, self.level):
                 raise ConfigError(f"server {self.edge} (level {self.level}) got the job of "
                                   f"server {job.edge} (level {job.level})")
+            if self.level == 1 and clients_of(job.edge_of_client, self.edge) != self.clients:
+                self.clients = clients_of(job.edge_of_client, self.edge)  # clients moved
+                follow_clients(executor, self.clients, self.seen)
             return report_content(run_edge_job(settings_for(cfg), executor, job))
         if kind == f"{MessageType.QUERY}.state":  # the clients keep it: ask them
             return state_content(executor.client_state())

@@ -175,7 +175,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
             tree = tree_placement(cfg)
             deployment = EdgeTierDeployment(
                 **common, edges=tree[0].tolist(), upper=[p.tolist() for p in tree[1:]],
-                num_edges=cfg.num_edges, edge_timeout=cfg.round_timeout)
+                num_edges=cfg.num_edges, edge_timeout=cfg.round_timeout,
+                moves_clients=cfg.mobility().active or cfg.regroup_every > 0)
         else:
             deployment = LocalDeployment(**common, edges=edges)
     except BaseException:

@@ -26,6 +26,7 @@ and ``region-cloud``); the cloud ServerApp records the totals per cloud round.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,10 +39,13 @@ from fedhier.engines.deployment.errors import DeployError
 from fedhier.engines.deployment.local import LocalDeployment
 from fedhier.engines.deployment.ports import HOST, check_ports, ports_needed
 from fedhier.engines.deployment.processes import Managed
+from fedhier.engines.deployment.reattach import REATTACH_ENV, ReattachDriver
 from fedhier.errors import ConfigError
 
 #: How often one server process is restarted before the deployment gives up.
 MAX_RESTARTS = 3
+#: What a SuperNode's log says once it is online at its SuperLink.
+ONLINE = "SuperNode ID:"
 
 
 @dataclass
@@ -57,6 +61,13 @@ class EdgeTierDeployment(LocalDeployment):
     upper: list[list[int]] = field(default_factory=list)
     edge_processes: list[Managed] = field(default_factory=list)  # by server
     restarts: dict[int, int] = field(default_factory=dict)
+    #: Clients move between edges (mobility, regrouping): every client's key is registered
+    #: with every edge's SuperLink at start, and the cloud's re-attach requests are served
+    #: (:mod:`.reattach`, :meth:`reattach_client`).
+    moves_clients: bool = False
+    keys: list[Path] = field(default_factory=list)
+    #: Per re-attached client: seconds to stop it, start it at the new edge, see it online.
+    reattach_seconds: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -76,6 +87,9 @@ class EdgeTierDeployment(LocalDeployment):
         self.servers = [(level, node) for level in range(1, len(self.parents) + 1)
                         for node in range(max(self.parents[level - 1]) + 1)]
         check_ports(self.base_port, ports_needed(self.nodes, len(self.servers)) - 1)
+        self.reattacher = ReattachDriver(self.work / "reattach", self.reattach_client)
+        if self.moves_clients:
+            self.cloud_env[REATTACH_ENV] = str(self.work / "reattach")
 
     # -- the tree ----------------------------------------------------------------------------
     def server_index(self, level: int, node: int) -> int:
@@ -128,7 +142,7 @@ class EdgeTierDeployment(LocalDeployment):
         """Certificates and secret, the cloud SuperLink, the servers' SuperLinks, key
         registration on every tier, the client and server SuperNodes, the server processes."""
         self.work.mkdir(parents=True, exist_ok=True)
-        keys = self._prepare_edge_security()
+        keys = self.keys = self._prepare_edge_security()
         secret = self.secret_args()
         self.start_superlink()
         self.write_cli_config()
@@ -140,7 +154,8 @@ class EdgeTierDeployment(LocalDeployment):
         if self.supernode_auth:
             for j in range(len(self.servers)):  # who connects to server j's SuperLink
                 level, _ = self.servers[j]
-                below = ([keys[i] for i in self.children_of(j)] if level == 1 else
+                clients = range(self.nodes) if self.moves_clients else self.children_of(j)
+                below = ([keys[i] for i in clients] if level == 1 else
                          [keys[self.nodes + self.server_index(level - 1, c)]
                           for c in self.children_of(j)])
                 self.register_supernodes([self._pub(k) for k in below],
@@ -195,6 +210,7 @@ class EdgeTierDeployment(LocalDeployment):
 
         def tick(deployment: LocalDeployment) -> None:
             self.restart_stopped_edges()
+            self.reattacher.poll()
             if on_tick is not None:
                 on_tick(deployment)
 
@@ -218,6 +234,40 @@ class EdgeTierDeployment(LocalDeployment):
             self.edge_processes[j] = self.start_edge_process(j, append=False)
             restarted.append(j)
         return restarted
+
+    def reattach_client(self, client: int, edge: int) -> float:
+        """Restart client ``client``'s SuperNode at edge ``edge``'s SuperLink, same key and
+        runtime port; returns once it is online there (seconds). Its ClientApp process
+        (``client_runtime``) keeps running: it reconnects to the runtime port (Flower's
+        retrying HTTP client), with its data still loaded."""
+        t0 = time.perf_counter()
+        old = self.supernodes[client]
+        self.procs.stop([old])
+        stopped = time.perf_counter() - t0
+        online = old.log_text().count(ONLINE)
+        assert self.edges is not None
+        self.edges[client] = self.parents[0][client] = edge  # a restarted edge serves it
+        port = self.edge_superlink_port(edge)
+        isolation = (["--isolation", "process", *self.secret_args()] if self.client_runtime
+                     else [])
+        managed = self.start_supernode(client, self.keys[client] if self.supernode_auth
+                                       else None, superlink_port=port, track=False,
+                                       port=self.superlink_port + 1 + client,
+                                       extra_args=isolation,
+                                       env=self._wired(f"supernode-{client}", "client-edge",
+                                                       port))
+        self.supernodes[client] = managed
+        deadline = time.time() + self.connect_timeout
+        while managed.log_text().count(ONLINE) <= online:
+            if managed.popen.poll() is not None or time.time() > deadline:
+                raise DeployError(f"client {client} did not come online at edge {edge}:\n"
+                                  + managed.log_tail())
+            time.sleep(0.02)
+        seconds = time.perf_counter() - t0
+        self.reattach_seconds.append(seconds)
+        self.echo(f"client {client} re-attached to edge {edge} (SuperLink {HOST}:{port}) in "
+                  f"{seconds:.2f} s (stopped in {stopped:.2f} s)")
+        return seconds
 
     def start_edge_process(self, index: int, append: bool = True) -> Managed:
         """Server ``index``'s process (also to restart one that was stopped)."""

@@ -94,6 +94,8 @@ class LocalDeployment:
     poll_interval: float = DEFAULT_INTERVAL
     #: Write every process's message timestamps into this folder (:mod:`.trace`).
     trace_dir: Path | None = None
+    #: More environment of the cloud SuperLink (its ServerApp inherits it).
+    cloud_env: dict[str, str] = field(default_factory=dict)
     _next_extra_port: int = 0
     _online: bool = False
     procs: ProcessGroup = field(default_factory=ProcessGroup)
@@ -230,6 +232,7 @@ class LocalDeployment:
                 env[WIRE_RECORD_ENV] = str(self.wire_dir)
             if self.resume_dir is not None:
                 env[RESUME_ENV] = str(self.resume_dir)
+            env.update(self.cloud_env)
         managed = self.procs.start(name, cmd, env, self.log(name), self.work)
         if port == self.superlink_port:
             self.superlink = managed
