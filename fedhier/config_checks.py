@@ -96,6 +96,10 @@ def check_edge_servers(cfg: RunConfig) -> None:
 
     check_edge_tier(cfg.mobility_rate > 0 or bool(cfg.mobility_trace),
                     cfg.regroup_every > 0, cfg.asynchronous().active, bool(cfg.edge_periods))
+    if cfg.asynchronous().active:
+        from fedhier.edge_tier_async import check_async_edge_tier
+
+        check_async_edge_tier(cfg)
 
 
 def check_limits(cfg: RunConfig) -> None:

@@ -54,7 +54,6 @@ def check_edge_tier(mobile: bool, regroups: bool, asynchronous: bool,
     """Refuse, in one line, what servers as processes do not run (yet)."""
     for failed, needs in ((mobile, "static clients (no mobility)"),
                           (regroups, "a fixed grouping (no regroup_every)"),
-                          (asynchronous, "synchronous edges (no async_buffer)"),
                           (edge_periods, "one local period for every edge (no edge_periods)")):
         if failed:
             raise ConfigError(f"edge servers as processes need {needs}")

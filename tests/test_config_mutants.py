@@ -128,7 +128,6 @@ NEED = "edge servers as processes need "
 @pytest.mark.parametrize("kw,needs", [
     ({"mobility_rate": 0.5}, "static clients (no mobility)"),
     ({"regroup_every": 1}, "a fixed grouping (no regroup_every)"),
-    ({"async_buffer": 1}, "synchronous edges (no async_buffer)"),
     ({"edge_periods": "5,5,5,5"}, "one local period for every edge (no edge_periods)"),
 ])
 def test_edge_servers_refuse_what_they_do_not_run(kw, needs):

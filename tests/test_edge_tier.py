@@ -123,7 +123,6 @@ def test_an_edge_that_misses_its_job_leaves_its_clients_out_of_that_round(tmp_pa
     (dict(momentum=0.9, optimizer_state="keep"), "kept optimizer state"),
     (dict(grouping="gradient"), "needs their gradients"),
     (dict(mobility_rate=0.1), "static clients"),
-    (dict(async_buffer=2), "synchronous edges"),
     (dict(regroup_every=2), "fixed grouping"),
 ])
 def test_what_edge_servers_do_not_run_is_refused_in_one_line(change, message):

@@ -56,6 +56,8 @@ def check_sharded(cfg: RunConfig) -> None:
     except ConfigError as error:
         raise ConfigError(str(error).replace("edge servers as processes need",
                                              "engine vectorized-ray needs")) from None
+    if cfg.async_buffer > 0:  # edge servers run it (fedhier.edge_tier_async), not shards
+        raise ConfigError("engine vectorized-ray needs synchronous edges (no async_buffer)")
     if len(cfg.periods) != 2:
         raise ConfigError("engine vectorized-ray needs a two-level hierarchy (one local and "
                           "one global period)")
