@@ -163,3 +163,39 @@ def test_the_arrivals_file_is_cut_back_to_a_checkpoint_and_a_torn_line_is_left_o
 def test_what_async_edge_servers_do_not_run_is_refused_in_one_line(change, message):
     with pytest.raises(ConfigError, match=message):
         BASE.replace(edge_servers=True, **change).validate()
+
+
+# ------------------------------------------------------------------------ real processes
+@pytest.mark.slow
+@pytest.mark.deployment
+def test_async_edge_servers_on_real_processes_record_and_replay_their_arrivals(tmp_path,
+                                                                              capsys,
+                                                                              monkeypatch):
+    """4 clients under 2 edge servers and the cloud, each a process (K = 1): the order the
+    reports really came in is recorded; a second deployment replaying it ends on the same
+    model bit for bit, and the edge servers on in-process grids fed that order on it to
+    1e-5."""
+    from fedhier.engines.deployment.ports import ports_needed
+    from tests.test_deploy_edges import deploy_on_free_ports
+
+    flags = ["--dataset", "digits", "--nodes", "4", "--edges", "2", "--async-buffer", "1",
+             "--grouping", "contiguous", "--periods", "2,4", "--rounds", "2",
+             "--batch-size", "8", "--seed", "3", "--insecure"]
+    ports = ports_needed(4, 2)
+    deploy_on_free_ports(flags, ports, tmp_path / "live", capsys)
+    live = orders(tmp_path / "live")
+    assert len(live) == 2 and all(len(order) >= 1 for order in live)
+    deploy_on_free_ports([*flags, "--replay-arrivals", str(tmp_path / "live")], ports,
+                         tmp_path / "replay", capsys)
+    assert orders(tmp_path / "replay") == live
+    fa, fb = final_state(tmp_path / "live"), final_state(tmp_path / "replay")
+    assert all(torch.equal(fa[k], fb[k]) for k in fa)
+    cfg = RunConfig(dataset="digits", clients=4, groups=(2,), grouping="contiguous",
+                    periods=(2, 4), rounds=2, batch_size=8, seed=3, async_buffer=1,
+                    on_bad_reply="drop")
+    monkeypatch.setenv(REPLAY_ENV, str(tmp_path / "live"))
+    run_servers(cfg, tmp_path / "inprocess")
+    fc = final_state(tmp_path / "inprocess")
+    assert max(float((fa[k] - fc[k]).abs().max()) for k in fa) <= TOL
+    assert [r.get("async_reports") for r in metrics(tmp_path / "inprocess")] == \
+        [r.get("async_reports") for r in metrics(tmp_path / "live")]
