@@ -165,6 +165,15 @@ def test_what_async_edge_servers_do_not_run_is_refused_in_one_line(change, messa
         BASE.replace(edge_servers=True, **change).validate()
 
 
+def test_the_sharded_engine_still_refuses_async_edges():
+    """check_edge_tier no longer refuses async_buffer (edge servers run it); the sharded
+    engine, which shares it, refuses it on its own."""
+    from fedhier.engines.vectorized_ray import check_sharded
+
+    with pytest.raises(ConfigError, match="vectorized-ray needs synchronous edges"):
+        check_sharded(RunConfig(dataset="digits", clients=8, groups=(4,), async_buffer=2))
+
+
 # ------------------------------------------------------------------------ real processes
 @pytest.mark.slow
 @pytest.mark.deployment
