@@ -85,6 +85,9 @@ def check_async_edge_tier(settings: HSGDSettings | Any) -> None:
     if len(groups) > 1:
         raise ConfigError("asynchronous edge servers need two levels (no --regions): the "
                           "regions' buffers run in the simulation only (region_buffer)")
+    if getattr(settings, "edge_periods", None):
+        raise ConfigError("asynchronous edge servers need one local period for every edge "
+                          "(no edge_periods): the simulation runs both together")
     if getattr(settings, "diagnostics_every", 0):
         raise ConfigError("asynchronous edge servers do not query the clients between "
                           "aggregations (their edges are busy): use diagnostics_every 0")

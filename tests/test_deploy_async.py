@@ -159,6 +159,7 @@ def test_the_arrivals_file_is_cut_back_to_a_checkpoint_and_a_torn_line_is_left_o
 @pytest.mark.parametrize("change, message", [
     (dict(groups=(4, 2), periods=(2, 4, 8), clients=8), "two levels"),
     (dict(diagnostics_every=1), "diagnostics_every 0"),
+    (dict(edge_periods="2,2,2"), "one local period for every edge"),
 ])
 def test_what_async_edge_servers_do_not_run_is_refused_in_one_line(change, message):
     with pytest.raises(ConfigError, match=message):
