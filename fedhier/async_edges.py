@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from fedhier.aggregate import aggregator
+from fedhier.arrival_order import ArrivalOrder, SimulatedOrder
 from fedhier.async_regions import RegionBuffers, region_buffers
 from fedhier.communication import BatchCommunication
 from fedhier.edge_tier import train_edges
@@ -115,6 +116,8 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         self._batch_maps: np.ndarray | None = None
         #: buffers of the nodes between the edges and the cloud (None: they relay)
         self.regions: RegionBuffers[EdgeJob] | None = region_buffers(settings.asynchronous)
+        #: which report the cloud takes next (fedhier.arrival_order; two-level trees)
+        self.arrivals: ArrivalOrder = SimulatedOrder()
 
     # ---------------------------------------------------------------- one cloud round
     def cloud_round(self, executor: Executor, cloud_round: int) -> dict[str, Any]:
@@ -157,7 +160,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         while len(accepted) < s.buffer:
             if self.idle:
                 self._start_jobs(executor, stats)
-            job = self.jobs.pop(min(self.jobs, key=lambda e: (self.jobs[e].finish, e)))
+            job = self.jobs.pop(self.arrivals.next_edge(self.jobs, self.version))
             arrival = self._send_up(job)
             staleness = self.version - job.version
             if staleness > s.max_staleness:  # too old: the edge starts over

@@ -86,8 +86,12 @@ def check_edge_servers(cfg: RunConfig) -> None:
     from fedhier.edge_tier import check_edge_tier
 
     check_edge_tier(cfg.mobility_rate > 0 or bool(cfg.mobility_trace),
-                    cfg.regroup_every > 0, cfg.asynchronous().active,
+                    cfg.regroup_every > 0,
                     moves=len(cfg.periods) == 2)  # clients re-attach to edges (edge_moves)
+    if cfg.asynchronous().active:
+        from fedhier.edge_tier_async import check_async_edge_tier
+
+        check_async_edge_tier(cfg)
 
 
 def check_limits(cfg: RunConfig) -> None:

@@ -52,8 +52,8 @@ from fedhier.hsgd import (
 from fedhier.topology import Hierarchy
 
 
-def check_edge_tier(mobile: bool, regroups: bool, asynchronous: bool,
-                    edge_periods: bool = False, *, moves: bool = False) -> None:
+def check_edge_tier(mobile: bool, regroups: bool, edge_periods: bool = False, *,
+                    moves: bool = False) -> None:
     """Refuse, in one line, what servers as processes do not run (yet). Per-edge periods
     run on the server tier (each I_i divides the period above the edges, so an edge's job
     holds whole periods of its own): only the sharded engine, which shares these checks,
@@ -61,15 +61,13 @@ def check_edge_tier(mobile: bool, regroups: bool, asynchronous: bool,
     edges (:mod:`fedhier.edge_moves`; mobility, regrouping)."""
     for failed, needs in ((mobile and not moves, "static clients (no mobility)"),
                           (regroups and not moves, "a fixed grouping (no regroup_every)"),
-                          (asynchronous, "synchronous edges (no async_buffer)"),
                           (edge_periods, "one local period for every edge (no edge_periods)")):
         if failed:
             raise ConfigError(f"edge servers as processes need {needs}")
 
 
 def _check(settings: HSGDSettings) -> None:
-    check_edge_tier(settings.mobility.active, bool(settings.regroup_every),
-                    settings.asynchronous.active, moves=True)
+    check_edge_tier(settings.mobility.active, bool(settings.regroup_every), moves=True)
 
 
 # ------------------------------------------------------------------------ the edge's half

@@ -24,6 +24,7 @@ from fedhier.errors import ConfigError
 from fedhier.faults import InjectedFaultError
 from fedhier.federation import Federation, federation_for
 from fedhier.models import build_model
+from fedhier.real_slowdown import sleep_for_steps
 from fedhier.round_diagnostics import diagnostic_rows
 from fedhier.train import batch_indices, evaluate, local_sgd, resolve_device
 from fedhier_clients.records import to_record, to_tensors
@@ -96,6 +97,7 @@ def train(msg: Message, context: Context) -> Message:
         model, start_params, x, y, lr=cfg.learning_rates(start, steps),
         indices=batch_indices(cfg.seed, pid, len(y), cfg.batch_size, start, steps),
         optimizer=optimizer, buffers=buffers)
+    sleep_for_steps(cfg, pid, steps)  # FEDHIER_STEP_SECONDS: a real slow edge (deploy)
     if keep and buffers is not None:
         context.state[OPTIMIZER_STATE_KEY] = ArrayRecord(
             {k: v.detach().cpu() for k, v in buffers.items()})

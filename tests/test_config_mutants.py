@@ -130,7 +130,6 @@ NEED = "edge servers as processes need "
      "static clients (no mobility)"),
     ({"regroup_every": 1, "groups": (4, 2), "periods": (1, 2, 4)},
      "a fixed grouping (no regroup_every)"),
-    ({"async_buffer": 1}, "synchronous edges (no async_buffer)"),
 ])
 def test_edge_servers_refuse_what_they_do_not_run(kw, needs):
     assert_refused(lambda: RunConfig(edge_servers=True, **kw), NEED + needs)

@@ -20,6 +20,7 @@ from flwr.superlink.grid import HttpGrid
 from fedhier.checkpoint import Checkpoint
 from fedhier.config import RunConfig
 from fedhier.edge_tier import EdgeTierHierarchicalSGD
+from fedhier.edge_tier_async import async_edge_tier, with_replayed_arrivals
 from fedhier.engines.prompt_grid import PromptGrid
 from fedhier.errors import ConfigError
 from fedhier.hsgd import HierarchicalSGD, Params
@@ -35,6 +36,7 @@ from fedhier.run_setup import (
 )
 from fedhier.train import resolve_device
 from fedhier_strategies.cloud_step import make_cloud_strategy
+from fedhier_strategies.edge.async_executor import AsyncEdgeServersExecutor
 from fedhier_strategies.edge.cloud_executor import EdgeServersExecutor
 from fedhier_strategies.grid_executor import GridExecutor
 from fedhier_strategies.hierfedavg import HierFedAvg
@@ -96,13 +98,19 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
     run_config = ConfigRecord(cfg.to_run_config())
     algorithm: HierarchicalSGD = strategy.algorithm
     executor: GridExecutor
-    if cfg.edge_servers:  # the edges run their clients' edge rounds (fedhier.edge_tier)
+    if cfg.edge_servers and cfg.asynchronous().active:  # fedhier.edge_tier_async
+        algorithm = async_edge_tier(strategy.settings, algorithm.cloud_step, folder.path,
+                                    resume)
+        executor = AsyncEdgeServersExecutor(grid, run_config, cfg.groups[-1], cfg.clients,
+                                            cfg.round_timeout, level=len(cfg.periods))
+    elif cfg.edge_servers:  # the edges run their clients' edge rounds (fedhier.edge_tier)
         algorithm = EdgeTierHierarchicalSGD(strategy.settings, algorithm.cloud_step)
         executor = EdgeServersExecutor(grid, run_config, cfg.groups[-1], cfg.clients,
                                        cfg.round_timeout, level=len(cfg.periods))
     else:
         executor = strategy.executor_for(grid, run_config, cfg.round_timeout)
         strategy.executor = executor
+        algorithm = with_replayed_arrivals(algorithm)  # a recorded order, if asked
     initial = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     evaluate_fn = central_evaluation(cfg, fed, model, device)
     if os.environ.get(WIRE_RECORD_ENV):

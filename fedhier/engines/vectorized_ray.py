@@ -52,10 +52,12 @@ def check_sharded(cfg: RunConfig) -> None:
     """Refuse, in one line, what the sharded engine does not run (yet)."""
     try:
         check_edge_tier(cfg.mobility_rate > 0 or bool(cfg.mobility_trace),
-                        cfg.regroup_every > 0, cfg.async_buffer > 0, bool(cfg.edge_periods))
+                        cfg.regroup_every > 0, bool(cfg.edge_periods))
     except ConfigError as error:
         raise ConfigError(str(error).replace("edge servers as processes need",
                                              "engine vectorized-ray needs")) from None
+    if cfg.async_buffer > 0:  # edge servers run it (fedhier.edge_tier_async), not shards
+        raise ConfigError("engine vectorized-ray needs synchronous edges (no async_buffer)")
     if len(cfg.periods) != 2:
         raise ConfigError("engine vectorized-ray needs a two-level hierarchy (one local and "
                           "one global period)")
