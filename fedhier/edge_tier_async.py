@@ -93,7 +93,8 @@ def check_async_edge_tier(settings: HSGDSettings | Any) -> None:
     if moving or settings.regroup_every:
         raise ConfigError("asynchronous edge servers need static clients (no mobility, no "
                           "regroup_every): clients re-attach between synchronous jobs only")
-    if getattr(settings, "optimizer_state", "reset") == "keep" and settings.momentum:
+    if getattr(settings, "optimizer_state", "reset") == "keep" and \
+            getattr(settings, "momentum", 0):
         raise ConfigError("asynchronous edge servers need --optimizer-state reset: the "
                           "clients' kept state is gathered between synchronous jobs only")
     if getattr(settings, "diagnostics_every", 0):

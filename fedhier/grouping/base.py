@@ -47,6 +47,13 @@ def balanced_sizes(num_clients: int, num_groups: int) -> np.ndarray:
     return sizes
 
 
+def contiguous_edges(nodes: int, groups: int) -> list[int]:
+    """Edge of SuperNode i when nodes are cut into ``groups`` contiguous blocks (sizes
+    differ by at most one, larger first): the same as ``--grouping contiguous``."""
+    sizes = balanced_sizes(nodes, groups)
+    return [edge for edge, size in enumerate(sizes.tolist()) for _ in range(size)]
+
+
 #: What a grouping may need besides the number of clients, each from the clients' profiles or
 #: messages (docs/contract.md): their label histograms and row counts, every client's full
 #: gradient at the current model, or their SuperNodes' ``edge`` tags.

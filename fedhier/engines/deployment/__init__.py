@@ -53,7 +53,6 @@ from fedhier.engines.deployment.local import (
     DEFAULT_BASE_PORT,
     REPO_ROOT,
     LocalDeployment,
-    contiguous_edges,
     format_round,
 )
 from fedhier.engines.deployment.ports import (
@@ -71,6 +70,7 @@ from fedhier.engines.deployment.processes import (
     executable,
     process_tree,
 )
+from fedhier.grouping.base import contiguous_edges
 
 __all__ = [
     "CONNECTION", "DEFAULT_BASE_PORT", "FLOWER_ENV", "HOST", "NOT_PASSED", "REPO_ROOT",

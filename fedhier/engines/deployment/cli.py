@@ -34,11 +34,11 @@ from fedhier.engines.deployment.local import (
     DEFAULT_BASE_PORT,
     REPO_ROOT,
     LocalDeployment,
-    contiguous_edges,
 )
 from fedhier.engines.deployment.polling import DEFAULT_INTERVAL, FLOWER_IDLE
 from fedhier.engines.deployment.ports import check_ports, ports_needed
 from fedhier.errors import ConfigError
+from fedhier.grouping.base import contiguous_edges
 
 
 @contextmanager

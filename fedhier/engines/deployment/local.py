@@ -36,15 +36,6 @@ DEFAULT_BASE_PORT = 9300
 REPO_ROOT = Path(__file__).resolve().parents[3]  # the fedhier source tree (a Flower app)
 
 
-def contiguous_edges(nodes: int, groups: int) -> list[int]:
-    """Edge of SuperNode i when nodes are cut into ``groups`` contiguous blocks (sizes
-    differ by at most one, larger first): the same as ``--grouping contiguous``."""
-    from fedhier.grouping.base import balanced_sizes
-
-    sizes = balanced_sizes(nodes, groups)
-    return [edge for edge, size in enumerate(sizes.tolist()) for _ in range(size)]
-
-
 def format_round(record: Mapping[str, Any], rounds: int) -> str:
     def num(key: str, fmt: str) -> str:
         value = record.get(key)

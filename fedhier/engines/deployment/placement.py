@@ -19,6 +19,7 @@ from fedhier.aggregate import client_weights
 from fedhier.config import RunConfig
 from fedhier.federation import Federation
 from fedhier.grouping import ClientInfo, grouping_needs
+from fedhier.grouping.base import contiguous_edges
 from fedhier.topology import build_hierarchy
 
 
@@ -26,7 +27,6 @@ def tree_placement(cfg: RunConfig) -> tuple[np.ndarray, ...]:
     """The tree under ``cfg``'s grouping, as the cloud will draw it: int64 maps client ->
     edge, edge -> region, ... (:attr:`fedhier.topology.Hierarchy.parents`; a gradient
     grouping from the clients' gradients at the initial model, :func:`initial_gradients`)."""
-    from fedhier.engines.deployment.local import contiguous_edges
     from fedhier.run_setup import prepare
 
     tags = np.asarray(contiguous_edges(cfg.clients, cfg.num_edges), dtype=np.int64)
