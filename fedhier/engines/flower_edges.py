@@ -19,6 +19,7 @@ profiled once) at the node's first message and keeps it for the run (:data:`_SER
 
 from __future__ import annotations
 
+import functools
 import gc
 from typing import Any, cast
 
@@ -37,8 +38,9 @@ from fedhier_strategies.edge.server import EdgeServer
 #: The ClientApp of a Simulation Engine whose nodes are the cloud's child servers.
 edge_node_app = ClientApp()
 
-#: (Flower run id, node) -> that node's server, in this process (a Ray actor).
-_SERVERS: dict[tuple[int, int], EdgeServer] = {}
+#: (Flower run id, run configuration, node) -> that node's server, in this process (a Ray
+#: actor).
+_SERVERS: dict[tuple[int, RunConfig, int], EdgeServer] = {}
 
 
 def cloud_children(cfg: RunConfig) -> int:
@@ -57,13 +59,19 @@ class _ServersApp:
         return Message(self.servers[child].handle(msg), reply_to=msg)
 
 
+@functools.lru_cache(maxsize=2)
+def _placement(cfg: RunConfig) -> tuple[np.ndarray, ...]:
+    """:func:`tree_placement` of ``cfg``, drawn once per actor for all its servers."""
+    return tree_placement(cfg)
+
+
 def build_server(cfg: RunConfig, level: int, node: int,
                  tree: tuple[np.ndarray, ...] | None = None) -> EdgeServer:
     """Server ``node`` of ``level`` (1: an edge) with its subtree in this process: an edge's
     clients on an in-process grid of the ClientApp, a region's edge servers on an
-    in-process grid of servers. ``tree``: :func:`tree_placement` of ``cfg`` (drawn here
-    when not given), the same grouping the cloud draws and checks."""
-    tree = tree_placement(cfg) if tree is None else tree
+    in-process grid of servers. ``tree``: :func:`tree_placement` of ``cfg`` (default: drawn
+    once per process), the same grouping the cloud draws and checks."""
+    tree = _placement(cfg) if tree is None else tree
     under = tree[0]
     for parents in tree[1:level]:
         under = parents[under]
@@ -81,16 +89,15 @@ def build_server(cfg: RunConfig, level: int, node: int,
 
 
 def _server(msg: Message, context: Context) -> EdgeServer:
-    """This node's server, built at its first message in this actor."""
+    """This node's server, built at its first message of the run in this actor."""
+    config = cast(ConfigRecord, msg.content["config"])
+    cfg = run_config_of(ConfigRecord({k: v for k, v in config.items() if k not in EDGE_KEYS}))
     node = int(cast(int, context.node_config["partition-id"]))
-    key = (int(context.run_id), node)
+    key = (int(context.run_id), cfg, node)
     server = _SERVERS.get(key)
     if server is None:
-        for stale in [k for k in _SERVERS if k[0] != key[0]]:  # an earlier run's
+        for stale in [k for k in _SERVERS if k[:2] != key[:2]]:  # an earlier run's
             del _SERVERS[stale]
-        config = cast(ConfigRecord, msg.content["config"])
-        cfg = run_config_of(ConfigRecord({k: v for k, v in config.items()
-                                          if k not in EDGE_KEYS}))
         server = _SERVERS[key] = build_server(cfg, len(cfg.groups), node)
         # What exists now (imports, data, the grids) is never garbage: full collections set
         # off by the in-process messages need not rescan it (as run_inprocess does).
