@@ -56,8 +56,9 @@ from engines import (  # noqa: E402 - benchmarks/ is not a package
 
 RESULTS = ROOT / "benchmarks" / "results" / "flower_path.json"
 #: row name -> the worker's mode (None: engines.py's plain worker)
-ROWS = {"plain": None, "flower, a node per client": "clients",
-        "flower --edge-servers": "edges", "flower --edge-servers --ray-address": "edges-cluster"}
+ROWS = {"plain": None, "flower --edge-servers": "edges",
+        "flower --edge-servers --ray-address": "edges-cluster",
+        "flower, a node per client": "clients"}
 
 
 # ------------------------------------------------------------------------------ worker
@@ -114,6 +115,11 @@ def spawn_flower(mode: str, args: argparse.Namespace, ray_address: str) -> dict[
 
 
 # ------------------------------------------------------------------------------ cluster
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 @contextlib.contextmanager
 def ray_head(cpus: int = 2) -> Any:
     """``ray start --head --block`` on 127.0.0.1 (a free port, a private temp dir), stopped
@@ -132,7 +138,7 @@ def ray_head(cpus: int = 2) -> Any:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
-        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+        while not _listening(port):
             if time.time() > deadline or head.poll() is not None:
                 raise RuntimeError("the Ray head did not start")
             time.sleep(0.2)
@@ -151,21 +157,37 @@ def ray_head(cpus: int = 2) -> Any:
 
 
 # ------------------------------------------------------------------------------ parent
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    """Every row's runs, alternated over the passes; each run is also appended to
+    ``args.out`` with ``.runs.jsonl`` as it ends (a partial measurement can be tabulated:
+    ``--from-runs``)."""
     rows = {k: v for k, v in ROWS.items() if args.cluster or v != "edges-cluster"}
     raw: dict[str, list[dict[str, Any]]] = {name: [] for name in rows}
     engines_args = argparse.Namespace(rounds=args.rounds, repeats=1, threads=1,
                                       workload="w1", profile=False)
+    log = args.out.with_suffix(".runs.jsonl")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
     with ray_head() if args.cluster else contextlib.nullcontext("") as address:
         for _ in range(args.repeats):  # alternated: a busy spell hits every row alike
             for name, mode in rows.items():
                 if mode is None:
-                    raw[name].append(spawn("plain", engines_args, repeats=1))
+                    run = spawn("plain", engines_args, repeats=1)
                 else:
-                    raw[name].append(spawn_flower(mode, args,
-                                                  address if mode == "edges-cluster" else ""))
+                    run = spawn_flower(mode, args, address if mode == "edges-cluster" else "")
+                raw[name].append(run)
+                with log.open("a") as handle:
+                    handle.write(json.dumps({"row": name, **run,
+                                             "load_average": os.getloadavg()}) + "\n")
+    return raw
+
+
+def tabulate(args: argparse.Namespace, raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Medians per row, ratios to the plain loop, the Flower rows' phases."""
     table: dict[str, Any] = {}
     for name, runs in raw.items():
+        if not runs:
+            continue
         windows = [r["windows"][0]["wall"] for r in runs]
         commands = [r["command_seconds"] for r in runs]
         row: dict[str, Any] = {
@@ -183,7 +205,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         row["window_vs_plain"] = row["window_median"] / plain["window_median"]
         row["command_vs_plain"] = row["command_median"] / plain["command_median"]
     return {"command": "python benchmarks/flower_path.py " + " ".join(sys.argv[1:]),
-            "machine": machine(), "repeats": args.repeats,
+            "machine": machine(), "repeats": min(len(r) for r in raw.values() if r),
             "workload": {**{k: list(v) if isinstance(v, tuple) else v for k, v in W1.items()},
                          "rounds": args.rounds},
             "messages_per_run": messages(args.rounds),
@@ -228,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-cluster", dest="cluster", action="store_false",
                         help="leave out the row that joins a running Ray cluster")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--from-runs", type=Path, default=None,
+                        help="only tabulate the runs logged in this .runs.jsonl")
     parser.add_argument("--worker", choices=("clients", "edges", "edges-cluster"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--ray-address", default="", help=argparse.SUPPRESS)
@@ -236,7 +260,14 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(flower_worker(args.worker, args.rounds,
                                                    args.ray_address)), flush=True)
         return 0
-    report = measure(args)
+    if args.from_runs:  # tabulate the runs a (partial) measurement logged
+        raw: dict[str, list[dict[str, Any]]] = {name: [] for name in ROWS}
+        for line in args.from_runs.read_text().splitlines():
+            run = json.loads(line)
+            raw[run.pop("row")].append(run)
+    else:
+        raw = measure(args)
+    report = tabulate(args, raw)
     print_table(report)
     write_report(report, args.out)
     return 0
