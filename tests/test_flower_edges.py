@@ -71,3 +71,12 @@ def test_the_engine_registry_lets_flower_run_edge_servers_only():
 
     with pytest.raises(ConfigError, match="--engine flower"):
         run_engine(SMALL.replace(edge_servers=True, engine="vectorized"), None)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(momentum=0.9, optimizer_state="keep"), "optimizer state"),
+    (dict(mobility_rate=0.1), "no mobility"),
+])
+def test_what_edge_nodes_do_not_run_is_refused_in_one_line(change, message):
+    with pytest.raises(ConfigError, match=message):
+        simulation_nodes(SMALL.replace(engine="flower", edge_servers=True, **change))

@@ -30,6 +30,7 @@ from flwr.clientapp import ClientApp
 from fedhier.config import RunConfig
 from fedhier.engines.deployment.placement import tree_placement
 from fedhier.engines.inprocess_grid import InProcessGrid
+from fedhier.errors import ConfigError
 from fedhier_clients.app import app as client_app
 from fedhier_clients.app import run_config_of
 from fedhier_strategies.edge.messages import EDGE_KEYS
@@ -133,9 +134,37 @@ def gradient(msg: Message, context: Context) -> Message:
     return _answer(msg, context)
 
 
+@edge_node_app.query("state")
+def export_state(msg: Message, context: Context) -> Message:
+    """This server's clients' kept state (checkpoints), where the server forwards it."""
+    return _answer(msg, context)
+
+
+@edge_node_app.query("restore")
+def restore_state(msg: Message, context: Context) -> Message:
+    """Put a checkpoint's kept state back on this server's clients."""
+    return _answer(msg, context)
+
+
+def check_edge_nodes(cfg: RunConfig) -> None:
+    """What servers as Simulation Engine nodes do not run, in one line: a node's clients
+    live in whichever actor takes its message, so they cannot keep state between messages
+    (kept optimizer state) nor move to another node's actor (mobility)."""
+    if cfg.local_optimizer().has_state and cfg.optimizer_state == "keep":
+        raise ConfigError("--engine flower --edge-servers: clients cannot keep optimizer "
+                          "state (a node's clients live in whichever actor takes its "
+                          "message): use optimizer_state reset, or fedhier deploy local --edges")
+    if cfg.mobility_rate > 0 or cfg.mobility_trace:
+        raise ConfigError("--engine flower --edge-servers: clients stay at their edges (no "
+                          "mobility); fedhier deploy local --edges or --engine inprocess run "
+                          "moving clients")
+
+
 def simulation_nodes(cfg: RunConfig) -> tuple[Any, int]:
     """(the ClientApp, the number of virtual SuperNodes) of ``cfg``'s Simulation Engine run:
-    one node per client, or with ``edge_servers`` one per server under the cloud."""
+    one node per client, or with ``edge_servers`` one per server under the cloud (checked
+    by :func:`check_edge_nodes`)."""
     if cfg.edge_servers:
+        check_edge_nodes(cfg)
         return edge_node_app, cloud_children(cfg)
     return client_app, cfg.clients
