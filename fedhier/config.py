@@ -207,13 +207,15 @@ class RunConfig:
         "batched engine sharded by edge over a Ray cluster)"))
     edge_servers: bool = field(default=False, metadata=_help(
         "the cloud's nodes are edge servers that run their own clients' edge rounds (set by "
-        "fedhier deploy local --edges; every other engine keeps the edges inside the cloud)"))
+        "fedhier deploy local --edges; with --engine flower the Simulation Engine's nodes; "
+        "every other engine keeps the edges inside the cloud)"))
     client_chunk: int = field(default=0, metadata=_help(
         "vectorized engine: clients per batched chunk (0 = auto: about 2 MiB of models per "
         "chunk on a CPU, all clients on other devices; K >= clients = all at once)"))
     ray_address: str = field(default="", metadata=_help(
         "an existing Ray cluster (host:port of its head, or auto) for the vectorized-ray "
-        "engine's workers and fedhier sweep's trials; empty = a local Ray started and "
+        "engine's workers, the flower engine's actors and fedhier sweep's trials; empty = a "
+        "local Ray started and "
         "stopped by the command"))
     ray_workers: int = field(default=2, metadata=_help(
         "vectorized-ray engine: workers (Ray actors, one CPU each), each a shard of whole "

@@ -3,6 +3,12 @@
 The ServerApp runs in this process (so it can write the run folder and show progress); the
 ClientApp ``fedhier_clients.app:app`` runs in Ray actors. ``flwr run .`` from the repository
 root runs the same ServerApp logic through ``fedhier_strategies.server_app:app``.
+
+With ``edge_servers`` (``--engine flower --edge-servers``) the virtual SuperNodes are the
+cloud's child servers instead, each running its clients' edge rounds in its actor
+(:mod:`fedhier.engines.flower_edges`): one message per server and cloud round. With
+``ray_address`` the run joins that Ray cluster (its CPUs: one actor each) instead of
+starting and stopping a local Ray (docs/engines.md).
 """
 
 from __future__ import annotations
@@ -30,14 +36,16 @@ from fedhier.run_setup import quiet_flower
 def run_simulation_engine(cfg: RunConfig, folder: RunFolder, progress: bool = True,
                           num_cpus: int | None = None,
                           resume: Checkpoint | None = None) -> dict[str, Any]:
-    """Run ``cfg`` on Flower's Simulation Engine; each client actor gets one CPU."""
+    """Run ``cfg`` on Flower's Simulation Engine; each actor gets one CPU. Its nodes are
+    the clients, or with ``cfg.edge_servers`` the servers under the cloud."""
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     from flwr.simulation import run_simulation
 
-    from fedhier_clients.app import app as client_app
+    from fedhier.engines.flower_edges import simulation_nodes
 
+    client_app, num_nodes = simulation_nodes(cfg)
     quiet_flower()
     summary: dict[str, Any] = {}
     errors: list[BaseException] = []
@@ -56,20 +64,25 @@ def run_simulation_engine(cfg: RunConfig, folder: RunFolder, progress: bool = Tr
 
     num_gpus = 1.0 if cfg.device in ("cuda", "auto") and _cuda() else 0.0
     init_args: dict[str, Any] = {"include_dashboard": False, "logging_level": "error"}
-    if not os.environ.get("RAY_ADDRESS"):  # joining a cluster: Ray refuses num_cpus
+    if cfg.ray_address:  # an existing cluster: its CPUs, one actor each
+        from fedhier.engines.vectorized_ray_worker import check_reachable
+
+        check_reachable(cfg.ray_address)
+        init_args["address"] = cfg.ray_address
+    elif not os.environ.get("RAY_ADDRESS"):  # joining a cluster: Ray refuses num_cpus
         init_args["num_cpus"] = num_cpus or os.cpu_count() or 1
         # No idle workers started ahead: the actors get workers of their own, and idle
         # ones only took CPU from the actors' start (docs/engines.md).
         init_args["_system_config"] = {"enable_worker_prestart": False,
                                        "prestart_worker_first_driver": False}
     backend_config = {
-        "client_resources": {"num_cpus": 1, "num_gpus": num_gpus / max(cfg.clients, 1)},
+        "client_resources": {"num_cpus": 1, "num_gpus": num_gpus / max(num_nodes, 1)},
         "init_args": init_args,
     }
     replies = _Replies()
     with _fast_dispatch(replies):
         run_simulation(server_app=server_app, client_app=client_app,
-                       num_supernodes=cfg.clients,
+                       num_supernodes=num_nodes,
                        backend_config=backend_config)  # type: ignore[arg-type]
     quiet_flower()
     if errors:

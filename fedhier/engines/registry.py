@@ -86,8 +86,9 @@ def engine_help() -> str:
 def run_engine(cfg: Any, folder: Any, progress: bool = True,
                resume: Any = None) -> dict[str, Any]:
     """Run ``cfg`` on the engine ``cfg.engine`` names; returns the run's summary."""
-    if getattr(cfg, "edge_servers", False):
+    if getattr(cfg, "edge_servers", False) and cfg.engine != "flower":  # flower_edges.py
         raise ConfigError(f"edge_servers is for fedhier deploy local --edges, which starts the "
-                          f"edge server processes; engine '{cfg.engine}' keeps the edges "
-                          "inside the cloud (same numbers): leave edge_servers off")
+                          f"edge server processes, or --engine flower; engine '{cfg.engine}' "
+                          "keeps the edges inside the cloud (same numbers): leave "
+                          "edge_servers off")
     return get_engine(cfg.engine).load()(cfg, folder, progress=progress, resume=resume)
