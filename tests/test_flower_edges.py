@@ -76,6 +76,8 @@ def test_the_engine_registry_lets_flower_run_edge_servers_only():
 @pytest.mark.parametrize("change, message", [
     (dict(momentum=0.9, optimizer_state="keep"), "optimizer state"),
     (dict(mobility_rate=0.1), "no mobility"),
+    (dict(regroup_every=1), "no regroup_every"),
+    (dict(async_buffer=1), "synchronous edges only"),
 ])
 def test_what_edge_nodes_do_not_run_is_refused_in_one_line(change, message):
     with pytest.raises(ConfigError, match=message):

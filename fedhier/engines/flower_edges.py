@@ -154,10 +154,14 @@ def check_edge_nodes(cfg: RunConfig) -> None:
         raise ConfigError("--engine flower --edge-servers: clients cannot keep optimizer "
                           "state (a node's clients live in whichever actor takes its "
                           "message): use optimizer_state reset, or fedhier deploy local --edges")
-    if cfg.mobility_rate > 0 or cfg.mobility_trace:
+    if cfg.mobility_rate > 0 or cfg.mobility_trace or cfg.regroup_every:
         raise ConfigError("--engine flower --edge-servers: clients stay at their edges (no "
-                          "mobility); fedhier deploy local --edges or --engine inprocess run "
-                          "moving clients")
+                          "mobility, no regroup_every); fedhier deploy local --edges or "
+                          "--engine inprocess run moving clients")
+    if cfg.asynchronous().active:
+        raise ConfigError("--engine flower --edge-servers: synchronous edges only (no "
+                          "async_buffer); fedhier deploy local --edges runs asynchronous "
+                          "edge servers")
 
 
 def simulation_nodes(cfg: RunConfig) -> tuple[Any, int]:
