@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "vectorized_ray_scale.json"
 
 
-def one_run(clients: int, workers: int, rounds: int, per_edge: int = 10) -> dict[str, Any]:
+def one_run(clients: int, workers: int, rounds: int, per_edge: int = 10,
+            global_period: int = 0) -> dict[str, Any]:
     """One run at ``clients`` clients in this process; what :func:`main` tabulates."""
     import torch
 
@@ -40,6 +41,8 @@ def one_run(clients: int, workers: int, rounds: int, per_edge: int = 10) -> dict
     torch.set_num_threads(1)
     cfg = bench.w1_config(rounds, clients=clients, groups=(max(1, clients // per_edge),),
                           engine="vectorized-ray", ray_workers=workers)
+    if global_period:
+        cfg = cfg.replace(global_period=global_period)
     start = time.perf_counter()
     fed = bench.replicated_federation(cfg, clients)
     setup = time.perf_counter() - start
@@ -54,6 +57,7 @@ def one_run(clients: int, workers: int, rounds: int, per_edge: int = 10) -> dict
     edge_rounds = (rounds - first) * cfg.global_period // cfg.local_period
     sharding = summary["sharding"]
     return {"clients": clients, "workers": workers, "rounds": rounds, "per_edge": per_edge,
+            "global_period": cfg.global_period,
             "edge_rounds": edge_rounds, "federation_seconds": setup, "total_seconds": total,
             "window_seconds": window,
             "seconds_per_client_edge_round": window / (clients * edge_rounds),
@@ -69,21 +73,26 @@ def main() -> int:
                         help="cloud rounds (default 2: the time is the rounds after the first)")
     parser.add_argument("--per-edge", type=int, default=10,
                         help="clients per edge (default 10)")
+    parser.add_argument("--global-period", type=int, default=0,
+                        help="G instead of W1's 20 (5: one edge round per cloud round)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one_run(args.one, args.workers, args.rounds, args.per_edge)))
+        print(json.dumps(one_run(args.one, args.workers, args.rounds, args.per_edge,
+                                 args.global_period)))
         return 0
     sizes = [int(n.replace("_", "")) for n in args.clients.split(",") if n]
-    print(f"vectorized-ray, W1 replicated, {args.per_edge} clients per edge, "
+    print(f"vectorized-ray, W1 replicated, {args.per_edge} clients per edge, G "
+          f"{args.global_period or 'of W1 (20)'}, "
           f"{args.workers} workers, {args.rounds} cloud "
           f"round(s), load average {os.getloadavg()[0]:.2f}")
     runs = []
     for n in sizes:
         child = subprocess.run([sys.executable, __file__, "--one", str(n), "--workers",
                                 str(args.workers), "--rounds", str(args.rounds),
-                                "--per-edge", str(args.per_edge)],
+                                "--per-edge", str(args.per_edge),
+                                "--global-period", str(args.global_period)],
                                capture_output=True, text=True, check=False)
         if child.returncode:
             print(f"{n:>9,} clients: failed (exit {child.returncode}): "

@@ -4,9 +4,9 @@ A shard is the clients of some whole edges. Its worker holds their data rows (a
 :class:`ShardRows`: the pool and the clients' row indices) and trains them with the one-process
 engine's :class:`~fedhier.engines.vectorized.BatchedExecutor`, wrapped in a
 :class:`ShardExecutor` that speaks the whole federation's client ids. Once per cloud round it
-runs the edge jobs of its edges (:func:`run_shard_jobs`: the G / I edge rounds of
-:func:`fedhier.edge_tier.train_edges`, then each edge's level-1 aggregate with
-:func:`fedhier.round.aggregation.aggregate_levels`) and answers with one model per edge:
+runs the edge jobs of its edges (:func:`run_shard_jobs`: the G / I edge rounds run by run of
+whole edges, :func:`fedhier.engines.vectorized_chunks.train_edge_chunks`, each edge's level-1
+aggregate at the end of its run) and answers with one model per edge:
 the edge half of :mod:`fedhier.edge_tier`, for many edges at once. No Ray import here (the
 actor is :mod:`fedhier.engines.vectorized_ray_worker`).
 """
