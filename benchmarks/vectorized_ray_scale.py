@@ -2,13 +2,14 @@
 
 ``python benchmarks/vectorized_ray_scale.py --clients 10000,100000 --workers 2``: for each
 client count, in a fresh driver process, one run of W1 replicated (client j holds the rows of
-W1 client j mod 100, with its own batch order; 10 clients per edge; ``engines.py --scale``'s
-federation) on a local Ray cluster of ``--workers`` shard actors that the run starts and
-stops. Printed per size: each worker's clients and peak resident memory (``ru_maxrss`` of the
-actor process, after the run), the driver's, the sum of all, and the time per client and edge
-round (the window from the record of cloud round 1 to the last record, over clients x edge
-rounds: cloud round 1 also loads the shards; with ``--rounds 1`` from round 0). The JSON
-report goes to ``--out`` (default benchmarks/results/vectorized_ray_scale.json).
+W1 client j mod 100, with its own batch order; ``--per-edge`` clients per edge, default 10;
+``engines.py --scale``'s federation) on a local Ray cluster of ``--workers`` shard actors
+that the run starts and stops. Printed per size: each worker's clients and peak resident
+memory (``ru_maxrss`` of the actor process, after the run), the driver's, the sum of all, and
+the time per client and edge round (the window from the record of cloud round 1 to the last
+record, over clients x edge rounds: cloud round 1 also loads the shards; with ``--rounds 1``
+from round 0). The JSON report goes to ``--out`` (default
+benchmarks/results/vectorized_ray_scale.json).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "vectorized_ray_scale.json"
 
 
-def one_run(clients: int, workers: int, rounds: int) -> dict[str, Any]:
+def one_run(clients: int, workers: int, rounds: int, per_edge: int = 10,
+            global_period: int = 0) -> dict[str, Any]:
     """One run at ``clients`` clients in this process; what :func:`main` tabulates."""
     import torch
 
@@ -37,8 +39,10 @@ def one_run(clients: int, workers: int, rounds: int) -> dict[str, Any]:
     from fedhier.run_folder import RunFolder
 
     torch.set_num_threads(1)
-    cfg = bench.w1_config(rounds, clients=clients, groups=(max(1, clients // 10),),
+    cfg = bench.w1_config(rounds, clients=clients, groups=(max(1, clients // per_edge),),
                           engine="vectorized-ray", ray_workers=workers)
+    if global_period:
+        cfg = cfg.replace(global_period=global_period)
     start = time.perf_counter()
     fed = bench.replicated_federation(cfg, clients)
     setup = time.perf_counter() - start
@@ -52,7 +56,8 @@ def one_run(clients: int, workers: int, rounds: int) -> dict[str, Any]:
     window = records[-1]["wall_seconds"] - records[first]["wall_seconds"]
     edge_rounds = (rounds - first) * cfg.global_period // cfg.local_period
     sharding = summary["sharding"]
-    return {"clients": clients, "workers": workers, "rounds": rounds,
+    return {"clients": clients, "workers": workers, "rounds": rounds, "per_edge": per_edge,
+            "global_period": cfg.global_period,
             "edge_rounds": edge_rounds, "federation_seconds": setup, "total_seconds": total,
             "window_seconds": window,
             "seconds_per_client_edge_round": window / (clients * edge_rounds),
@@ -66,19 +71,28 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2, help="shard actors (default 2)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="cloud rounds (default 2: the time is the rounds after the first)")
+    parser.add_argument("--per-edge", type=int, default=10,
+                        help="clients per edge (default 10)")
+    parser.add_argument("--global-period", type=int, default=0,
+                        help="G instead of W1's 20 (5: one edge round per cloud round)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one_run(args.one, args.workers, args.rounds)))
+        print(json.dumps(one_run(args.one, args.workers, args.rounds, args.per_edge,
+                                 args.global_period)))
         return 0
     sizes = [int(n.replace("_", "")) for n in args.clients.split(",") if n]
-    print(f"vectorized-ray, W1 replicated, {args.workers} workers, {args.rounds} cloud "
+    print(f"vectorized-ray, W1 replicated, {args.per_edge} clients per edge, G "
+          f"{args.global_period or 'of W1 (20)'}, "
+          f"{args.workers} workers, {args.rounds} cloud "
           f"round(s), load average {os.getloadavg()[0]:.2f}")
     runs = []
     for n in sizes:
         child = subprocess.run([sys.executable, __file__, "--one", str(n), "--workers",
-                                str(args.workers), "--rounds", str(args.rounds)],
+                                str(args.workers), "--rounds", str(args.rounds),
+                                "--per-edge", str(args.per_edge),
+                                "--global-period", str(args.global_period)],
                                capture_output=True, text=True, check=False)
         if child.returncode:
             print(f"{n:>9,} clients: failed (exit {child.returncode}): "

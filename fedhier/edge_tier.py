@@ -314,10 +314,11 @@ def run_children(algorithm: HierarchicalSGD, executor: Executor, level: int, nod
     out = ChildrenOutcome(None, np.zeros(0, dtype=np.int64), np.zeros(0), loss_sums)
     for start in range(rounds.start, rounds.stop, span):
         count = min(span, rounds.stop - start)  # a shorter range: a segment (edge_moves)
+        seconds = clock.edge_time.copy()  # one [E] array for all jobs, not one per child
         jobs = [EdgeJob(int(child), cloud_round,
                         {k: v[np.flatnonzero(under == child)[0]].clone()
                          for k, v in algorithm.edge_models.items()},
-                        edge_of, algorithm._info().num_examples, clock.edge_time.copy(),
+                        edge_of, algorithm._info().num_examples, seconds,
                         level - 1, tuple(hierarchy.parents[1:]), start, count)
                 for child in children]
         reports = sorted(executor.run_edge_jobs(jobs), key=lambda r: r.edge)  # type: ignore[attr-defined]

@@ -79,6 +79,17 @@ def place_edges(edge_of_client: np.ndarray, num_edges: int, workers: int) -> np.
     return np.minimum(worker, np.arange(num_edges))
 
 
+def shared_start_models(jobs: list[EdgeJob]) -> list[EdgeJob]:
+    """``jobs`` with every start model equal to the first job's replaced by that one dict,
+    so that a worker's call carries it once (Ray pickles a call's arguments together, and
+    pickle writes an object met twice once): at a cloud round's start every edge holds the
+    global model, so W models go down, not E."""
+    first = jobs[0].params
+    return [job if job.params is first
+            or not all(torch.equal(job.params[k], v) for k, v in first.items())
+            else dataclasses.replace(job, params=first) for job in jobs]
+
+
 @dataclass
 class RayShardExecutor:
     """The cloud's executor (:class:`fedhier.edge_tier.EdgeTierExecutor`): edge jobs go to
@@ -123,14 +134,14 @@ class RayShardExecutor:
             self.start(jobs[0].edge_of_client, len(jobs))
         assert self.placement is not None
         by_worker: list[list[EdgeJob]] = [[] for _ in self.actors]
-        for job in jobs:
+        for job in shared_start_models(jobs):
             by_worker[int(self.placement[job.edge])].append(job)
         pending = [actor.run.remote(mine)
                    for actor, mine in zip(self.actors, by_worker, strict=True) if mine]
         reports = [report for batch in ray.get(pending) for report in batch]
         size = self.whole.model_bytes(jobs[0].params)
-        self.bytes_between += size * (sum(1 for mine in by_worker if mine)
-                                      + sum(r.model is not None for r in reports))
+        down = sum(len({id(job.params) for job in mine}) for mine in by_worker)
+        self.bytes_between += size * (down + sum(r.model is not None for r in reports))
         return reports
 
     def start(self, edge_of_client: np.ndarray, num_edges: int) -> None:

@@ -4,9 +4,9 @@ A shard is the clients of some whole edges. Its worker holds their data rows (a
 :class:`ShardRows`: the pool and the clients' row indices) and trains them with the one-process
 engine's :class:`~fedhier.engines.vectorized.BatchedExecutor`, wrapped in a
 :class:`ShardExecutor` that speaks the whole federation's client ids. Once per cloud round it
-runs the edge jobs of its edges (:func:`run_shard_jobs`: the G / I edge rounds of
-:func:`fedhier.edge_tier.train_edges`, then each edge's level-1 aggregate with
-:func:`fedhier.round.aggregation.aggregate_levels`) and answers with one model per edge:
+runs the edge jobs of its edges (:func:`run_shard_jobs`: the G / I edge rounds run by run of
+whole edges, :func:`fedhier.engines.vectorized_chunks.train_edge_chunks`, each edge's level-1
+aggregate at the end of its run) and answers with one model per edge:
 the edge half of :mod:`fedhier.edge_tier`, for many edges at once. No Ray import here (the
 actor is :mod:`fedhier.engines.vectorized_ray_worker`).
 """
@@ -23,16 +23,10 @@ import torch
 
 from fedhier.communication import BatchCommunication
 from fedhier.config import RunConfig
-from fedhier.edge_tier import (
-    EdgeJob,
-    EdgeReport,
-    edge_aggregates,
-    job_rounds,
-    start_job,
-    train_edges,
-)
+from fedhier.edge_tier import EdgeJob, EdgeReport, job_rounds, start_job
 from fedhier.engines.batched_kernels import INDEX_CLIENT_BLOCK, ClientRows
 from fedhier.engines.vectorized import BatchedExecutor, training_for
+from fedhier.engines.vectorized_chunks import ChunkExecutor, train_edge_chunks
 from fedhier.federation import Federation
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import (
@@ -105,6 +99,22 @@ class ShardExecutor:
                                 client_ids=clients)
         return cls(inner, clients, fed.num_clients)
 
+    def chunk(self, positions: np.ndarray) -> ShardExecutor:
+        """The shard's clients at ``positions`` (int64, increasing) as a shard of their own
+        for one cloud round (a :class:`~fedhier.engines.vectorized_chunks.ChunkExecutor`):
+        the same pool, mini-batch width, draws and training; no copy of the rows."""
+        inner, data = self.inner, self.inner.data
+        ids = self.clients[positions]
+        index = torch.as_tensor(positions, device=inner.device)
+        rows = ShardRows(x=data.x, y=data.y, rows=[data.rows[p] for p in positions.tolist()],
+                         batch=data.batch[positions], width=data.width,
+                         weight=data.weight.index_select(0, index), client_ids=ids)
+        part = ChunkExecutor(cfg=inner.cfg, model=inner.model,
+                             fed=shard_federation(inner.fed, positions), data=rows,
+                             train_fn=inner.train_fn, device=inner.device,
+                             optimizer=inner.optimizer, faults=inner.faults, client_ids=ids)
+        return ShardExecutor(part, ids, self.num_clients)
+
     def local(self, clients: np.ndarray) -> np.ndarray:
         """int64: the shard's positions of the clients ``clients`` (ids, all in the shard)."""
         position = np.searchsorted(self.clients, clients)
@@ -152,15 +162,12 @@ def run_shard_jobs(settings: HSGDSettings, executor: ShardExecutor,
     algorithm = start_job(settings, executor, first)
     edges = np.array(sorted(job.edge for job in jobs), dtype=np.int64)
     algorithm.communication = BatchCommunication(algorithm._hierarchy(), edges)
-    outcome = train_edges(algorithm, executor, edges, first.cloud_round,
-                          job_rounds(settings, first), hold_level=2)
-    averaged = edge_aggregates(algorithm, outcome.held)
-    models: dict[int, Params] = {}
-    if averaged is not None:
-        models = {int(e): {k: v[i].clone() for k, v in averaged[0].items()}
-                  for i, e in enumerate(averaged[1])}
+    outcome, models = train_edge_chunks(algorithm, executor, job_rounds(settings, first),
+                                        executor.inner.chunk_size())
     edge_of = algorithm._hierarchy().edge_of_client()
-    traffic, seconds = algorithm.communication, algorithm._clock().edge_time
+    traffic = algorithm.communication
+    seconds = algorithm._clock().edge_time.copy()  # one array for all reports ([E] each)
+    weights = edge_weights(algorithm.weights, edge_of, edges)
     reports = []
     for i, edge in enumerate(edges.tolist()):
         lead = i == 0
@@ -169,8 +176,21 @@ def run_shard_jobs(settings: HSGDSettings, executor: ShardExecutor,
             outcome.losses if lead else np.zeros_like(outcome.losses),
             outcome.failed_clients if lead else 0, outcome.failed_edges if lead else 0,
             traffic.client_edge_messages if lead else 0,
-            traffic.client_edge_bytes if lead else 0, seconds.copy(),
-            weight=float(algorithm.weights[edge_of == edge].sum()),
+            traffic.client_edge_bytes if lead else 0, seconds,
+            weight=weights[i],
             edge_cloud_messages=traffic.edge_cloud_messages if lead else 0,
             edge_cloud_bytes=traffic.edge_cloud_bytes if lead else 0))
     return reports
+
+
+def edge_weights(weights: np.ndarray, edge_of_client: np.ndarray,
+                 edges: np.ndarray) -> list[float]:
+    """Each edge's total client weight, ``weights[edge_of_client == e].sum()`` for e in
+    ``edges`` to the bit (the same numbers summed by numpy in the same order), in one sort
+    instead of a scan of all clients per edge."""
+    order = np.argsort(edge_of_client, kind="stable")
+    sorted_edges = edge_of_client[order]
+    lo = np.searchsorted(sorted_edges, edges, side="left")
+    hi = np.searchsorted(sorted_edges, edges, side="right")
+    by_edge = weights[order]
+    return [float(by_edge[a:b].sum()) for a, b in zip(lo.tolist(), hi.tolist(), strict=True)]

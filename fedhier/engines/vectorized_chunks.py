@@ -1,0 +1,188 @@
+"""A shard's cloud round in chunks of whole edges: client models exist only for the chunk.
+
+The shard of engine ``vectorized-ray`` (:mod:`fedhier.engines.vectorized_ray_shard`) used to
+train all its clients in every edge round as one ``[n, *shape]`` batch, so its memory grew as
+its clients times the model (38.4 KB per client for W1). Here its edges are cut into runs of
+whole edges of about ``client_chunk`` clients (:func:`edge_chunks`), and each run does all
+the edge rounds of the cloud round before the next starts (:func:`train_edge_chunks`): a
+chunk's models, mini-batch indices and momentum-free optimizer state are freed when it ends,
+and what it leaves is one aggregate per edge. Per client the shard then keeps its rows, its
+weight and its place in the schedule (int64 ids), not a model.
+
+Why the numbers do not change: within a cloud round nothing crosses edges until the cloud
+aggregates (two levels, synchronous, static edges: :func:`fedhier.engines.vectorized_ray.
+check_sharded`), so an edge's models depend only on its own clients. A chunk trains them with
+the same executor, the same mini-batch width and the same mini-batch and fault draws (keyed
+by client id); :meth:`HierarchicalSGD.complete` screens, scales and aggregates each edge over
+its own survivors in client order (each edge's float64 sum has the same terms in the same
+order); the simulated clock and the counters are sums over edges (an edge outside the chunk
+adds exactly 0). So every edge's model is bit for bit the one-shot shard's
+(tests/test_vectorized_chunks.py). Only the edge round's reported train loss, a weighted
+mean, is combined from the chunks' means (the sum of loss x weight over the sum of weights):
+it differs from the one-shot mean by float64 rounding (about 1e-16 relative).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from fedhier.edge_tier import EdgeRunOutcome, edge_aggregates
+from fedhier.engines.vectorized import BatchedExecutor
+from fedhier.hsgd import EdgeRoundWork, HierarchicalSGD, Params
+from fedhier.plan import EdgeRoundPlan
+
+if TYPE_CHECKING:
+    from fedhier.engines.vectorized_ray_shard import ShardExecutor
+
+
+def edge_chunks(edge_of_member: np.ndarray, size: int) -> list[np.ndarray]:
+    """Runs of whole edges of at most ``size`` members each (an edge larger than ``size`` is
+    a run of its own), in increasing edge order; a run of a single member joins the run
+    before it (a batch of one client runs a different matrix kernel, see
+    ``BatchedExecutor.chunks``).
+
+    Args:
+        edge_of_member: int64 [m], each member's edge.
+
+    Returns:
+        int64 arrays of member positions (increasing within each run), together every
+        position once.
+    """
+    if not len(edge_of_member):
+        return []
+    edges, counts = np.unique(edge_of_member, return_counts=True)
+    run_of_edge = np.zeros(len(edges), dtype=np.int64)
+    run, total, sizes = 0, 0, [0]
+    for i, count in enumerate(counts.tolist()):
+        if total and total + count > size:
+            run, total = run + 1, 0
+            sizes.append(0)
+        run_of_edge[i], total = run, total + count
+        sizes[-1] = total
+    for r in range(len(sizes) - 1, 0, -1):  # a run of one member joins the one before
+        if sizes[r] == 1:
+            run_of_edge[run_of_edge == r] = r - 1
+            sizes[r - 1] += 1
+            run_of_edge[run_of_edge > r] -= 1
+            del sizes[r]
+    if len(sizes) > 1 and sizes[0] == 1:
+        run_of_edge[run_of_edge > 0] -= 1
+        del sizes[0]
+    run_of_member = run_of_edge[np.searchsorted(edges, edge_of_member)]
+    order = np.argsort(run_of_member, kind="stable")  # positions increase within a run
+    return np.split(order.astype(np.int64), np.cumsum(sizes)[:-1])
+
+
+@dataclass
+class ChunkExecutor(BatchedExecutor):
+    """A :class:`BatchedExecutor` over one chunk that lives for one cloud round: it draws
+    the mini-batch indices of that cloud round only ([G, c, width]), not a block ahead."""
+
+    def index_blocks(self) -> int:
+        return 1
+
+
+@dataclass
+class ChunkedPlans:
+    """The edge rounds of one cloud round, planned once for the whole federation, and each
+    round's participants of each chunk.
+
+    Attributes:
+        rounds: (work, plan) per edge round (:meth:`HierarchicalSGD.plan`).
+        picks: per edge round, int64 [k] positions into ``work.clients`` sorted by chunk
+            (increasing within a chunk), and int64 [C + 1] the bounds of each chunk's part.
+    """
+
+    rounds: list[tuple[EdgeRoundWork, EdgeRoundPlan]]
+    picks: list[tuple[np.ndarray, np.ndarray]]
+
+    @classmethod
+    def build(cls, algorithm: HierarchicalSGD, rounds: range, chunk_of_client: np.ndarray,
+              num_chunks: int) -> ChunkedPlans:
+        """``chunk_of_client``: int64 [n], every client's chunk (-1: not in this shard)."""
+        planned, picks = [], []
+        for edge_round in rounds:
+            work, plan = algorithm.plan(edge_round)
+            chunk = chunk_of_client[work.clients]
+            order = np.flatnonzero(chunk >= 0)
+            order = order[np.argsort(chunk[order], kind="stable")]
+            bounds = np.searchsorted(chunk[order], np.arange(num_chunks + 1))
+            planned.append((work, plan))
+            picks.append((order, bounds))
+        return cls(planned, picks)
+
+    def of_chunk(self, k: int, c: int) -> EdgeRoundWork:
+        """Edge round ``k``'s work restricted to chunk ``c``'s participants."""
+        work = self.rounds[k][0]
+        order, bounds = self.picks[k]
+        mine = order[bounds[c]:bounds[c + 1]]
+        return dataclasses.replace(work, clients=work.clients[mine], steps=work.steps[mine])
+
+
+def train_edge_chunks(algorithm: HierarchicalSGD, executor: ShardExecutor, rounds: range,
+                      size: int) -> tuple[EdgeRunOutcome, dict[int, Params]]:
+    """The edge rounds ``rounds`` of one cloud round for a shard's clients, chunk by chunk
+    of whole edges (:func:`edge_chunks`, ``size`` clients), from the edge models the
+    algorithm holds; the last round (it ends at the cloud) is aggregated at each edge.
+
+    Returns:
+        (the outcome as :func:`fedhier.edge_tier.train_edges` reports it, without ``held``;
+        edge id -> its level-1 aggregate of the last round's survivors, for the edges that
+        had one).
+    """
+    edge_of = algorithm._hierarchy().edge_of_client()
+    chunks = edge_chunks(edge_of[executor.clients], size)
+    chunk_of_client = np.full(len(edge_of), -1, dtype=np.int64)
+    for c, positions in enumerate(chunks):
+        chunk_of_client[executor.clients[positions]] = c
+    plans = ChunkedPlans.build(algorithm, rounds, chunk_of_client, len(chunks))
+    losses = LossMeans(len(rounds))
+    failed = failed_edge_count = 0
+    aggregates: dict[int, Params] = {}
+    for c, positions in enumerate(chunks):
+        part = executor.chunk(positions)
+        held = None
+        for k in range(len(rounds)):
+            work = plans.of_chunk(k, c)
+            if not len(work.clients):
+                continue
+            result = part.train(work, algorithm.start_models(work))
+            outcome = algorithm.complete(work, plans.rounds[k][1], result, hold_level=2)
+            failed += outcome["failed_clients"]
+            failed_edge_count += outcome["failed_edges"]
+            if outcome["train_loss"] is not None:
+                losses.add(k, outcome["train_loss"], outcome["loss_weight"])
+            held = outcome.get("held")
+        averaged = edge_aggregates(algorithm, held)
+        if averaged is not None:
+            for i, edge in enumerate(averaged[1].tolist()):
+                aggregates[int(edge)] = {k: v[i].clone() for k, v in averaged[0].items()}
+    return EdgeRunOutcome(None, losses.means(), failed, failed_edge_count), aggregates
+
+
+class LossMeans:
+    """Per edge round, the weighted mean of the chunks' train losses and their total weight
+    (float64 [R, 2], :attr:`EdgeRunOutcome.losses`): the mean of a single chunk as it is,
+    of several sum(loss x weight) / sum(weight)."""
+
+    def __init__(self, rounds: int) -> None:
+        self.first = np.zeros((rounds, 2))
+        self.sums = np.zeros((rounds, 2))
+        self.count = np.zeros(rounds, dtype=np.int64)
+
+    def add(self, k: int, loss: float, weight: float) -> None:
+        if not self.count[k]:
+            self.first[k] = (loss, weight)
+        self.count[k] += 1
+        self.sums[k] += (loss * weight, weight)
+
+    def means(self) -> np.ndarray:
+        out = self.first.copy()
+        several = self.count > 1
+        out[several, 0] = self.sums[several, 0] / self.sums[several, 1]
+        out[several, 1] = self.sums[several, 1]
+        return out
