@@ -29,11 +29,11 @@ from fedhier.engines.deployment.ports import ports_needed
 from fedhier.engines.deployment.processes import alive, process_tree
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.run_folder import RunFolder
-from fedhier_strategies.edge.server import nested_timeout
+from fedhier_strategies.edge.messages import FIRST_ROUND
+from fedhier_strategies.edge.server import EdgeServer, nested_timeout
 from tests.helpers import assert_same_run, interruptible, metrics
 from tests.test_deploy import ROOT, leftovers
-
-pytestmark = pytest.mark.slow
+from tests.test_deploy_regions import BASE, servers_grid
 
 #: 4 clients under 3 edges under 2 regions (contiguous): edges [0, 0, 1, 2] by client, regions
 #: [0, 0, 1] by edge; edges and regions aggregate every step, the cloud every 2 (each job of a
@@ -123,6 +123,7 @@ def _missed(log: str, child: str, cloud_round: int) -> list[int]:
                                        rf"{cloud_round}:", log, re.M)]
 
 
+@pytest.mark.slow
 def test_a_killed_region_and_a_killed_edge_under_a_region_miss_their_jobs_and_rejoin(tmp_path):
     """SIGKILL region server 1 (edge 2, client 3) in its job of cloud round 2 and edge server 1
     (under region 0: client 2) in its first exchange of round 3: each restarts, its subtree
@@ -178,6 +179,7 @@ def test_a_killed_region_and_a_killed_edge_under_a_region_miss_their_jobs_and_re
     assert rows[4]["test_accuracy"] > rows[0]["test_accuracy"]
 
 
+@pytest.mark.slow
 def test_resume_after_killing_the_cloud_of_three_tiers_equals_the_one_process_run(tmp_path):
     """SIGKILL the cloud SuperLink once round 1 is recorded: the command stops every process
     (exit 1) and keeps round 1's checkpoint; `--resume` on fresh processes finishes round 2.
@@ -206,6 +208,7 @@ def test_resume_after_killing_the_cloud_of_three_tiers_equals_the_one_process_ru
     assert_same_run(tmp_path / "inprocess", out, 2, ignore=wire)
 
 
+@pytest.mark.slow
 def test_ctrl_c_mid_run_stops_every_process_of_three_tiers(tmp_path):
     """SIGINT to `fedhier deploy local` once round 0 is recorded (every SuperLink, SuperNode,
     server, ServerApp and ClientApp up): exit 130, every process of its tree gone."""
@@ -220,6 +223,39 @@ def test_ctrl_c_mid_run_stops_every_process_of_three_tiers(tmp_path):
 
 
 # --------------------------------------------------------------------- no deployment needed
+def test_a_lost_region_job_and_a_lost_edge_job_under_a_region_are_counted_and_named(
+        tmp_path, monkeypatch):
+    """The same accounting on nested in-process grids, every miss chosen (8 clients, 4 edges,
+    2 regions, periods 2,4,8: a region's job is 4 edge rounds, an edge's 2): region 1 (edges
+    2, 3; clients 4-7) fails its job of cloud round 1, edge 1 (under region 0; clients 2, 3)
+    its first job of round 2. Each record counts exactly the lost subtree and names it."""
+    from fedhier.engines.grid_run import run_federation
+
+    down = {(2, 1, 1, 1), (1, 1, 2, 5)}  # (level, node, cloud round, first edge round)
+    missed = []
+    handle = EdgeServer.handle
+
+    def flaky(self: EdgeServer, msg):
+        config = msg.content["config"]
+        key = (self.level, self.edge, int(config.get("server-round", 0)),
+               int(config.get(FIRST_ROUND, 0)))
+        if msg.metadata.message_type == "train" and key in down:
+            missed.append(key)
+            raise ConnectionError(f"{self.level}/{self.edge} is down")
+        return handle(self, msg)
+
+    monkeypatch.setattr(EdgeServer, "handle", flaky)
+    cfg = BASE.replace(edge_servers=True)
+    run_federation(servers_grid(cfg), cfg, RunFolder.create(tmp_path / "r", cfg),
+                   engine="servers (in-process)", progress=False)
+    rows = metrics(tmp_path / "r")
+    assert sorted(missed) == sorted(down)
+    assert rows[1]["unreached_regions"] == [1] and "unreached_edges" not in rows[1]
+    assert (rows[1]["failed_clients"], rows[1]["failed_edges"]) == (4 * 4, 2 * 4)
+    assert rows[2]["unreached_edges"] == [1] and "unreached_regions" not in rows[2]
+    assert (rows[2]["failed_clients"], rows[2]["failed_edges"]) == (2 * 2, 1 * 2)
+
+
 def test_a_server_dies_once_too_often_ends_the_command_in_one_line(tmp_path, monkeypatch):
     """A region server whose process exits 1 at every start (its last line: the error line
     fedhier's server process prints) is restarted MAX_RESTARTS times, then the deployment
