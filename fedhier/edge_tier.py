@@ -162,7 +162,8 @@ class EdgeReport:
         failed_clients, failed_edges; client_edge_*, edge_cloud_*: the traffic in its
         subtree (:class:`fedhier.communication.Communication`); seconds: float64 [E], its
         edges' simulated clocks when the report is ready (other entries unread); weight:
-        the clients' total averaging weight behind ``model``.
+        the clients' total averaging weight behind ``model``; unreached: level -> the
+        servers of that level in its subtree that missed a job (once per missed job).
     """
 
     edge: int
@@ -177,6 +178,7 @@ class EdgeReport:
     weight: float = 0.0
     edge_cloud_messages: int = 0
     edge_cloud_bytes: int = 0
+    unreached: dict[int, list[int]] = field(default_factory=dict)
 
 
 def job_hierarchy(settings: HSGDSettings, job: EdgeJob) -> Hierarchy:
@@ -258,7 +260,8 @@ def run_edge_job(settings: HSGDSettings, executor: Executor, job: EdgeJob) -> Ed
                       traffic.client_edge_messages, traffic.client_edge_bytes,
                       clock.edge_time.copy(), weight=weight,
                       edge_cloud_messages=traffic.edge_cloud_messages,
-                      edge_cloud_bytes=traffic.edge_cloud_bytes)
+                      edge_cloud_bytes=traffic.edge_cloud_bytes,
+                      unreached={} if job.level == 1 else below.below_level(job.level))
 
 
 # ------------------------------------------------------------------------ a node's children
@@ -271,7 +274,8 @@ class ChildrenOutcome:
             ``children`` (int64 [m], increasing) that had one (None: none had); weights:
             float64 [m], their clients' total weight; losses: float64 [R, 2] (see
             :class:`EdgeRunOutcome`); failed, failed_edges: summed over the edge rounds;
-            unreached: the children that did not answer a job.
+            unreached: the children that did not answer a job (once per job); deeper:
+            level -> the servers further down that missed a job, from the children's reports.
     """
 
     models: Params | None
@@ -281,6 +285,14 @@ class ChildrenOutcome:
     failed: int = 0
     failed_edges: int = 0
     unreached: list[int] = field(default_factory=list)
+    deeper: dict[int, list[int]] = field(default_factory=dict)
+
+    def below_level(self, level: int) -> dict[int, list[int]]:
+        """Level -> the servers under a level-``level`` node that missed a job."""
+        out = {k: list(v) for k, v in self.deeper.items()}
+        if self.unreached:
+            out.setdefault(level - 1, []).extend(self.unreached)
+        return out
 
 
 def aggregate_node(algorithm: HierarchicalSGD, level: int, node: int, models: Params,
@@ -334,6 +346,8 @@ def run_children(algorithm: HierarchicalSGD, executor: Executor, level: int, nod
             loss_sums[rows, 1] += report.losses[:, 1]
             out.failed += report.failed_clients
             out.failed_edges += report.failed_edges
+            for below, nodes in report.unreached.items():
+                out.deeper.setdefault(below, []).extend(nodes)
             traffic = algorithm.communication
             traffic.client_edge_messages += report.client_edge_messages
             traffic.client_edge_bytes += report.client_edge_bytes
@@ -414,8 +428,11 @@ class EdgeTierHierarchicalSGD(HierarchicalSGD):
             out.update(self.membership.end_cloud_round(self._hierarchy()))
         if handoffs:
             out["handoffs"] = handoffs
+        names = server_names(top)
         if below.unreached:
-            out["unreached_" + server_names(top)[top - 1] + "s"] = below.unreached
+            out["unreached_" + names[top - 1] + "s"] = below.unreached
+        for level, nodes in sorted(below.deeper.items()):  # e.g. an edge a region missed
+            out["unreached_" + names[level] + "s"] = sorted(set(nodes))
         out.update(schedule_keys(self, rounds))
         return out
 

@@ -39,7 +39,7 @@ def one_torch_thread():
 #: mostly wait on Flower's polling, so ``make test`` runs them beside the rest (marker
 #: ``deployment``). They start no Ray; the one test that starts a Ray cluster (``ray start``)
 #: stays with the rest, since ``ray.init()`` joins a local cluster that ``ray start`` made.
-DEPLOYMENT_FILES = ("test_deploy.py", "test_deploy_edges.py")
+DEPLOYMENT_FILES = ("test_deploy.py", "test_deploy_edges.py", "test_deploy_faults.py")
 STARTS_RAY = ("test_simulation_engine_joins_an_existing_ray_cluster",)
 
 

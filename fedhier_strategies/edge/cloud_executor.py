@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
-from fedhier.edge_tier import EdgeJob, EdgeReport
+from fedhier.edge_tier import EdgeJob, EdgeReport, server_name
 from fedhier.faults import RunFailureError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, Params, TrainResult
@@ -164,17 +164,19 @@ class EdgeServersExecutor(GridExecutor):
         edge_of_message = {m.metadata.message_id: job.edge
                            for m, job in zip(messages, jobs, strict=True)}
         reports: dict[int, EdgeReport] = {}
+        child = server_name(self.level - 1)  # edge, region, ...
         for reply in replies:
             edge = edge_of_message[reply.metadata.reply_to_message_id]
             if reply.has_error():
                 reason = (reply.error.reason or "").strip().splitlines()
-                log.warning("edge %d failed its job: %s", edge, reason[0] if reason else "")
+                log.warning("%s %d failed its job: %s", child, edge,
+                            reason[0] if reason else "")
                 continue
             reports[edge] = report_from_reply(reply, edge)
         for job in jobs:
             if job.edge not in reports:
-                log.warning("edge %d did not answer in cloud round %d: its clients miss "
-                            "the round", job.edge, job.cloud_round)
+                log.warning("%s %d did not answer in cloud round %d: its clients miss "
+                            "the round", child, job.edge, job.cloud_round)
                 reports[job.edge] = EdgeReport(job.edge, None, np.zeros((0, 2)), reached=False)
         return [reports[job.edge] for job in jobs]
 

@@ -50,6 +50,8 @@ PATH = "server-path"
 JOB_RECORD = "edge-job"
 #: A carry handoff's models of the moved clients' old edges (name -> [m, *shape]).
 CARRIED = "carried"
+#: ``unreached-<level>``: the servers of that level under a server that missed a job.
+UNREACHED = "unreached"
 LEVEL = "node-level"
 FIRST_ROUND = "first-edge-round"
 NUM_ROUNDS = "num-edge-rounds"
@@ -138,6 +140,8 @@ def report_content(report: EdgeReport) -> RecordDict:
         "edge-cloud-bytes": report.edge_cloud_bytes,
         "edge-seconds": np.asarray(report.seconds, dtype=np.float64).tolist(),
         "weight": float(report.weight)})
+    for level, nodes in report.unreached.items():
+        metrics[f"{UNREACHED}-{level}"] = [int(n) for n in nodes]
     content = RecordDict({"metrics": metrics})
     if report.model is not None:
         content["arrays"] = to_record(report.model)
@@ -159,4 +163,6 @@ def report_from_reply(reply: Message, edge: int) -> EdgeReport:
                       seconds=np.asarray(m["edge-seconds"], dtype=np.float64),
                       weight=float(m["weight"]),  # type: ignore[arg-type]
                       edge_cloud_messages=int(m["edge-cloud-messages"]),  # type: ignore[arg-type]
-                      edge_cloud_bytes=int(m["edge-cloud-bytes"]))  # type: ignore[arg-type]
+                      edge_cloud_bytes=int(m["edge-cloud-bytes"]),  # type: ignore[arg-type]
+                      unreached={int(k[len(UNREACHED) + 1:]): [int(n) for n in v]  # type: ignore[union-attr]
+                                 for k, v in m.items() if k.startswith(f"{UNREACHED}-")})

@@ -43,6 +43,20 @@ from fedhier_strategies.edge.messages import (
 )
 from fedhier_strategies.grid_executor import GridExecutor
 
+#: The share of its parent's wait a server spends waiting for its children (the rest: its own
+#: work and the messages to and from its parent).
+CHILD_SHARE = 0.8
+
+
+def nested_timeout(timeout: float, periods: Sequence[int], level: int) -> float:
+    """Seconds a level-``level`` server waits for its children's replies to one exchange, so
+    that every server answers before its parent stops waiting: the cloud waits ``timeout``
+    for a child's job; a level-l node's job spans ``periods[l] / periods[l-1]`` exchanges
+    with its children, which together get ``CHILD_SHARE`` of its parent's wait."""
+    for upper in range(len(periods) - 1, level - 1, -1):
+        timeout *= CHILD_SHARE * periods[upper - 1] / periods[upper]
+    return timeout
+
 
 class EdgeServer:
     """Node ``edge`` of level ``level`` (1: an edge) of a federation, serving the clients
@@ -51,8 +65,8 @@ class EdgeServer:
     Args:
         grid: reaches its children (their SuperNodes are the grid's nodes): an edge's
             clients, or (``level`` >= 2) the servers ``children`` of level ``level`` - 1.
-        timeout: seconds to wait for the children's replies (default: the run's
-            round_timeout).
+        timeout: seconds the cloud waits for a server's job (default: the run's
+            round_timeout); this server waits :func:`nested_timeout` of it per exchange.
     """
 
     def __init__(self, edge: int, grid: Grid, clients: Sequence[int],
@@ -75,7 +89,8 @@ class EdgeServer:
         (profiled on first use)."""
         if self._executor is None or cfg != self._config:
             run_config = ConfigRecord(cfg.to_run_config())
-            timeout = self.timeout or cfg.round_timeout
+            timeout = nested_timeout(self.timeout or cfg.round_timeout, cfg.periods,
+                                     self.level)
             executor: GridExecutor
             if self.level == 1:
                 executor = GridExecutor(
@@ -90,7 +105,11 @@ class EdgeServer:
                 executor = EdgeServersExecutor(
                     self.grid, run_config, len(self.children), cfg.clients, timeout,
                     level=self.level, children=self.children, clients=self.clients)
+            from fedhier_strategies.edge.cloud_executor import STARTUP_SECONDS
+
+            executor.timeout = max(timeout, STARTUP_SECONDS)  # as long to start as servers get
             executor.profiles()
+            executor.timeout = timeout
             self._executor, self._config = executor, cfg
         return self._executor
 

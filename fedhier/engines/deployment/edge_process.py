@@ -46,6 +46,7 @@ from fedhier.engines.deployment.task_runtime import (
     serve_tasks,
 )
 from fedhier.engines.prompt_grid import PromptGrid
+from fedhier_strategies.edge.cloud_executor import STARTUP_SECONDS
 from fedhier_strategies.edge.server import EdgeServer
 
 
@@ -67,9 +68,11 @@ def connect_to_clients(args: argparse.Namespace, ca: bytes | None,
                        secret: bytes | None) -> tuple[HttpGrid, HeartbeatSender]:
     """Submit this edge's run to its SuperLink and claim the run's ServerApp task."""
     extra = ["--run-config", str(args.run_config)] if args.run_config else []
+    # a start, not a job: as long as the parent lets its servers start (a short
+    # --round-timeout must not fail a start on a busy machine and use up a restart)
     run = subprocess.run(["flwr", "run", str(args.app), args.connection, *extra],
-                         capture_output=True, text=True, timeout=args.timeout,
-                         stdin=subprocess.DEVNULL)
+                         capture_output=True, text=True,
+                         timeout=max(args.timeout, STARTUP_SECONDS), stdin=subprocess.DEVNULL)
     if run.returncode != 0:
         raise RuntimeError(f"flwr run on the edge SuperLink failed: "
                            f"{(run.stdout + run.stderr).strip()[-500:]}")

@@ -227,8 +227,7 @@ class EdgeTierDeployment(LocalDeployment):
             level, node = self.servers[j]
             what = f"{self.names[level]} server {node}"
             if self.restarts.get(j, 0) >= MAX_RESTARTS:
-                raise DeployError(f"{what} stopped {MAX_RESTARTS + 1} times; "
-                                  f"last lines of {managed.log}:\n{managed.log_tail()}")
+                raise DeployError(self.gave_up(j, code, managed))
             self.restarts[j] = self.restarts.get(j, 0) + 1
             self.echo(f"{what} stopped (exit code {code}); restarting it")
             self.edge_processes[j] = self.start_edge_process(j, append=False)
@@ -268,6 +267,20 @@ class EdgeTierDeployment(LocalDeployment):
         self.echo(f"client {client} re-attached to edge {edge} (SuperLink {HOST}:{port}) in "
                   f"{seconds:.2f} s (stopped in {stopped:.2f} s)")
         return seconds
+
+    def gave_up(self, index: int, code: int, managed: Managed) -> str:
+        """The one line of server ``index`` stopped once more than ``MAX_RESTARTS`` allows:
+        its last exit code, its own last error line (:mod:`.edge_process` prints one before
+        it exits 1) and its log's name."""
+        level, node = self.servers[index]
+        own = f"{self.names[level]} {node}: error: "
+        errors = [line.strip() for line in managed.log_text().splitlines()
+                  if line.startswith(own)]
+        said = f"; it said: {errors[-1][:300]}" if errors else ""
+        return (f"{self.names[level]} server {node} stopped {MAX_RESTARTS + 1} times (last "
+                f"exit code {code}); not restarted again (at most {MAX_RESTARTS} restarts)"
+                f"{said}; its log: logs/{managed.log.name}; the rounds recorded so far stay "
+                "in the run folder")
 
     def start_edge_process(self, index: int, append: bool = True) -> Managed:
         """Server ``index``'s process (also to restart one that was stopped)."""
