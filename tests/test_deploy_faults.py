@@ -189,14 +189,19 @@ def test_a_killed_region_and_a_killed_edge_under_a_region_miss_their_jobs_and_re
 
 @pytest.mark.slow
 def test_resume_after_killing_the_cloud_of_three_tiers_equals_the_one_process_run(tmp_path):
-    """SIGKILL the cloud SuperLink once round 1 is recorded: the command stops every process
-    (exit 1) and keeps round 1's checkpoint; `--resume` on fresh processes finishes round 2.
+    """With clients' kept momentum: SIGKILL the cloud SuperLink once round 1 is checkpointed
+    (the clients' state gathered through regions and edges): the command stops every process
+    (exit 1) and keeps round 1's checkpoint; `--resume` on fresh processes (the state put
+    back through them) finishes round 2.
     Equal to the one-process run to 1e-5 (not bit for bit: the split run averages its
     children's averages, tests/test_deploy_regions.py), as an uninterrupted deployment is."""
     port = deploy.free_port_block(PORTS)
     out = tmp_path / "run"
-    run = Watched(_cmd(port, out, 2, "--checkpoint-every", "1"))
-    run.wait_for(lambda: "round 1/2" in run.text)
+    run = Watched(_cmd(port, out, 2, "--checkpoint-every", "1", "--momentum", "0.9",
+                       "--optimizer-state", "keep"))
+    # the checkpoint follows round 1's record once the clients' kept momentum came back
+    # through the regions and edges (query.state)
+    run.wait_for(lambda: "round 1/2" in run.text and (out / "checkpoint.pt").is_file())
     os.kill(run.pid_of("SuperLink"), signal.SIGKILL)
     assert run.finish(300) == 1, run.text[-3000:]
     assert "the run failed" in run.text and "stopped all" in run.text
@@ -209,7 +214,8 @@ def test_resume_after_killing_the_cloud_of_three_tiers_equals_the_one_process_ru
     assert "round 2/2" in resumed.text
     resumed.assert_all_stopped(port)
     cfg = RunConfig(dataset="digits", clients=NODES, groups=(EDGES, REGIONS), periods=PERIODS,
-                    grouping="contiguous", rounds=2, batch_size=8, seed=11, checkpoint_every=1)
+                    grouping="contiguous", rounds=2, batch_size=8, seed=11, checkpoint_every=1,
+                    momentum=0.9, optimizer_state="keep")
     run_inprocess(cfg, RunFolder.create(tmp_path / "inprocess"), progress=False)
     wire = frozenset(f"wire_{link}_bytes" for link in ("client_edge", "edge_region",
                                                        "region_cloud"))
@@ -218,11 +224,12 @@ def test_resume_after_killing_the_cloud_of_three_tiers_equals_the_one_process_ru
 
 @pytest.mark.slow
 def test_ctrl_c_mid_run_stops_every_process_of_three_tiers(tmp_path):
-    """SIGINT to `fedhier deploy local` once round 0 is recorded (every SuperLink, SuperNode,
-    server, ServerApp and ClientApp up): exit 130, every process of its tree gone."""
+    """SIGINT to `fedhier deploy local` once the cloud's app is submitted (every SuperLink,
+    SuperNode and server up): exit 130, every process of its tree gone."""
     port = deploy.free_port_block(PORTS)
     run = Watched(_cmd(port, tmp_path / "run", 2))
-    run.wait_for(lambda: "round 0/2" in run.text)
+    run.wait_for(lambda: "flwr run" in run.text)  # every tier is up once the app is submitted
+    assert "region server 1" in run.text
     assert leftovers(range(port, port + PORTS)) != ""
     run.proc.send_signal(signal.SIGINT)
     assert run.finish(120) == 130, run.text[-3000:]
