@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -35,8 +35,15 @@ from fedhier.engines.vectorized import BatchedExecutor
 from fedhier.hsgd import EdgeRoundWork, HierarchicalSGD, Params
 from fedhier.plan import EdgeRoundPlan
 
-if TYPE_CHECKING:
-    from fedhier.engines.vectorized_ray_shard import ShardExecutor
+
+class ChunkedShard(Protocol):
+    """What :func:`train_edge_chunks` needs of a shard
+    (:class:`fedhier.engines.vectorized_ray_shard.ShardExecutor`): its clients (int64 [n],
+    increasing) and an executor for the clients at some of their positions."""
+
+    clients: np.ndarray
+
+    def chunk(self, positions: np.ndarray) -> Any: ...
 
 
 def edge_chunks(edge_of_member: np.ndarray, size: int) -> list[np.ndarray]:
@@ -123,7 +130,7 @@ class ChunkedPlans:
         return dataclasses.replace(work, clients=work.clients[mine], steps=work.steps[mine])
 
 
-def train_edge_chunks(algorithm: HierarchicalSGD, executor: ShardExecutor, rounds: range,
+def train_edge_chunks(algorithm: HierarchicalSGD, executor: ChunkedShard, rounds: range,
                       size: int) -> tuple[EdgeRunOutcome, dict[int, Params]]:
     """The edge rounds ``rounds`` of one cloud round for a shard's clients, chunk by chunk
     of whole edges (:func:`edge_chunks`, ``size`` clients), from the edge models the
