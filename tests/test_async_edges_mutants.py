@@ -19,11 +19,12 @@ import pytest
 import torch
 
 from fedhier.async_edges import AsyncHierarchicalSGD, algorithm_for
-from fedhier.hsgd import HierarchicalSGD
+from fedhier.hsgd import HierarchicalSGD, HSGDSettings
+from fedhier.mobility import Mobility
 from fedhier.sim_clock import TimeModel
 from fedhier.staleness import AsyncEdges
 from tests.helpers import assert_refused
-from tests.test_hsgd_mutants import Fake, settings
+from tests.test_hsgd_mutants import Fake, Recorder, settings
 
 
 class Clocked(Fake):
@@ -173,6 +174,74 @@ def test_no_loss_at_all_is_none():
     assert records[1]["local_train_loss"] is None and final == 0.0
 
 
+class Gradients(Clocked):
+    """Gradients that pair clients 0, 3 and 1, 2 (not the contiguous 0, 1 and 2, 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[float] = []
+
+    def client_gradients(self, params):
+        self.asked.append(float(params["w"][0]))
+        return torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.1, 1.0], [1.0, 0.1]])
+
+
+# -- membership and per-edge periods ---------------------------------------------------------
+@pytest.mark.parametrize("kw", [
+    {"grouping": "random", "regroup_every": 1, "seed": 3},
+    {"grouping": "random", "mobility": Mobility(rate=0.5, handoff="carry"), "seed": 1},
+    {"grouping": "random", "mobility": Mobility(rate=0.5, handoff="fresh"), "seed": 1},
+    {"grouping": "random", "regroup_every": 2, "seed": 2,
+     "mobility": Mobility(rate=0.5, reachability=((True, False), (True, True)))},
+    {"grouping": "contiguous", "periods": (1, 4), "edge_periods": (1, 2)},
+    {"grouping": "gradient", "regroup_every": 1},
+], ids=["regroup", "carry", "fresh", "reachability", "edge-periods", "gradient"])
+def test_a_buffer_of_every_edge_regroups_moves_and_counts_as_the_synchronous_run(kw):
+    """K = N: regroupings (seed + round - 1), moves with either handoff, reachability and
+    per-edge periods as synchronous H-SGD has them: the same records (moves, maps, each
+    edge's aggregations) and model, three rounds (the synchronous round is fedhier.round's,
+    none of async_edges.py's code)."""
+    kw = {"periods": (1, 2), "groups": (2,), "time_model": CLOCK, **kw}
+    sync_records: list[dict] = []
+    sync = HierarchicalSGD(HSGDSettings(**kw))
+    expected = sync.run(Gradients(), {"w": torch.zeros(1)}, 3, on_record=sync_records.append)
+    algo = AsyncHierarchicalSGD(HSGDSettings(asynchronous=AsyncEdges(2, 0), **kw))
+    records: list[dict] = []
+    gradients = Gradients()
+    final = algo.run(gradients, {"w": torch.zeros(1)}, 3, on_record=records.append)
+    if kw["grouping"] == "gradient":  # asked at set-up, then at each round's global model
+        assert gradients.asked == pytest.approx([0.0, 6.25, 12.5], abs=1e-5)
+    assert float(final["w"][0]) == pytest.approx(float(expected["w"][0]), abs=1e-6)
+    for mine, theirs in zip(records, sync_records, strict=True):
+        assert {k: v for k, v in mine.items() if k not in ("async_reports", "stale_dropped")} \
+            == theirs
+    assert any(key in r for r in records[1:] for key in ("regrouped", "moves",
+                                                         "edge_aggregations"))
+
+
+@pytest.mark.parametrize("handoff,client1", [("carry", 3.5), ("fresh", 17 / 3)])
+def test_a_job_in_flight_keeps_a_client_that_moves(handoff, client1):
+    """K = 1; the trace moves client 1 to edge 1 in edge round 2 and client 2 to edge 0 in
+    edge round 3. Round 1: edge 0 trains {0, 1}, then {0} (2.5, ends at 3.5 s: 0.5 + 1 per
+    edge round of one client); edge 1 {2, 3}, then {1, 2, 3} (ends at 2 * (1 + 3) + 0.5 =
+    8.5 s), client 1 from edge 0's model 1.5 (carry: 3.5) or edge 1's 11/3 (fresh: 17/3).
+    w = 2.5 (at 5.5 s). Round 2: client 2 is still in edge 1's job: edge 0 trains client 0
+    alone from 2.5 (4.5, ends at 8.5, before edge 1's by its id): w = 4.5 at 10.5 s.
+    Round 3: edge 1's report (s = 2): (client1 + 2 * 20/3 + 4 * 23/3) / 7 + 4.5."""
+    algo, records, final = run(3, mobility=Mobility(trace=((2, 1, 1), (3, 2, 0)),
+                                                    handoff=handoff))
+    assert [(r["moved_clients"], r.get("moves"), r.get("client_to_edge"))
+            for r in records[1:]] == [(1, [[2, 1, 0, 1]], [0, 1, 1, 1]),
+                                      (1, [[3, 2, 1, 0]], [0, 1, 0, 1]), (0, None, None)]
+    assert table(records)[:2] == [([[0, 0]], 0, 5.5, 3.125, 2, 16),
+                                  ([[0, 0]], 0, 10.5, 1.0, 4, 20)]
+    assert records[3]["async_reports"] == [[1, 2]]
+    assert final == pytest.approx((client1 + 44) / 7 + 4.5, abs=1e-5)
+    assert algo.hierarchy.edge_of_client().tolist() == [0, 1, 0, 1]
+    # edge 0's round-3 job started while edge 1's was in flight: client 2 waits for the next
+    assert jobs(algo)[0][3:] == ([0], [0]) and sorted(algo.idle) == [1]
+
+
 # -- deeper trees ------------------------------------------------------------------------------
 def tree_run(rounds: int, buffer: int, *slowdown: tuple[int, float]):
     """Three levels: 4 edges of one client, regions {0, 1} and {2, 3}, periods (1, 2, 4): a
@@ -289,6 +358,7 @@ def test_an_old_checkpoint_without_relay_or_members_still_loads():
 
 def test_algorithm_for_picks_the_round():
     assert type(algorithm_for(settings())) is HierarchicalSGD
+    assert algorithm_for(settings(), cloud_step="step").cloud_step == "step"
     chosen = algorithm_for(settings(asynchronous=AsyncEdges(1)), cloud_step="step")
     assert type(chosen) is AsyncHierarchicalSGD and chosen.cloud_step == "step"
 
@@ -308,3 +378,78 @@ def test_a_clipping_rule_keeps_each_jobs_reference():
     algo, _, _ = run(1, aggregators=("clip:100", "mean"))
     assert algo.jobs[1].reference is not None
     assert algo.jobs[1].reference["w"].tolist() == pytest.approx([11 / 3])
+
+
+class FirstChild(Recorder):
+    """The recording cloud step of tests/test_hsgd_mutants.py, returning its lowest child's
+    model + 100 (an async round may hand it edge 1 alone)."""
+
+    def step(self, cloud_round, children, child_weights):
+        self.steps.append((cloud_round, sorted(children),
+                           [child_weights[c] for c in sorted(children)]))
+        return {"w": children[min(children)]["w"] + 100}
+
+
+def test_a_cloud_step_is_told_each_round_and_given_the_reports_edges():
+    """K = 1 with a cloud step (returns its first child's model + 100). Round 1: it is told
+    the round, w = 0 and the cloud's 2 children, then given edge 0's report (its clients'
+    mean 3, weight 2): 103. Round 2: edge 1's (stale by 1: 22/3 + 103, weight 6 /
+    sqrt(2)): + 100."""
+    step = FirstChild()
+    algo = AsyncHierarchicalSGD(settings(time_model=CLOCK, asynchronous=AsyncEdges(1)),
+                                cloud_step=step)
+    final = algo.run(Clocked(), {"w": torch.zeros(1)}, 2)
+    assert step.begun == [(1, 0.0, 2), (2, pytest.approx(103.0), 2)]
+    assert step.steps == [(1, [0], [2.0]), (2, [1], [pytest.approx(6 / 2 ** 0.5)])]
+    assert float(final["w"][0]) == pytest.approx(22 / 3 + 203, abs=1e-4)
+
+
+def test_region_buffers_drop_a_held_report_when_the_round_starts():
+    """Regions buffer 2 children (K_2 = 2, K = 1), S = 1; edge 3's steps take 8 s. Round 1:
+    edges 0, 1 (jobs end at 10) fire region 0 at 12 (the cloud at 13): w = 6, at 16.
+    Round 2: edge 2's report (its job ends at 23) is held at region 1 from 24 (edge 3's
+    job ends at 37); edges 0, 1 from 6 end at 26, reach region 0 at 27, 28: w = 12 at 32.
+    Round 3 (version 2): edge 2's held report is 2 behind: dropped at the round's start,
+    its edge restarts from max(24, 32) = 32 (the model there at 34); edge 3's report (37,
+    at region 1 at 38) is dropped on arrival (restart at 38, the model there at 40). Edges
+    0, 1 from 12 end at 42, reach region 0 at 43, 44: w = 18 at 48. Losses of round 3:
+    the batch of edges 0-2 (weights 1, 1, 2: 9/4 per edge round), then edge 3's (4)."""
+    s = settings(time_model=clock((3, 8.0)), periods=(1, 2, 4), groups=(4, 2),
+                 asynchronous=AsyncEdges(1, 1, regions=(2,)))
+    algo = AsyncHierarchicalSGD(s)
+    records: list[dict] = []
+    final = algo.run(Clocked(), {"w": torch.zeros(1)}, 3, on_record=records.append)
+    assert table(records) == [([[0, 0], [1, 0]], 0, 16.0, 3.125, 14, 32),
+                              ([[0, 0], [1, 0]], 0, 32.0, 1.5, 25, 48),
+                              ([[0, 0], [1, 0]], 2, 48.0, 3.125, 44, 80)]
+    assert float(final["w"][0]) == pytest.approx(18.0, abs=1e-5)
+    # edge 3 restarted at 40 (8.5 s per edge round, its region's aggregation 1 + 2 s): 77;
+    # edge 2's new job (from 34, ends at 43) is on its way to region 1 (its link free at 38)
+    assert jobs(algo)[3][:2] == (2, 77.0) and sorted(algo.jobs) == [3]
+    assert algo.regions is not None
+    assert [(t, job.edge, job.finish) for t, job in algo.regions.in_transit] == [(44.0, 2, 43.0)]
+
+
+@pytest.mark.parametrize("stop", [1, 2])
+@pytest.mark.parametrize("kw", [
+    {"periods": (1, 2, 4), "groups": (4, 2), "time_model": clock((3, 5.0))},
+    {"periods": (1, 2, 4), "groups": (4, 2), "time_model": clock((3, 8.0)),
+     "asynchronous": AsyncEdges(1, 1, regions=(2,))},
+    {"periods": (1, 4), "edge_periods": (1, 2), "time_model": CLOCK},
+], ids=["three-levels", "regions", "edge-periods"])
+def test_a_run_resumed_from_its_checkpoint_is_the_run(kw, stop):
+    """Four rounds straight, or ``stop`` rounds, a checkpoint, and the rest in a fresh
+    algorithm from the checkpoint's model: the same records and model (the links' queues,
+    the regions' held reports and each edge's aggregation counts carry over)."""
+    kw = {"asynchronous": AsyncEdges(1), **kw}
+    straight: list[dict] = []
+    expected = AsyncHierarchicalSGD(settings(**kw)).run(
+        Clocked(), {"w": torch.zeros(1)}, 4, on_record=straight.append)
+    first = AsyncHierarchicalSGD(settings(**kw))
+    at_stop = first.run(Clocked(), {"w": torch.zeros(1)}, stop)
+    resumed = AsyncHierarchicalSGD(settings(**kw))
+    resumed.load_state_dict(first.state_dict())
+    records: list[dict] = []
+    final = resumed.run(Clocked(), at_stop, 4, first_round=stop + 1, on_record=records.append)
+    assert records == straight[stop + 1:]
+    assert float(final["w"][0]) == float(expected["w"][0])
