@@ -356,6 +356,19 @@ def test_an_old_checkpoint_without_relay_or_members_still_loads():
     assert resumed.jobs[1].members.tolist() == [2, 3]
 
 
+def test_a_checkpoint_without_edge_counts_gives_none():
+    """A per-edge-period run's checkpoint written before the counts were kept: an empty
+    int64 count (not float, not None)."""
+    algo, _, _ = run(1, periods=(1, 4), edge_periods=(1, 2))
+    state = algo.state_dict()
+    assert state["async"]["edge_aggregations"] == [4, 2]
+    del state["async"]["edge_aggregations"]
+    resumed = AsyncHierarchicalSGD(algo.settings)
+    resumed.load_state_dict(state)
+    counts = resumed._edge_periods().aggregations
+    assert counts.dtype == np.int64 and counts.tolist() == []
+
+
 def test_algorithm_for_picks_the_round():
     assert type(algorithm_for(settings())) is HierarchicalSGD
     assert algorithm_for(settings(), cloud_step="step").cloud_step == "step"
@@ -449,6 +462,10 @@ def test_a_run_resumed_from_its_checkpoint_is_the_run(kw, stop):
     at_stop = first.run(Clocked(), {"w": torch.zeros(1)}, stop)
     resumed = AsyncHierarchicalSGD(settings(**kw))
     resumed.load_state_dict(first.state_dict())
+    for name in ("version", "idle", "link_free", "relay_free", "now"):
+        assert getattr(resumed, name) == getattr(first, name), name
+    if (periods := resumed._edge_periods()) is not None:
+        assert periods.aggregations.tolist() == first._edge_periods().aggregations.tolist()
     records: list[dict] = []
     final = resumed.run(Clocked(), at_stop, 4, first_round=stop + 1, on_record=records.append)
     assert records == straight[stop + 1:]
