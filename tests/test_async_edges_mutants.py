@@ -470,3 +470,16 @@ def test_a_run_resumed_from_its_checkpoint_is_the_run(kw, stop):
     final = resumed.run(Clocked(), at_stop, 4, first_round=stop + 1, on_record=records.append)
     assert records == straight[stop + 1:]
     assert float(final["w"][0]) == float(expected["w"][0])
+
+
+def test_in_four_levels_each_node_queues_on_its_own_link():
+    """Periods (1, 2, 4, 8) over 4 edges, 2 regions, 2 level-3 nodes (one region each);
+    edges 1 and 3 are 5 times slower, K = 2. Edges 0 and 2's reports reach their regions
+    at 48 together; each region's goes up its own level-3 node's link (49 both, not one
+    after the other), then both up the cloud's shared link (50, 51). Down: 1 s per level
+    below the cloud, 2 s from the cloud to its two children: 55."""
+    algo, records, _ = run(1, 2, time=clock((1, 5.0), (3, 5.0)), periods=(1, 2, 4, 8),
+                           groups=(4, 2, 2))
+    assert records[1]["async_reports"] == [[0, 0], [2, 0]]
+    assert records[1]["sim_seconds"] == 55.0 and algo.link_free == 51.0
+    assert algo.relay_free == {"2:0": 48.0, "2:1": 48.0, "3:0": 49.0, "3:1": 49.0}
