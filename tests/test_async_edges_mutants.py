@@ -195,7 +195,14 @@ class Gradients(Clocked):
      "mobility": Mobility(rate=0.5, reachability=((True, False), (True, True)))},
     {"grouping": "contiguous", "periods": (1, 4), "edge_periods": (1, 2)},
     {"grouping": "gradient", "regroup_every": 1},
-], ids=["regroup", "carry", "fresh", "reachability", "edge-periods", "gradient"])
+    {"grouping": "random", "periods": (1, 4), "seed": 1,
+     "mobility": Mobility(trace=((2, 1, 1), (3, 2, 0), (8, 0, 1)), handoff="carry")},
+    {"grouping": "contiguous", "periods": (1, 4), "edge_periods": (1, 2),
+     "mobility": Mobility(trace=((2, 1, 1), (3, 2, 0), (6, 0, 1)), handoff="fresh")},
+    {"grouping": "contiguous", "periods": (1, 4), "edge_periods": (1, 2),
+     "mobility": Mobility(trace=((2, 1, 1), (3, 2, 0), (6, 0, 1)), handoff="carry")},
+], ids=["regroup", "carry", "fresh", "reachability", "edge-periods", "gradient",
+        "four-edge-rounds", "edge-periods-fresh", "edge-periods-carry"])
 def test_a_buffer_of_every_edge_regroups_moves_and_counts_as_the_synchronous_run(kw):
     """K = N: regroupings (seed + round - 1), moves with either handoff, reachability and
     per-edge periods as synchronous H-SGD has them: the same records (moves, maps, each
