@@ -23,6 +23,7 @@ from fedhier.hsgd import HierarchicalSGD, HSGDSettings
 from fedhier.mobility import Mobility
 from fedhier.sim_clock import TimeModel
 from fedhier.staleness import AsyncEdges
+from fedhier.topology import Hierarchy
 from tests.helpers import assert_refused
 from tests.test_hsgd_mutants import Fake, Recorder, settings
 
@@ -490,3 +491,58 @@ def test_in_four_levels_each_node_queues_on_its_own_link():
     assert records[1]["async_reports"] == [[0, 0], [2, 0]]
     assert records[1]["sim_seconds"] == 55.0 and algo.link_free == 51.0
     assert algo.relay_free == {"2:0": 48.0, "2:1": 48.0, "3:0": 49.0, "3:1": 49.0}
+
+
+def test_drops_in_one_round_add_up():
+    """Four edges of one client (c = 1..4), K = 1, S = 0; edges 2, 3 take 3 s a step (their
+    jobs 7 s, the others' 3 s). Round 1: edge 0 (tie with edge 1, by id) arrives at 4: w = 2,
+    at 5. Round 2: edge 0 restarts (ends at 8); edge 1's old report (arrives at 5), edge
+    2's (8) and edge 3's (9) are dropped in turn, each edge restarting as the model reaches
+    it; edge 0's arrives at 10: w = 4 at 11. Losses: the four one-client batches, 1..4."""
+    algo, records, final = run(2, 1, 0, time=clock((2, 3.0), (3, 3.0)), groups=(4,))
+    assert table(records) == [([[0, 0]], 0, 5.0, 3.125, 2, 16),
+                              ([[0, 0]], 3, 11.0, 2.5, 10, 32)]
+    assert final == pytest.approx(4.0, abs=1e-6)
+    assert {e: j[:3] for e, j in jobs(algo).items()} == {1: (1, 9.0, 2.0), 2: (1, 16.0, 2.0),
+                                                         3: (1, 17.0, 2.0)}
+
+
+def test_failures_of_every_batch_in_a_round_add_up():
+    """As above with client 1 failing: round 2 trains four one-client batches; edge 1's
+    (the second) loses its client in both edge rounds, the later batches none."""
+    fake = Clocked(ok=lambda work: work.clients != 1)
+    _, records, _ = run(2, 1, 0, time=clock((2, 3.0), (3, 3.0)), groups=(4,), fake=fake)
+    assert [(r["failed_clients"], r["failed_edges"], r["stale_dropped"])
+            for r in records[1:]] == [(2, 2, 0), (2, 2, 3)]
+
+
+def test_jobs_train_the_edge_rounds_of_the_next_cloud_round():
+    """A job from version v trains cloud round v + 1's edge rounds (2v + 1, 2v + 2), in two
+    levels and in three (where the batch's aggregations above the edges are its own)."""
+    fake = Clocked()
+    run(4, fake=fake)
+    assert [(w.cloud_round, w.edge_round, w.clients.tolist()) for w, _ in fake.calls] == [
+        (1, 1, [0, 1, 2, 3]), (1, 2, [0, 1, 2, 3]), (2, 3, [0, 1]), (2, 4, [0, 1]),
+        (3, 5, [2, 3]), (3, 6, [2, 3]), (4, 7, [0, 1]), (4, 8, [0, 1])]
+    fake = Clocked()
+    run(2, time=clock((3, 5.0)), periods=(1, 2, 4), groups=(4, 2), fake=fake)
+    assert [(w.cloud_round, w.edge_round) for w, _ in fake.calls][4:] == [
+        (2, 5), (2, 6), (2, 7), (2, 8)]
+
+
+def test_setup_takes_the_given_tree_and_profiles_and_copies_the_model_per_edge():
+    tree = Hierarchy((1, 2), (np.array([1, 0, 0, 1], dtype=np.int64),))
+    fake = Clocked()
+    info = fake.profiles()
+    algo = AsyncHierarchicalSGD(settings(asynchronous=AsyncEdges(1)))
+    algo.setup(fake, {"w": torch.tensor([2.0, 3.0])}, info=info, hierarchy=tree)
+    assert algo.hierarchy is tree and algo.info is info
+    assert algo.edge_models["w"].tolist() == [[2.0, 3.0], [2.0, 3.0]]
+
+
+def test_a_rule_above_the_edges_reads_the_nodes_models():
+    """clip at the cloud (radius 100: nothing clipped) measures from the cloud's model:
+    the numbers of the mean, rounds 1-2 of the four-round run."""
+    _, records, final = run(2, aggregators=("mean", "clip:100"))
+    assert [r["async_reports"] for r in records[1:]] == [[[0, 0]], [[1, 1]]]
+    assert final == pytest.approx(31 / 3, abs=1e-5)
