@@ -415,6 +415,20 @@ def matmul_peak(threads: int, size: int = 2048, repeats: int = 7) -> dict[str, A
 
 
 # ------------------------------------------------------------------------------ parent
+def run_worker(cmd: list[str], name: str) -> tuple[dict[str, Any], float]:
+    """Run a worker command in a fresh interpreter: (its last ``RESULT {json}`` line, the
+    whole command's wall seconds); a failed worker raises with its output's tail."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "FLWR_TELEMETRY_ENABLED": "0"}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    seconds = time.perf_counter() - start
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"benchmark worker {name} failed:\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-3000:]}")
+    return dict(json.loads(lines[-1][len("RESULT "):])), seconds
+
+
 def spawn(name: str, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     """Run one worker in a fresh interpreter and return its result."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name,
@@ -427,16 +441,8 @@ def spawn(name: str, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     if args.profile and name in PROFILED:
         cmd.append("--profile")
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "FLWR_TELEMETRY_ENABLED": "0"}
     print(f"  running {name} {extra or ''} ...", flush=True)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    seconds = time.perf_counter() - start
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"benchmark worker {name} failed:\n{proc.stdout[-3000:]}\n"
-                           f"{proc.stderr[-3000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
+    result, seconds = run_worker(cmd, name)
     if "untimed_seconds" in result:  # the whole command: the process less its warm-up
         result["command_seconds"] = seconds - result["untimed_seconds"]
     return dict(result)

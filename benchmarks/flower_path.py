@@ -49,6 +49,7 @@ from engines import (  # noqa: E402 - benchmarks/ is not a package
     instrument_recorder,
     machine,
     run_engine,
+    run_worker,
     spawn,
     w1_config,
     write_report,
@@ -99,16 +100,8 @@ def spawn_flower(mode: str, args: argparse.Namespace, ray_address: str) -> dict[
     """:func:`flower_worker` in a fresh interpreter; its whole command in seconds."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", mode,
            "--rounds", str(args.rounds), "--ray-address", ray_address]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "FLWR_TELEMETRY_ENABLED": "0"}
     print(f"  running flower ({mode}) ...", flush=True)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    seconds = time.perf_counter() - start
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"flower worker {mode} failed:\n{proc.stdout[-3000:]}\n"
-                           f"{proc.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(lines[-1][len("RESULT "):])
+    result, seconds = run_worker(cmd, f"flower ({mode})")
     result["command_seconds"] = seconds
     result["phases"]["interpreter_and_imports"] = seconds - result["worker_seconds"]
     return result
