@@ -331,6 +331,14 @@ class RunConfig:
 
         return LocalOptimizer(self.momentum, self.weight_decay, self.clip_norm)
 
+    def keeps_client_state(self) -> bool:
+        """Clients keep optimizer state (momentum buffers) from one edge round to the next."""
+        return bool(self.local_optimizer().has_state and self.optimizer_state == "keep")
+
+    def clients_move(self) -> bool:
+        """Clients change edges during the run (mobility, or a regrouping)."""
+        return bool(self.mobility_rate > 0 or self.mobility_trace or self.regroup_every)
+
     def workload(self) -> Any:
         from fedhier.plan import Workload
 

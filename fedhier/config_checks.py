@@ -88,9 +88,22 @@ def check_edge_servers(cfg: RunConfig) -> None:
     check_edge_tier(cfg.mobility_rate > 0 or bool(cfg.mobility_trace),
                     cfg.regroup_every > 0,
                     moves=len(cfg.periods) == 2)  # clients re-attach to edges (edge_moves)
+    if cfg.clients_move() and cfg.keeps_client_state():
+        raise ConfigError("edge servers with moving clients need --optimizer-state reset: a "
+                          "client re-attached to another edge starts in that edge's run, "
+                          "without its kept state")
+    if cfg.edge_periods and (cfg.mobility_rate > 0 or cfg.mobility_trace):
+        raise ConfigError("edge servers with per-edge periods need static clients (no "
+                          "mobility): a job split at a move would restart an edge's period")
     if cfg.asynchronous().active:
         from fedhier.edge_tier_async import check_async_edge_tier
 
+        if cfg.clients_move():
+            raise ConfigError("asynchronous edge servers need static clients (no mobility, "
+                              "no regroup_every): clients re-attach between synchronous jobs")
+        if cfg.keeps_client_state():
+            raise ConfigError("asynchronous edge servers need --optimizer-state reset: the "
+                              "clients' kept state is gathered between synchronous jobs")
         check_async_edge_tier(cfg)
 
 

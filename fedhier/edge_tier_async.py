@@ -88,15 +88,6 @@ def check_async_edge_tier(settings: HSGDSettings | Any) -> None:
     if getattr(settings, "edge_periods", None):
         raise ConfigError("asynchronous edge servers need one local period for every edge "
                           "(no edge_periods): the simulation runs both together")
-    mobility = settings.mobility
-    moving = (mobility() if callable(mobility) else mobility).active  # RunConfig: a method
-    if moving or settings.regroup_every:
-        raise ConfigError("asynchronous edge servers need static clients (no mobility, no "
-                          "regroup_every): clients re-attach between synchronous jobs only")
-    if getattr(settings, "optimizer_state", "reset") == "keep" and \
-            getattr(settings, "momentum", 0):
-        raise ConfigError("asynchronous edge servers need --optimizer-state reset: the "
-                          "clients' kept state is gathered between synchronous jobs only")
     if getattr(settings, "diagnostics_every", 0):
         raise ConfigError("asynchronous edge servers do not query the clients between "
                           "aggregations (their edges are busy): use diagnostics_every 0")

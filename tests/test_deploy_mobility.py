@@ -13,13 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-from flwr.app import Context
+from flwr.app import Context, RecordDict
 
 from fedhier.config import RunConfig
 from fedhier.engines.deployment import reattach as reattach_module
 from fedhier.engines.grid_run import run_federation
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.engines.inprocess_grid import InProcessGrid
+from fedhier.errors import ConfigError
 from fedhier.run_folder import RunFolder
 from tests.helpers import metrics
 from tests.test_edge_tier import edge_tier_grid
@@ -52,7 +53,7 @@ class InProcessReattacher:
             self._next_id += 1
             self.grids[edge].contexts[self._next_id] = Context(
                 run_id=old.run_id, node_id=self._next_id, node_config=old.node_config,
-                state=old.state, run_config=old.run_config)
+                state=RecordDict(), run_config=old.run_config)  # a new run: no kept state
         return {c: 0.0 for c in moves}
 
 
@@ -180,3 +181,17 @@ def test_a_mobile_deployment_equals_the_simulated_mobile_run(tmp_path, capsys):
     assert [[h["edge_round"], h["client"], h["from"], h["to"]] for h in handoffs] == moves
     assert all(0 < h["seconds"] < 300 for h in handoffs)
     assert [h["bytes"] > 0 for h in handoffs] == [bool((m[0] - 1) % 3) for m in moves]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(mobility_rate=0.5, momentum=0.9, optimizer_state="keep"), "optimizer-state reset"),
+    (dict(regroup_every=1, momentum=0.9, optimizer_state="keep"), "optimizer-state reset"),
+    (dict(mobility_rate=0.5, edge_periods="1,2", local_period=1, global_period=4),
+     "per-edge periods need static clients"),
+])
+def test_what_moving_clients_on_servers_cannot_keep_is_refused_in_one_line(change, message):
+    """A re-attached client starts in its new edge's run (no kept state there); a job split
+    at a move would restart an edge's own period."""
+    with pytest.raises(ConfigError, match=message):
+        RunConfig(dataset="digits", clients=4, groups=(2,), edge_servers=True,
+                  **change).validate()

@@ -150,11 +150,11 @@ def check_edge_nodes(cfg: RunConfig) -> None:
     """What servers as Simulation Engine nodes do not run, in one line: a node's clients
     live in whichever actor takes its message, so they cannot keep state between messages
     (kept optimizer state) nor move to another node's actor (mobility)."""
-    if cfg.local_optimizer().has_state and cfg.optimizer_state == "keep":
+    if cfg.keeps_client_state():
         raise ConfigError("--engine flower --edge-servers: clients cannot keep optimizer "
                           "state (a node's clients live in whichever actor takes its "
                           "message): use optimizer_state reset, or fedhier deploy local --edges")
-    if cfg.mobility_rate > 0 or cfg.mobility_trace or cfg.regroup_every:
+    if cfg.clients_move():
         raise ConfigError("--engine flower --edge-servers: clients stay at their edges (no "
                           "mobility, no regroup_every); fedhier deploy local --edges or "
                           "--engine inprocess run moving clients")

@@ -72,8 +72,7 @@ def strategy_for(cfg: RunConfig) -> HierFedAvg:
         cloud_strategy=make_cloud_strategy(cfg.cloud_strategy, cfg.server_lr,
                                            cfg.server_momentum))
     # Clients keep momentum buffers between rounds: checkpoints need them (query.state).
-    strategy.keeps_client_state = (cfg.local_optimizer().has_state
-                                   and cfg.optimizer_state == "keep")
+    strategy.keeps_client_state = cfg.keeps_client_state()
     return strategy
 
 

@@ -61,7 +61,7 @@ def check_sharded(cfg: RunConfig) -> None:
     if len(cfg.periods) != 2:
         raise ConfigError("engine vectorized-ray needs a two-level hierarchy (one local and "
                           "one global period)")
-    if cfg.local_optimizer().has_state and cfg.optimizer_state == "keep":
+    if cfg.keeps_client_state():
         raise ConfigError("engine vectorized-ray keeps no optimizer state between edge "
                           "rounds: use optimizer_state=reset (or engine vectorized)")
 

@@ -63,8 +63,7 @@ class EdgeServersExecutor(GridExecutor):
         self.ancestors = [np.full(num_clients, -1, dtype=np.int64)
                           for _ in range(level - 1)]
         cfg = run_config_of(run_config)  # do the clients keep optimizer state?
-        self.keeps_client_state = cfg.local_optimizer().has_state and \
-            cfg.optimizer_state == "keep"
+        self.keeps_client_state = cfg.keeps_client_state()
 
         from fedhier.engines.deployment.reattach import reattacher_from_env
 

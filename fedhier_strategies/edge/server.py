@@ -97,8 +97,7 @@ class EdgeServer:
                     self.grid, run_config, timeout=timeout,
                     min_available_nodes=len(self.clients), clients=self.clients,
                     num_clients=cfg.clients, policy=cfg.reply_policy(),
-                    keeps_client_state=(cfg.local_optimizer().has_state
-                                        and cfg.optimizer_state == "keep"))
+                    keeps_client_state=cfg.keeps_client_state())
             else:
                 from fedhier_strategies.edge.cloud_executor import EdgeServersExecutor
 
@@ -128,8 +127,9 @@ class EdgeServer:
                 raise ConfigError(f"server {self.edge} (level {self.level}) got the job of "
                                   f"server {job.edge} (level {job.level})")
             if self.level == 1 and clients_of(job.edge_of_client, self.edge) != self.clients:
-                self.clients = clients_of(job.edge_of_client, self.edge)  # clients moved
-                follow_clients(executor, self.clients, self.seen)
+                clients = clients_of(job.edge_of_client, self.edge)  # clients moved
+                follow_clients(executor, clients, self.seen)
+                self.clients = clients  # only once followed: a failed follow is tried again
             return report_content(run_edge_job(settings_for(cfg), executor, job))
         if kind == f"{MessageType.QUERY}.state":  # the clients keep it: ask them
             return state_content(executor.client_state())

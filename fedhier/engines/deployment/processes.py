@@ -17,7 +17,6 @@ from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 from fedhier.engines.deployment.errors import DeployError
 
@@ -110,18 +109,18 @@ class ProcessGroup:
     def __init__(self) -> None:
         self.started: list[Managed] = []
         self.seen: dict[int, str] = {}  # every pid of the trees, as last snapshotted
-        self._handles: list[IO[bytes]] = []
 
     def start(self, name: str, cmd: Sequence[str], env: Mapping[str, str], log: Path,
               cwd: Path) -> Managed:
         log.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(log, "ab")  # noqa: SIM115 - closed in stop_all
-        handle.write(f"$ {shlex.join(cmd)}\n".encode())  # the log says what ran
-        handle.flush()
-        self._handles.append(handle)
-        popen = subprocess.Popen(list(cmd), env=dict(env), cwd=cwd, stdout=handle,
-                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True)
+        # the child writes to its own copy of the descriptor: ours is closed at once, so a
+        # deployment that restarts processes (re-attached SuperNodes) holds no handle each
+        with open(log, "ab") as handle:
+            handle.write(f"$ {shlex.join(cmd)}\n".encode())  # the log says what ran
+            handle.flush()
+            popen = subprocess.Popen(list(cmd), env=dict(env), cwd=cwd, stdout=handle,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
         managed = Managed(name, popen, log)
         self.started.append(managed)
         self.snapshot()
@@ -179,9 +178,6 @@ class ProcessGroup:
             self._signal(left, signal.SIGKILL)
             time.sleep(0.5)
             left = alive(self.seen)
-        for handle in self._handles:
-            handle.close()
-        self._handles.clear()
         return left
 
 
