@@ -25,7 +25,9 @@ state between jobs: each job carries the tree and the clients' row counts, so a 
 process simply takes the next job. Per-edge periods run inside the jobs (each I_i divides the
 period above the edges, so a job holds whole periods of every edge; the cloud counts each
 edge's aggregations, :func:`schedule_keys`); clients' kept optimizer state stays with the
-clients. Static groupings and synchronous edges only (checked by :func:`check_edge_tier`).
+clients. Clients that move re-attach between job segments (:mod:`fedhier.edge_moves`),
+asynchronous edges are :mod:`fedhier.edge_tier_async`; what the tier refuses is checked by
+:func:`check_edge_tier` and :func:`fedhier.config_checks.check_edge_servers`.
 """
 
 from __future__ import annotations
@@ -64,10 +66,6 @@ def check_edge_tier(mobile: bool, regroups: bool, edge_periods: bool = False, *,
                           (edge_periods, "one local period for every edge (no edge_periods)")):
         if failed:
             raise ConfigError(f"edge servers as processes need {needs}")
-
-
-def _check(settings: HSGDSettings) -> None:
-    check_edge_tier(settings.mobility.active, bool(settings.regroup_every), moves=True)
 
 
 # ------------------------------------------------------------------------ the edge's half
@@ -232,7 +230,6 @@ def run_edge_job(settings: HSGDSettings, executor: Executor, job: EdgeJob) -> Ed
     """A server's half of its parent's period: from the parent's model, the edge rounds of
     ``job`` with its subtree (an edge: its clients through ``executor``; above: its children
     through ``executor.run_edge_jobs``), then the subtree's aggregate."""
-    _check(settings)
     algorithm = start_job(settings, executor, job)
     hierarchy, clock = algorithm._hierarchy(), algorithm._clock()
     edges = np.flatnonzero(hierarchy.edges_under(job.level) == job.edge)
@@ -383,10 +380,6 @@ class EdgeTierExecutor(Executor, Protocol):
 class EdgeTierHierarchicalSGD(HierarchicalSGD):
     """The cloud of a run whose edges (and levels above) are servers of their own (the
     module docstring)."""
-
-    def __init__(self, settings: HSGDSettings, cloud_step: Any = None) -> None:
-        _check(settings)
-        super().__init__(settings, cloud_step)
 
     def setup(self, executor: Executor, initial: Params, *, info: ClientInfo | None = None,
               hierarchy: Hierarchy | None = None) -> None:
