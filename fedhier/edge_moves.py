@@ -87,8 +87,7 @@ def apply_job_handoff(algorithm: HierarchicalSGD, job: Any) -> None:
     for name, value in algorithm.edge_models.items():
         for row, edge in enumerate(edges):
             value[edge] = job.carried[name][row].to(value.device, value.dtype)
-    first = job.first_round or ((job.cloud_round - 1)
-                                * algorithm.settings.edge_rounds_per_cloud_round + 1)
+    first = job.first_round or algorithm.settings.edge_rounds_of(job.cloud_round).start
     algorithm.membership = Membership([JobHandoff(first, job.start_edge_of_client)])
 
 

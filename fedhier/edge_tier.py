@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from fedhier.aggregate import aggregator, presence_weights
-from fedhier.communication import BatchCommunication
+from fedhier.communication import BatchCommunication, Communication
 from fedhier.edge_moves import apply_job_handoff, job_settings, run_segments
 from fedhier.errors import ConfigError
 from fedhier.grouping import ClientInfo
@@ -95,9 +95,8 @@ def train_edges(algorithm: HierarchicalSGD, executor: Executor, edges: np.ndarra
     round's survivors are held, not aggregated, when it ends at the cloud (or, with
     ``hold_level``, at that level or above: ``complete(..., hold_level=...)``)."""
     edge_of = algorithm._hierarchy().edge_of_client()
-    per_round = algorithm.settings.edge_rounds_per_cloud_round
     if rounds is None:
-        rounds = range((cloud_round - 1) * per_round + 1, cloud_round * per_round + 1)
+        rounds = algorithm.settings.edge_rounds_of(cloud_round)
     losses = np.zeros((len(rounds), 2))
     failed = failed_edge_count = 0
     held: tuple[Params, np.ndarray] | None = None
@@ -178,6 +177,14 @@ class EdgeReport:
     edge_cloud_bytes: int = 0
     unreached: dict[int, list[int]] = field(default_factory=dict)
 
+    def add_traffic(self, traffic: Communication) -> None:
+        """Add this report's traffic counters to ``traffic`` (a
+        :class:`fedhier.communication.Communication`: the parent's)."""
+        traffic.client_edge_messages += self.client_edge_messages
+        traffic.client_edge_bytes += self.client_edge_bytes
+        traffic.edge_cloud_messages += self.edge_cloud_messages
+        traffic.edge_cloud_bytes += self.edge_cloud_bytes
+
 
 def job_hierarchy(settings: HSGDSettings, job: EdgeJob) -> Hierarchy:
     """The tree of a job: its client -> edge map and the levels above."""
@@ -188,9 +195,8 @@ def job_hierarchy(settings: HSGDSettings, job: EdgeJob) -> Hierarchy:
 
 def job_rounds(settings: HSGDSettings, job: EdgeJob) -> range:
     """The edge rounds of ``job`` (1-based)."""
-    per_round = settings.edge_rounds_per_cloud_round
-    first = job.first_round or (job.cloud_round - 1) * per_round + 1
-    return range(first, first + (job.num_rounds or per_round))
+    first = job.first_round or settings.edge_rounds_of(job.cloud_round).start
+    return range(first, first + (job.num_rounds or settings.edge_rounds_per_cloud_round))
 
 
 def start_job(settings: HSGDSettings, executor: Executor, job: EdgeJob) -> HierarchicalSGD:
@@ -345,11 +351,7 @@ def run_children(algorithm: HierarchicalSGD, executor: Executor, level: int, nod
             out.failed_edges += report.failed_edges
             for below, nodes in report.unreached.items():
                 out.deeper.setdefault(below, []).extend(nodes)
-            traffic = algorithm.communication
-            traffic.client_edge_messages += report.client_edge_messages
-            traffic.client_edge_bytes += report.client_edge_bytes
-            traffic.edge_cloud_messages += report.edge_cloud_messages
-            traffic.edge_cloud_bytes += report.edge_cloud_bytes
+            report.add_traffic(algorithm.communication)
             clock.edge_time[mine] = report.seconds[mine]
         answered = [r for r in reports if r.model is not None]
         out.models = None
@@ -405,8 +407,7 @@ class EdgeTierHierarchicalSGD(HierarchicalSGD):
         """Send every child server its job, wait for the reports, aggregate them at the
         cloud."""
         changed = self.begin_cloud_round(executor, cloud_round)
-        per_round = self.settings.edge_rounds_per_cloud_round
-        rounds = range((cloud_round - 1) * per_round + 1, cloud_round * per_round + 1)
+        rounds = self.settings.edge_rounds_of(cloud_round)
         top = self._hierarchy().num_levels
         below, handoffs = run_segments(self, executor, run_children, top, cloud_round,
                                        rounds)

@@ -188,11 +188,7 @@ class EdgeTierAsyncHSGD(AsyncHierarchicalSGD, EdgeTierHierarchicalSGD):
         stats["losses"].extend(losses[losses[:, 1] > 0, 0].tolist())
         stats["failed_clients"] += report.failed_clients
         stats["failed_edges"] += report.failed_edges
-        traffic = self.communication
-        traffic.client_edge_messages += report.client_edge_messages
-        traffic.client_edge_bytes += report.client_edge_bytes
-        traffic.edge_cloud_messages += report.edge_cloud_messages
-        traffic.edge_cloud_bytes += report.edge_cloud_bytes
+        report.add_traffic(self.communication)
         return edge
 
     def _collect(self, executor: Executor, stats: dict[str, Any],

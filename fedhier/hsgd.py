@@ -122,6 +122,11 @@ class HSGDSettings:
     def edge_rounds_per_cloud_round(self) -> int:
         return self.global_period // self.local_period
 
+    def edge_rounds_of(self, cloud_round: int) -> range:
+        """The 1-based edge rounds of cloud round ``cloud_round`` (1-based)."""
+        per_round = self.edge_rounds_per_cloud_round
+        return range((cloud_round - 1) * per_round + 1, cloud_round * per_round + 1)
+
 
 #: The training keys of a round-0 (or resumed) record.
 NO_TRAINING = {"local_train_loss": None, "failed_clients": 0, "failed_edges": 0}
