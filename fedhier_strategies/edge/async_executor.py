@@ -14,12 +14,11 @@ import logging
 import time
 
 import numpy as np
-from flwr.app import Message, MessageType
 
 from fedhier.edge_tier import EdgeJob, EdgeReport
 from fedhier.hsgd import ClientEvaluation, Params
-from fedhier_strategies.edge.cloud_executor import EdgeServersExecutor
-from fedhier_strategies.edge.messages import job_content, report_from_reply
+from fedhier_strategies.edge.cloud_executor import EdgeServersExecutor, error_reason
+from fedhier_strategies.edge.messages import report_from_reply
 
 log = logging.getLogger("fedhier")
 #: Seconds between two pulls for replies while waiting (at most; PromptGrid's pace if less).
@@ -35,9 +34,7 @@ class AsyncEdgeServersExecutor(EdgeServersExecutor):
         self.arrived: dict[int, EdgeReport] = {}  # edge -> its report, in arrival order
 
     def submit(self, jobs: list[EdgeJob]) -> None:
-        messages = [Message(job_content(job, self.train_config), message_type=MessageType.TRAIN,
-                            dst_node_id=self.node_of_edge[job.edge], ttl=self.timeout)
-                    for job in jobs]
+        messages = self.job_messages(jobs)
         now = time.monotonic()
         ids = list(self.grid.push_messages(messages))
         for message_id, job in zip(ids, jobs, strict=True):
@@ -52,8 +49,7 @@ class AsyncEdgeServersExecutor(EdgeServersExecutor):
         for reply in replies:
             edge, _ = self.in_flight.pop(reply.metadata.reply_to_message_id)
             if reply.has_error():
-                reason = (reply.error.reason or "").strip().splitlines()
-                log.warning("edge %d failed its job: %s", edge, reason[0] if reason else "")
+                log.warning("edge %d failed its job: %s", edge, error_reason(reply))
                 reports[edge] = EdgeReport(edge, None, np.zeros((0, 2)), reached=False)
             else:
                 reports[edge] = report_from_reply(reply, edge)

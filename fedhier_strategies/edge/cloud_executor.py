@@ -40,6 +40,12 @@ log = logging.getLogger("fedhier")
 STARTUP_SECONDS = 600.0
 
 
+
+def error_reason(reply: Message) -> str:
+    """The first line of an error reply's reason ("" if it gave none)."""
+    lines = (reply.error.reason or "").strip().splitlines()
+    return lines[0] if lines else ""
+
 class EdgeServersExecutor(GridExecutor):
     """``num_edges`` servers reached through ``grid`` (the children ``children``, default
     0 .. num_edges-1, of a node of level ``level``: 2 for edges), serving ``clients`` (default:
@@ -87,9 +93,8 @@ class EdgeServersExecutor(GridExecutor):
         replies = list(self.grid.send_and_receive(messages, timeout=timeout))
         for reply in replies:
             if reply.has_error():
-                reason = (reply.error.reason or "").strip().splitlines()
                 raise RunFailureError(f"edge server on node {reply.metadata.src_node_id} "
-                                      f"failed: {reason[0] if reason else 'no reason given'}")
+                                      f"failed: {error_reason(reply) or 'no reason given'}")
         if len(replies) != len(nodes):
             raise RunFailureError(f"{len(nodes) - len(replies)} of {len(nodes)} edge servers "
                                   f"did not answer within {timeout:.0f} s")
@@ -150,13 +155,17 @@ class EdgeServersExecutor(GridExecutor):
         raise RuntimeError("with edge servers the edges train their clients "
                            "(EdgeServersExecutor.run_edge_jobs)")
 
+    def job_messages(self, jobs: list[EdgeJob]) -> list[Message]:
+        """One train message per job, to its server's node. A job outlives its round by
+        nothing (``ttl``): a server that restarts must not take it late."""
+        return [Message(job_content(job, self.train_config), message_type=MessageType.TRAIN,
+                        dst_node_id=self.node_of_edge[job.edge], ttl=self.timeout)
+                for job in jobs]
+
     def run_edge_jobs(self, jobs: list[EdgeJob]) -> list[EdgeReport]:
         """Send each edge its job; an edge that fails or does not answer within the timeout
         is reported ``reached=False``."""
-        # A job outlives its round by nothing: an edge that restarts must not take it late.
-        messages = [Message(job_content(job, self.train_config), message_type=MessageType.TRAIN,
-                            dst_node_id=self.node_of_edge[job.edge], ttl=self.timeout)
-                    for job in jobs]
+        messages = self.job_messages(jobs)
         replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
         # By the message answered: an error reply may come from the SuperLink itself (an
         # expired message), not from the edge's node.
@@ -167,9 +176,7 @@ class EdgeServersExecutor(GridExecutor):
         for reply in replies:
             edge = edge_of_message[reply.metadata.reply_to_message_id]
             if reply.has_error():
-                reason = (reply.error.reason or "").strip().splitlines()
-                log.warning("%s %d failed its job: %s", child, edge,
-                            reason[0] if reason else "")
+                log.warning("%s %d failed its job: %s", child, edge, error_reason(reply))
                 continue
             reports[edge] = report_from_reply(reply, edge)
         for job in jobs:
