@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from typing import Any
 
 from fedhier.config import RunConfig
 from fedhier.errors import ConfigError
@@ -35,21 +36,21 @@ def step_seconds() -> float:
 
 
 @functools.lru_cache(maxsize=4)
-def _factors(cfg: RunConfig) -> tuple[float, ...]:
-    """Each client's edge's slowdown factor (the edge servers' placement)."""
-    from fedhier.engines.deployment.placement import client_placement
+def _factors(edge_slowdown: str) -> dict[int, float]:
+    """edge -> its slowdown factor (edges not named: 1)."""
     from fedhier.sim_clock import parse_edge_slowdown
 
-    slow = dict(parse_edge_slowdown(cfg.edge_slowdown))
-    return tuple(slow.get(int(edge), 1.0) for edge in client_placement(cfg))
+    return dict(parse_edge_slowdown(edge_slowdown))
 
 
-def sleep_for_steps(cfg: RunConfig, client: int, steps: int) -> float:
-    """Sleep ``steps`` x :func:`step_seconds` x ``client``'s edge factor (edge servers
-    only); returns the seconds slept."""
+def sleep_for_steps(cfg: RunConfig, edge: Any, steps: int) -> float:
+    """Sleep ``steps`` x :func:`step_seconds` x the factor of ``edge`` (the client's edge now,
+    from its SuperNode's ``edge`` node config, which a re-attached SuperNode gets anew; None:
+    factor 1) under edge servers; returns the seconds slept."""
     base = step_seconds()
     if not base or not cfg.edge_servers or steps <= 0:
         return 0.0
-    seconds = base * steps * _factors(cfg)[client]
+    factor = 1.0 if edge is None else _factors(cfg.edge_slowdown).get(int(edge), 1.0)
+    seconds = base * steps * factor
     time.sleep(seconds)
     return seconds

@@ -97,7 +97,8 @@ def train(msg: Message, context: Context) -> Message:
         model, start_params, x, y, lr=cfg.learning_rates(start, steps),
         indices=batch_indices(cfg.seed, pid, len(y), cfg.batch_size, start, steps),
         optimizer=optimizer, buffers=buffers)
-    sleep_for_steps(cfg, pid, steps)  # FEDHIER_STEP_SECONDS: a real slow edge (deploy)
+    # FEDHIER_STEP_SECONDS: a real slow edge (deploy); the SuperNode's config names its edge
+    sleep_for_steps(cfg, context.node_config.get("edge"), steps)
     if keep and buffers is not None:
         context.state[OPTIMIZER_STATE_KEY] = ArrayRecord(
             {k: v.detach().cpu() for k, v in buffers.items()})

@@ -212,3 +212,21 @@ def test_async_edge_servers_on_real_processes_record_and_replay_their_arrivals(t
     assert max(float((fa[k] - fc[k]).abs().max()) for k in fa) <= TOL
     assert [r.get("async_reports") for r in metrics(tmp_path / "inprocess")] == \
         [r.get("async_reports") for r in metrics(tmp_path / "live")]
+
+
+def test_the_real_slowdown_sleeps_by_the_edge_the_supernode_names(monkeypatch):
+    """S x steps x the factor of the client's edge now (its SuperNode's ``edge`` config,
+    renewed when it re-attaches); nothing without edge servers or without S."""
+    from fedhier import real_slowdown
+
+    slept: list[float] = []
+    monkeypatch.setattr(real_slowdown.time, "sleep", slept.append)
+    monkeypatch.setenv(real_slowdown.STEP_SECONDS_ENV, "0.5")
+    cfg = BASE.replace(edge_servers=True, edge_slowdown="1:4")
+    assert real_slowdown.sleep_for_steps(cfg, 1, 3) == 6.0  # 0.5 s x 3 steps x 4
+    assert real_slowdown.sleep_for_steps(cfg, "0", 3) == 1.5  # an edge not named: 1
+    assert real_slowdown.sleep_for_steps(cfg, None, 2) == 1.0
+    assert real_slowdown.sleep_for_steps(cfg.replace(edge_servers=False), 1, 3) == 0.0
+    monkeypatch.delenv(real_slowdown.STEP_SECONDS_ENV)
+    assert real_slowdown.sleep_for_steps(cfg, 1, 3) == 0.0
+    assert slept == [6.0, 1.5, 1.0]
