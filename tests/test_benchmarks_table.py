@@ -38,6 +38,7 @@ def sharded_result() -> dict[str, Any]:
         clients = [100] if workers == 1 else [50, 50]
         return {"ray_workers": workers, "windows": [{"wall": 1.0 + workers, "cpu": 0.1}],
                 "run_seconds": run_seconds, "final_test_accuracy": accuracy,
+                "final_test_loss": 0.5 + (workers - 1) * 2e-9,
                 "sharding": {"workers": [{"clients": c, "peak_rss_bytes": 500 * 2**20}
                                          for c in clients],
                              "driver_peak_rss_bytes": 600 * 2**20,
@@ -69,7 +70,7 @@ def test_sharded_rows_summary_and_lines(capsys):
     rows = processes.rows_of("vectorized-ray", sharded_result())
     results = {name: processes.summarise(processes.merge([res]), 6000)
                for name, res in rows.items()}
-    results["vectorized"] = {"final_test_accuracy": 0.8}
+    results["vectorized"] = {"final_test_accuracy": 0.8, "final_test_loss": 0.5}
     one = results["vectorized-ray, 1 worker"]
     assert one["client_sgd_steps_per_s"] == 6000 / 2.0 and one["cpu_is_driver_only"]
     summary = w1_table.sharded_summary(results, rounds=3)
@@ -79,10 +80,11 @@ def test_sharded_rows_summary_and_lines(capsys):
     assert two["worker_clients"] == [50, 50] and two["driver_peak_rss_mb"] == 600
     assert summary["vectorized-ray, 1 worker"]["accuracy_minus_vectorized"] == 0.0
     assert two["accuracy_minus_vectorized"] == pytest.approx(1e-9)
+    assert two["loss_minus_vectorized"] == pytest.approx(2e-9)
     w1_table.print_sharded(summary)
     out = capsys.readouterr().out
     assert f"vectorized-ray, 2 workers: {3 * 12 * 38_994:,} bytes" in out
-    assert "(+1.0e-09 vs vectorized)" in out
+    assert "(+1.0e-09 vs vectorized; test loss +2.0e-09)" in out
 
 
 @pytest.mark.parametrize("value", ["0", "1,x", ""])

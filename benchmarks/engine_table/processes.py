@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 #: the command line every worker runs (``--worker NAME``)
 SCRIPT = ROOT / "benchmarks" / "engines.py"
 #: keys a row's summary keeps as they are (the sharded rows' Ray start and traffic)
-CARRIED = ("profile", "sharding", "ray_workers", "ray_start_seconds", "warm_up_seconds",
-           "cpu_is_driver_only")
+CARRIED = ("profile", "final_test_loss", "sharding", "ray_workers", "ray_start_seconds",
+           "warm_up_seconds", "cpu_is_driver_only")
 
 
 def run_worker(cmd: list[str], name: str) -> tuple[dict[str, Any], float]:

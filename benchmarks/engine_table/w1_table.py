@@ -184,7 +184,7 @@ def print_report(report: dict[str, Any]) -> None:
 def sharded_summary(results: dict[str, Any], rounds: int) -> dict[str, Any]:
     """The sharded rows' traffic and their test accuracy against ``vectorized``'s (the same
     run up to float rounding: docs/engines.md, "vectorized-ray")."""
-    reference = results.get("vectorized", {}).get("final_test_accuracy")
+    reference = results.get("vectorized", {})
     rows = {}
     for name, res in results.items():
         if "sharding" not in res:
@@ -198,9 +198,11 @@ def sharded_summary(results: dict[str, Any], rounds: int) -> dict[str, Any]:
             "worker_peak_rss_mb": [w["peak_rss_bytes"] / 2**20 for w in sharding["workers"]],
             "driver_peak_rss_mb": sharding["driver_peak_rss_bytes"] / 2**20,
             "ray_start_seconds": res["ray_start_seconds"],
-            "final_test_accuracy": res["final_test_accuracy"],
-            "accuracy_minus_vectorized": (None if reference is None
-                                          else res["final_test_accuracy"] - reference)}
+            **{f"final_test_{key}": res[f"final_test_{key}"] for key in ("accuracy", "loss")},
+            **{f"{key}_minus_vectorized": (res[f"final_test_{key}"]
+                                           - reference[f"final_test_{key}"]
+                                           if f"final_test_{key}" in reference else None)
+               for key in ("accuracy", "loss")}}
     return rows
 
 
@@ -215,8 +217,9 @@ def print_sharded(sharded: dict[str, Any]) -> None:
           f"one-round warm-up run that boots the actors (outside); each worker one Ray actor "
           f"of one CPU; CPU s is the driver's only (evaluation, cloud step), so no CPU ratios")
     for name, row in sharded.items():
-        diff = row["accuracy_minus_vectorized"]
-        vs = "no vectorized row" if diff is None else f"{diff:+.1e} vs vectorized"
+        diff, loss = row["accuracy_minus_vectorized"], row["loss_minus_vectorized"]
+        vs = ("no vectorized row" if diff is None or loss is None
+              else f"{diff:+.1e} vs vectorized; test loss {loss:+.1e}")
         workers = ", ".join(f"{c:,} clients {m:,.0f} MB" for c, m in
                             zip(row["worker_clients"], row["worker_peak_rss_mb"], strict=True))
         print(f"  {name}: {row['bytes_between_workers']:,} bytes of models between driver and "

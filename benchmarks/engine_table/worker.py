@@ -56,7 +56,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         if args.worker == "plain":
             accuracy = plain_loop(cfg, marks)
         else:
-            accuracy = run_engine(args.worker, cfg, marks)
+            summary = run_summary(args.worker, cfg)
+            accuracy = float(summary["final_test_accuracy"])
+            out["final_test_loss"] = float(summary["final_test_loss"])
         windows.append(marks.window())
     if args.profile and args.worker in PROFILED:  # one more, untimed run under cProfile
         untimed_start = time.perf_counter()
@@ -134,6 +136,7 @@ def sharded_runs(args: argparse.Namespace, marks: Marks, load_before: float) -> 
                 row["windows"].append(marks.window())
                 sharding = summary["sharding"]
                 row.update(final_test_accuracy=float(summary["final_test_accuracy"]),
+                           final_test_loss=float(summary["final_test_loss"]),
                            sharding=sharding,
                            peak_rss_mb=sharding["total_peak_rss_bytes"] / 2**20)
     every_run = sum(row["run_seconds"] for row in rows.values())
