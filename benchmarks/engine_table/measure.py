@@ -94,6 +94,7 @@ def matmul_peak(threads: int, size: int = 2048, repeats: int = 7) -> dict[str, A
 
 
 def machine() -> dict[str, Any]:
+    """CPU model, cores, GPU, Python and torch versions, and the load average now."""
     import torch
 
     model = "unknown"

@@ -13,6 +13,9 @@ from .workload import FLOPS_FORMULA, FLOPS_PER_EXAMPLE, SHARDED, W1, w1_stats
 
 
 def parent(args: argparse.Namespace) -> dict[str, Any]:
+    """W1's engine table: every chosen engine in fresh worker processes, interleaved over
+    ``--repeats`` passes (the sharded engine: a row per ``--ray-workers`` count), the matmul
+    peak, the 2-thread runs, the scaling runs and the targets; the report as a dict."""
     steps_per_run = W1["clients"] * args.rounds * W1["global_period"]
     report: dict[str, Any] = {
         "command": "python benchmarks/engines.py " + " ".join(sys.argv[1:]),
@@ -124,6 +127,7 @@ def parent(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_report(report: dict[str, Any]) -> None:
+    """The table of :func:`parent`'s report, the lines under it, the scaling and targets."""
     print()
     print(f"device: {report.get('device', 'cpu')} (plain loop: cpu); fraction of peak = useful "
           f"GFLOP/s over the window / measured float32 matmul GFLOP/s at the same threads")
