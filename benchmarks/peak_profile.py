@@ -63,20 +63,6 @@ class Clock:
         return timed
 
 
-def cpu_matmul_peak(size: int = 2048, repeats: int = 5) -> float:
-    """float32 ``torch.matmul`` GFLOP/s of size x size matrices by CPU time (median)."""
-    import torch
-
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.matmul(a, b)
-    times = []
-    for _ in range(repeats):
-        start = time.process_time()
-        torch.matmul(a, b)
-        times.append(time.process_time() - start)
-    return 2 * size**3 / statistics.median(times) / 1e9
-
-
 def instrument(clock: Clock, captured: list[tuple[Any, ...]]) -> None:
     """Time the executor's parts (benchmark-only patches of the vectorized engine)."""
     import fedhier.engines.vectorized as vec
@@ -132,7 +118,7 @@ def measure(clients: int, args: argparse.Namespace) -> dict[str, Any]:
     fed = bench.replicated_federation(cfg, clients)
     runs, peaks = [], []
     for _ in range(args.repeats):
-        peaks.append(cpu_matmul_peak())
+        peaks.append(bench.matmul_peak(1, repeats=5)["matmul_cpu_gflops"])
         marks.marks.clear()
         clock.seconds.clear()
         captured.clear()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -78,9 +77,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process
     args = parser.parse_args()
-    if args.one:
-        print(json.dumps(one_run(args.one, args.workers, args.rounds, args.per_edge,
-                                 args.global_period)))
+    if args.one:  # a child process: its result line for bench.run_worker
+        print("RESULT " + json.dumps(one_run(args.one, args.workers, args.rounds,
+                                             args.per_edge, args.global_period)))
         return 0
     sizes = [int(n.replace("_", "")) for n in args.clients.split(",") if n]
     print(f"vectorized-ray, W1 replicated, {args.per_edge} clients per edge, G "
@@ -89,17 +88,16 @@ def main() -> int:
           f"round(s), load average {os.getloadavg()[0]:.2f}")
     runs = []
     for n in sizes:
-        child = subprocess.run([sys.executable, __file__, "--one", str(n), "--workers",
-                                str(args.workers), "--rounds", str(args.rounds),
-                                "--per-edge", str(args.per_edge),
-                                "--global-period", str(args.global_period)],
-                               capture_output=True, text=True, check=False)
-        if child.returncode:
-            print(f"{n:>9,} clients: failed (exit {child.returncode}): "
-                  f"{(child.stderr.strip().splitlines() or ['?'])[-1]}")
-            runs.append({"clients": n, "failed": child.returncode})
+        try:  # a fresh driver process, so ru_maxrss is this size's
+            run, _ = bench.run_worker(
+                [sys.executable, str(Path(__file__).resolve()), "--one", str(n), "--workers",
+                 str(args.workers), "--rounds", str(args.rounds), "--per-edge",
+                 str(args.per_edge), "--global-period", str(args.global_period)],
+                f"{n} clients")
+        except RuntimeError as error:
+            print(f"{n:>9,} clients: failed: {(str(error).strip().splitlines() or ['?'])[-1]}")
+            runs.append({"clients": n, "failed": True})
             continue
-        run = json.loads(child.stdout.strip().splitlines()[-1])
         runs.append(run)
         per_worker = ", ".join(f"{w['clients']:,} clients {w['peak_rss_bytes'] / 2**20:,.0f} MB"
                                for w in run["workers"])
