@@ -1,0 +1,169 @@
+"""Moving clients between the shards of engine ``vectorized-ray`` (mobility, regrouping).
+
+The cloud decides every move and cuts a cloud round into segments at the edge rounds where
+a client moves (:func:`fedhier.edge_moves.run_segments`, as with edge servers as processes).
+Between two segments it asks its executor to **re-attach** the moved clients
+(:meth:`fedhier.engines.vectorized_ray.RayShardExecutor.reattach`): edges stay on their
+workers, so a client whose new edge is on another worker moves there. What moves is the
+client, not its data: its id, its rows' indices into the pool every worker already holds
+(the federation from Ray's object store) and its held-out rows' (a :class:`ClientMove`);
+its averaging weight comes with every job (``EdgeJob.num_examples``) and its mini-batch and
+failure draws are keyed by its id and the round, so its "RNG position" needs no moving. The
+old worker releases it (:func:`release`), the new one adopts it (:func:`adopt`): each
+rebuilds its shard's row index (:class:`ShardExecutor`) over the same pool, once per move,
+never per round.
+
+A shard's cloud round then runs a segment's jobs exactly as an edge server runs its job:
+each edge from its job's model, a job's handoff applied with
+:func:`fedhier.edge_moves.apply_job_handoff` (:func:`start_shard_jobs`); a segment that ends
+inside the cloud round answers with each edge's model (:func:`segment_models`), as
+:func:`fedhier.edge_tier.run_edge_job` does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fedhier.edge_moves import apply_job_handoff
+from fedhier.edge_tier import EdgeJob, job_rounds, start_job
+from fedhier.federation import Federation
+from fedhier.hsgd import HierarchicalSGD, HSGDSettings, Params
+
+
+# ------------------------------------------------------------------------ a worker's side
+@dataclass
+class ClientMove:
+    """A client leaving one shard for another: its id in the whole federation and its
+    data reference, int64 indices into the shared pool of training rows (``rows``) and of
+    held-out rows (``holdout``, None: the run holds none out)."""
+
+    client: int
+    rows: np.ndarray
+    holdout: np.ndarray | None = None
+
+
+def members(executor: Any) -> list[ClientMove]:
+    """Every client of ``executor`` (a
+    :class:`~fedhier.engines.vectorized_ray_shard.ShardExecutor`) as a move, in id order."""
+    fed = executor.inner.fed
+    return [ClientMove(int(c), fed.partitions[p], fed.holdouts[p] if fed.holdouts else None)
+            for p, c in enumerate(executor.clients.tolist())]
+
+
+def release(executor: Any, clients: Sequence[int]) -> tuple[Any, list[ClientMove]]:
+    """``executor`` without ``clients`` (ids it holds), and their moves."""
+    leaving = np.asarray(clients, dtype=np.int64)
+    executor.local(np.sort(leaving))  # refuses clients outside the shard
+    out = set(leaving.tolist())
+    held = members(executor)
+    return (rebuilt(executor, [m for m in held if m.client not in out]),
+            [m for m in held if m.client in out])
+
+
+def adopt(executor: Any, moves: Sequence[ClientMove]) -> Any:
+    """``executor`` with the moved clients ``moves`` added."""
+    return rebuilt(executor, members(executor) + list(moves))
+
+
+def rebuilt(executor: Any, members: Sequence[ClientMove]) -> Any:
+    """A shard executor of ``members`` over ``executor``'s pool, model and settings, built
+    as the worker built its first one (:meth:`ShardExecutor.build`, through a view of the
+    whole federation in which only the members have rows); no row of the pool is copied."""
+    from fedhier.engines.vectorized_ray_shard import ShardExecutor
+
+    inner = executor.inner
+    clients = np.array(sorted(m.client for m in members), dtype=np.int64)
+    if not len(clients):  # an empty shard trains nobody until it adopts someone
+        return ShardExecutor(inner, clients, executor.num_clients)
+    empty = np.zeros(0, dtype=np.int64)
+    partitions = [empty] * executor.num_clients
+    holdouts = [empty] * executor.num_clients if inner.fed.holdouts else []
+    for move in members:
+        partitions[move.client] = move.rows
+        if holdouts:
+            holdouts[move.client] = move.holdout if move.holdout is not None else empty
+    view = Federation(bundle=inner.fed.bundle, partitions=partitions, holdouts=holdouts)
+    return ShardExecutor.build(inner.cfg, view, clients, inner.model, inner.device)
+
+
+def start_shard_jobs(settings: HSGDSettings, executor: Any,
+                     jobs: Sequence[EdgeJob]) -> HierarchicalSGD:
+    """A shard's round for its edges' ``jobs`` (one segment): :func:`start_job` on the first,
+    then every edge from its own job's model (inside a cloud round the edges' models
+    differ) and every job's handoff applied as an edge server applies it."""
+    algorithm = start_job(settings, executor, jobs[0])
+    for job in jobs[1:]:
+        if job.params is not jobs[0].params:
+            for name, value in algorithm.edge_models.items():
+                value[job.edge] = job.params[name].to(value.device, value.dtype)
+    for job in jobs[1:]:
+        apply_job_handoff(algorithm, job)
+    return algorithm
+
+
+def shard_chunk_size(algorithm: HierarchicalSGD, executor: Any, jobs: Sequence[EdgeJob],
+                     size: int) -> int:
+    """The clients per run of whole edges for a segment: ``size``, or all the shard's when
+    a ``carry`` client of the shard starts from the model of an edge the shard trains too
+    (a run trains its edges through the whole segment, so a later run would find that edge's
+    model already moved on)."""
+    starts = [job.start_edge_of_client for job in jobs if job.start_edge_of_client is not None]
+    if not starts or not len(executor.clients):
+        return size
+    edge_of = algorithm._hierarchy().edge_of_client()
+    start = starts[0][executor.clients]
+    mine = edge_of[executor.clients]
+    olds = np.unique(start[start != mine])
+    return max(size, len(executor.clients)) if np.isin(olds, mine).any() else size
+
+
+def segment_models(settings: HSGDSettings, algorithm: HierarchicalSGD,
+                   jobs: Sequence[EdgeJob], models: dict[int, Params]) -> dict[int, Params]:
+    """Each edge's answer: its aggregate of the last round's survivors (``models``) when the
+    segment ends at the cloud, else its own model (it aggregated at the edge), as
+    :func:`fedhier.edge_tier.run_edge_job` answers."""
+    rounds = job_rounds(settings, jobs[0])
+    if not (rounds.stop - 1) * settings.local_period % settings.periods[1]:
+        return models
+    return {job.edge: {k: v[job.edge].clone() for k, v in algorithm.edge_models.items()}
+            for job in jobs}
+
+
+# ------------------------------------------------------------------------ the driver's side
+def move_between_workers(actors: Sequence[Any], worker_of_edge: np.ndarray,
+                         edge_of_client: np.ndarray,
+                         moves: dict[int, int]) -> tuple[dict[int, float], list[list[int]]]:
+    """Re-attach the clients of ``moves`` (client -> new edge; ``edge_of_client``, int64
+    [n], is where each client is attached now, updated here): those whose new edge is on
+    another worker are released by their old worker and adopted by the new one, all
+    workers at once (first every release, then every adoption). Returns client -> seconds
+    its move took (0 within a worker) and [client, from worker, to worker] per client that
+    changed workers."""
+    import ray
+
+    clients = np.array(sorted(moves), dtype=np.int64)
+    target = np.array([moves[c] for c in clients.tolist()], dtype=np.int64)
+    old = worker_of_edge[edge_of_client[clients]]
+    new = worker_of_edge[target]
+    across = old != new
+    edge_of_client[clients] = target
+    seconds = dict.fromkeys(clients.tolist(), 0.0)
+    if not across.any():
+        return seconds, []
+    t0 = time.perf_counter()
+    leaving = {int(w): clients[across & (old == w)].tolist() for w in np.unique(old[across])}
+    released = dict(zip(leaving, ray.get([actors[w].release.remote(c)
+                                          for w, c in leaving.items()]), strict=True))
+    by_client = {m.client: m for batch in released.values() for m in batch}
+    arriving = {int(w): [by_client[c] for c in clients[across & (new == w)].tolist()]
+                for w in np.unique(new[across])}
+    ray.get([actors[w].adopt.remote(m) for w, m in arriving.items()])
+    wall = time.perf_counter() - t0
+    seconds.update(dict.fromkeys(clients[across].tolist(), round(wall, 6)))
+    return seconds, [[int(c), int(a), int(b)] for c, a, b in
+                     zip(clients[across], old[across], new[across], strict=True)]
