@@ -87,8 +87,9 @@ def test_edges_are_placed_whole_in_runs_of_about_equal_clients():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"edge_periods": "1,2,1,2", "local_period": 1},
-     "engine vectorized-ray needs one local period for every edge (no edge_periods)"),
+    ({"edge_periods": "1,2,1,2", "local_period": 1, "mobility_rate": 0.2},
+     "engine vectorized-ray with per-edge periods needs static clients (no mobility): a job "
+     "split at a move would restart an edge's period"),
     ({"periods": (2, 4, 8), "groups": (4, 2)}, "engine vectorized-ray needs a two-level "
                                                "hierarchy (one local and one global period)"),
     ({"momentum": 0.9, "optimizer_state": "keep"}, "engine vectorized-ray keeps no optimizer "

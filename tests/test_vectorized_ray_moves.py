@@ -1,6 +1,7 @@
 """Clients that move in engine ``vectorized-ray`` (mobility, regrouping): the cloud cuts a
 cloud round at the moves (fedhier.edge_moves) and a client whose new edge is on another
-worker moves there, its row indices and not its rows (fedhier.engines.vectorized_ray_moves).
+worker moves there, its row indices and not its rows (fedhier.engines.vectorized_ray_moves);
+and per-edge periods, which the workers run as edge servers do.
 The runs equal ``vectorized`` within the sharded engine's 1e-6 (counters exact) and
 ``inprocess`` within the engines' tolerance, on the two-node Ray cluster of
 tests/test_vectorized_ray.py; a moved client trains bit for bit as on a shard built with it.
@@ -112,6 +113,24 @@ def test_regrouping_and_fresh_moves_equal_the_one_process_engine(ray_cluster, tm
     assert any(r.get("regrouped") for r in metrics(tmp_path / "one"))
     assert moves_of(tmp_path / "one") and sharding["worker_moves"]
     assert {h["bytes"] for h in handoffs} == {0}  # fresh: no model moves with a client
+
+
+def test_per_edge_periods_equal_the_one_process_and_inprocess_engines(ray_cluster, tmp_path):
+    """Edges aggregating every 1, 2, 4 and 2 steps (G = 4), with a regrouping every cloud
+    round and runs of 2 clients: a worker runs its edges' rounds one after the other, as an
+    edge server does (each round's plan depends on the clients' carried models)."""
+    cfg = CFG.replace(ray_address=ray_cluster, local_period=1, edge_periods="1,2,4,2",
+                      grouping="random", regroup_every=1, client_chunk=2)
+    run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
+                   progress=False)
+    run_inprocess(cfg.replace(engine="inprocess"), RunFolder.create(tmp_path / "inprocess"),
+                  progress=False)
+    run_vectorized_ray(cfg, RunFolder.create(tmp_path / "ray"), progress=False)
+    without_handoffs(tmp_path / "ray")
+    assert_equal_runs(tmp_path / "one", tmp_path / "ray")
+    assert_same_runs(tmp_path / "inprocess", tmp_path / "ray", INPROCESS_TOL)
+    assert [r.get("edge_aggregations") for r in metrics(tmp_path / "ray")[1:]] == [
+        [4, 2, 1, 2]] * 3
 
 
 def test_an_interrupted_mobile_run_resumes_bit_identically(ray_cluster, tmp_path,

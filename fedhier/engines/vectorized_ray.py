@@ -15,8 +15,11 @@ Numbers: every edge round that ends at the edges is bit for bit the one-process 
 (an edge's clients are all in one shard, summed in client order); the cloud averages the
 edges' averages instead of all clients at once, as edge servers do, so the global model
 differs from the one-process engine's by float rounding (docs/engines.md, "Sharded over a
-Ray cluster"). Two-level trees with a static grouping, synchronous edges, one period for
-every edge and no kept optimizer state (checked by :func:`check_sharded`).
+Ray cluster"). Two-level trees, synchronous edges and no kept optimizer state (checked by
+:func:`check_sharded`). Clients move (mobility, regrouping) as between edge servers
+(:mod:`fedhier.edge_moves`): the edges stay on their workers and a client whose new edge is
+on another worker moves there (:meth:`RayShardExecutor.reattach`,
+:mod:`fedhier.engines.vectorized_ray_moves`); per-edge periods run in the workers' jobs.
 """
 
 from __future__ import annotations
@@ -53,10 +56,14 @@ def check_sharded(cfg: RunConfig) -> None:
     """Refuse, in one line, what the sharded engine does not run (yet)."""
     try:
         check_edge_tier(cfg.mobility_rate > 0 or bool(cfg.mobility_trace),
-                        cfg.regroup_every > 0, bool(cfg.edge_periods), moves=True)
+                        cfg.regroup_every > 0, moves=True)
     except ConfigError as error:
         raise ConfigError(str(error).replace("edge servers as processes need",
                                              "engine vectorized-ray needs")) from None
+    if cfg.edge_periods and (cfg.mobility_rate > 0 or cfg.mobility_trace):
+        raise ConfigError("engine vectorized-ray with per-edge periods needs static clients "
+                          "(no mobility): a job split at a move would restart an edge's "
+                          "period")
     if cfg.async_buffer > 0:  # edge servers run it (fedhier.edge_tier_async), not shards
         raise ConfigError("engine vectorized-ray needs synchronous edges (no async_buffer)")
     if len(cfg.periods) != 2:

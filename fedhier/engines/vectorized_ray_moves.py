@@ -22,6 +22,7 @@ inside the cloud round answers with each edge's model (:func:`segment_models`), 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +31,15 @@ from typing import Any
 import numpy as np
 
 from fedhier.edge_moves import apply_job_handoff
-from fedhier.edge_tier import EdgeJob, job_rounds, start_job
+from fedhier.edge_tier import (
+    EdgeJob,
+    EdgeRunOutcome,
+    edge_aggregates,
+    job_rounds,
+    start_job,
+    train_edges,
+)
+from fedhier.engines.vectorized_chunks import train_edge_chunks
 from fedhier.federation import Federation
 from fedhier.hsgd import HierarchicalSGD, HSGDSettings, Params
 
@@ -120,6 +129,27 @@ def shard_chunk_size(algorithm: HierarchicalSGD, executor: Any, jobs: Sequence[E
     mine = edge_of[executor.clients]
     olds = np.unique(start[start != mine])
     return max(size, len(executor.clients)) if np.isin(olds, mine).any() else size
+
+
+def train_shard(settings: HSGDSettings, algorithm: HierarchicalSGD, executor: Any,
+                jobs: Sequence[EdgeJob], size: int) -> tuple[EdgeRunOutcome, dict[int, Params]]:
+    """A shard's edge rounds of one segment (:func:`train_edge_chunks`'s answer: the
+    outcome and each edge's aggregate). In runs of whole edges of ``size`` clients, each run
+    planned ahead; with per-edge periods, whose plan of an edge round depends on the one
+    before (the clients' carried models), the edge rounds of all the shard's clients one
+    after the other as an edge server runs them (:func:`fedhier.edge_tier.train_edges`)."""
+    rounds = job_rounds(settings, jobs[0])
+    if not settings.edge_periods:
+        return train_edge_chunks(algorithm, executor, rounds,
+                                 shard_chunk_size(algorithm, executor, jobs, size))
+    edges = np.array(sorted(job.edge for job in jobs), dtype=np.int64)
+    outcome = train_edges(algorithm, executor, edges, jobs[0].cloud_round, rounds,
+                          hold_level=2)
+    averaged = edge_aggregates(algorithm, outcome.held)
+    models = {} if averaged is None else {
+        int(edge): {k: v[i].clone() for k, v in averaged[0].items()}
+        for i, edge in enumerate(averaged[1].tolist())}
+    return dataclasses.replace(outcome, held=None), models
 
 
 def segment_models(settings: HSGDSettings, algorithm: HierarchicalSGD,

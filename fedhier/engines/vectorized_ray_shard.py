@@ -23,14 +23,14 @@ import torch
 
 from fedhier.communication import BatchCommunication
 from fedhier.config import RunConfig
-from fedhier.edge_tier import EdgeJob, EdgeReport, job_rounds
+from fedhier.edge_tier import EdgeJob, EdgeReport
 from fedhier.engines.batched_kernels import INDEX_CLIENT_BLOCK, ClientRows
 from fedhier.engines.vectorized import BatchedExecutor, training_for
-from fedhier.engines.vectorized_chunks import ChunkExecutor, train_edge_chunks
+from fedhier.engines.vectorized_chunks import ChunkExecutor
 from fedhier.engines.vectorized_ray_moves import (
     segment_models,
-    shard_chunk_size,
     start_shard_jobs,
+    train_shard,
 )
 from fedhier.federation import Federation
 from fedhier.grouping import ClientInfo
@@ -166,9 +166,8 @@ def run_shard_jobs(settings: HSGDSettings, executor: ShardExecutor,
     algorithm = start_shard_jobs(settings, executor, jobs)
     edges = np.array(sorted(job.edge for job in jobs), dtype=np.int64)
     algorithm.communication = BatchCommunication(algorithm._hierarchy(), edges)
-    outcome, models = train_edge_chunks(algorithm, executor, job_rounds(settings, jobs[0]),
-                                        shard_chunk_size(algorithm, executor, jobs,
-                                                         executor.inner.chunk_size()))
+    outcome, models = train_shard(settings, algorithm, executor, jobs,
+                                  executor.inner.chunk_size())
     models = segment_models(settings, algorithm, jobs, models)
     edge_of = algorithm._hierarchy().edge_of_client()
     traffic = algorithm.communication
