@@ -56,7 +56,7 @@ class ClientMove:
     holdout: np.ndarray | None = None
 
 
-def members(executor: Any) -> list[ClientMove]:
+def held_clients(executor: Any) -> list[ClientMove]:
     """Every client of ``executor`` (a
     :class:`~fedhier.engines.vectorized_ray_shard.ShardExecutor`) as a move, in id order."""
     fed = executor.inner.fed
@@ -69,14 +69,14 @@ def release(executor: Any, clients: Sequence[int]) -> tuple[Any, list[ClientMove
     leaving = np.asarray(clients, dtype=np.int64)
     executor.local(np.sort(leaving))  # refuses clients outside the shard
     out = set(leaving.tolist())
-    held = members(executor)
+    held = held_clients(executor)
     return (rebuilt(executor, [m for m in held if m.client not in out]),
             [m for m in held if m.client in out])
 
 
 def adopt(executor: Any, moves: Sequence[ClientMove]) -> Any:
     """``executor`` with the moved clients ``moves`` added."""
-    return rebuilt(executor, members(executor) + list(moves))
+    return rebuilt(executor, held_clients(executor) + list(moves))
 
 
 def rebuilt(executor: Any, members: Sequence[ClientMove]) -> Any:
