@@ -44,33 +44,40 @@ def moves_of(path) -> list[list[int]]:
 
 
 def test_a_moved_client_trains_bit_for_bit_as_on_a_shard_built_with_it():
-    """Client 5 released by shard {1, 2, 5, 6} and adopted by shard {0, 3}: both shards train
-    exactly as shards built with their new clients (rows, mini-batch and fault draws)."""
-    cfg = CFG.replace(fail_rate=0.3)
+    """Client 5 released by shard {1, 2, 5, 6} and adopted by shard {0}, full-batch (so the
+    padded width shrinks from 192 to 170 rows on the first and grows from 125 to 192 on the
+    second): both shards are the shards built with their new clients (rows, batch sizes and
+    weights, ids) and train exactly as those do (mini-batch and fault draws included)."""
+    cfg = CFG.replace(fail_rate=0.3, batch_size=0)
     fed = prepare(cfg)
     model = initial_model(cfg, fed)
     cpu = torch.device("cpu")
     edge_models = {k: torch.stack([v, v * 0.5, v * 2.0, -v]) for k, v in
                    params_of(model).items()}
     old = ShardExecutor.build(cfg, fed, np.array([1, 2, 5, 6]), model, cpu)
-    new = ShardExecutor.build(cfg, fed, np.array([0, 3]), model, cpu)
+    new = ShardExecutor.build(cfg, fed, np.array([0]), model, cpu)
     old, moves = release(old, [5])
     new = adopt(new, moves)
     assert [m.client for m in moves] == [5] and moves[0].rows is fed.partitions[5]
-    assert old.clients.tolist() == [1, 2, 6] and new.clients.tolist() == [0, 3, 5]
     edge_of = np.array([0, 1, 1, 2, 3, 2, 3, 0])
-    for shard, clients in ((old, [1, 2, 6]), (new, [0, 3, 5])):
+    pool = torch.as_tensor(fed.bundle.train_arrays()[0])
+    for shard, clients, width in ((old, [1, 2, 6], 170), (new, [0, 5], 192)):
         built = ShardExecutor.build(cfg, fed, np.array(clients), model, cpu)
-        pool = torch.as_tensor(fed.bundle.train_arrays()[0])
-        assert shard.inner.data.x.data_ptr() == pool.data_ptr()  # the pool, not a copy
+        got, want = shard.inner.data, built.inner.data
+        assert shard.clients.tolist() == clients and got.width == want.width == width
+        assert got.client_ids.tolist() == shard.inner.client_ids.tolist() == clients
+        np.testing.assert_array_equal(got.batch, want.batch)
+        assert torch.equal(got.weight, want.weight)
+        assert all(np.array_equal(a, b) for a, b in zip(got.rows, want.rows, strict=True))
+        assert got.x.data_ptr() == pool.data_ptr()  # the pool, not a copy
         work = EdgeRoundWork(edge_round=4, cloud_round=2, start_step=6,
-                             clients=np.array(clients), steps=np.array([2, 1, 2]),
+                             clients=np.array(clients), steps=np.full(len(clients), 2),
                              edge_of_client=edge_of)
-        got, want = shard.train(work, edge_models), built.train(work, edge_models)
-        np.testing.assert_array_equal(got.ok, want.ok)
-        np.testing.assert_array_equal(got.losses, want.losses)
-        for key, value in want.models.items():
-            assert torch.equal(value, got.models[key])
+        trained, reference = shard.train(work, edge_models), built.train(work, edge_models)
+        np.testing.assert_array_equal(trained.ok, reference.ok)
+        np.testing.assert_array_equal(trained.losses, reference.losses)
+        for key, value in reference.models.items():
+            assert torch.equal(value, trained.models[key])
 
 
 def test_moving_clients_equal_the_one_process_and_inprocess_engines(ray_cluster, tmp_path):

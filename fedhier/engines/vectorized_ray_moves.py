@@ -10,8 +10,8 @@ client, not its data: its id, its rows' indices into the pool every worker alrea
 its averaging weight comes with every job (``EdgeJob.num_examples``) and its mini-batch and
 failure draws are keyed by its id and the round, so its "RNG position" needs no moving. The
 old worker releases it (:func:`release`), the new one adopts it (:func:`adopt`): each
-rebuilds its shard's row index (:class:`ShardExecutor`) over the same pool, once per move,
-never per round.
+updates its shard's row index over the same pool (:func:`reshaped`), once per move, never
+per round.
 
 A shard's cloud round then runs a segment's jobs exactly as an edge server runs its job:
 each edge from its job's model, a job's handoff applied with
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from fedhier.edge_moves import apply_job_handoff
 from fedhier.edge_tier import (
@@ -39,6 +40,7 @@ from fedhier.edge_tier import (
     start_job,
     train_edges,
 )
+from fedhier.engines.batched_kernels import ClientRows
 from fedhier.engines.vectorized_chunks import train_edge_chunks
 from fedhier.federation import Federation
 from fedhier.hsgd import HierarchicalSGD, HSGDSettings, Params
@@ -56,48 +58,65 @@ class ClientMove:
     holdout: np.ndarray | None = None
 
 
-def held_clients(executor: Any) -> list[ClientMove]:
-    """Every client of ``executor`` (a
-    :class:`~fedhier.engines.vectorized_ray_shard.ShardExecutor`) as a move, in id order."""
-    fed = executor.inner.fed
-    return [ClientMove(int(c), fed.partitions[p], fed.holdouts[p] if fed.holdouts else None)
-            for p, c in enumerate(executor.clients.tolist())]
-
-
 def release(executor: Any, clients: Sequence[int]) -> tuple[Any, list[ClientMove]]:
-    """``executor`` without ``clients`` (ids it holds), and their moves."""
-    leaving = np.asarray(clients, dtype=np.int64)
-    executor.local(np.sort(leaving))  # refuses clients outside the shard
-    out = set(leaving.tolist())
-    held = held_clients(executor)
-    return (rebuilt(executor, [m for m in held if m.client not in out]),
-            [m for m in held if m.client in out])
+    """``executor`` (a :class:`~fedhier.engines.vectorized_ray_shard.ShardExecutor`)
+    without ``clients`` (ids it holds), and their moves."""
+    fed = executor.inner.fed
+    positions = executor.local(np.sort(np.asarray(clients, dtype=np.int64)))
+    moves = [ClientMove(int(executor.clients[p]), fed.partitions[p],
+                        fed.holdouts[p] if fed.holdouts else None) for p in positions.tolist()]
+    keep = np.setdiff1d(np.arange(len(executor.clients)), positions).astype(np.int64)
+    return reshaped(executor, keep, []), moves
 
 
 def adopt(executor: Any, moves: Sequence[ClientMove]) -> Any:
     """``executor`` with the moved clients ``moves`` added."""
-    return rebuilt(executor, held_clients(executor) + list(moves))
+    return reshaped(executor, np.arange(len(executor.clients), dtype=np.int64), moves)
 
 
-def rebuilt(executor: Any, members: Sequence[ClientMove]) -> Any:
-    """A shard executor of ``members`` over ``executor``'s pool, model and settings, built
-    as the worker built its first one (:meth:`ShardExecutor.build`, through a view of the
-    whole federation in which only the members have rows); no row of the pool is copied."""
-    from fedhier.engines.vectorized_ray_shard import ShardExecutor
+def reshaped(executor: Any, keep: np.ndarray, moves: Sequence[ClientMove]) -> Any:
+    """The shard executor of ``executor``'s clients at positions ``keep`` (int64,
+    increasing) and the clients of ``moves``, in id order, over the same pool, model and
+    settings: the kept clients' row indices, batch sizes and batch weights taken as they are,
+    the moved clients' built as :meth:`ClientRows.build` builds them, the padded width that of
+    the new set (what :meth:`ShardExecutor.build` would give, bit for bit, in O(1) Python per
+    moved client and vectorized copies per kept one); no row of the pool is copied."""
+    from fedhier.engines.vectorized_ray_shard import ShardExecutor, ShardRows
 
-    inner = executor.inner
-    clients = np.array(sorted(m.client for m in members), dtype=np.int64)
-    if not len(clients):  # an empty shard trains nobody until it adopts someone
-        return ShardExecutor(inner, clients, executor.num_clients)
+    inner, data, fed = executor.inner, executor.inner.data, executor.inner.fed
+    ids = np.concatenate([executor.clients[keep],
+                          np.array([m.client for m in moves], dtype=np.int64)])
+    if not len(ids):  # an empty shard trains nobody until it adopts someone
+        return ShardExecutor(inner, ids, executor.num_clients)
     empty = np.zeros(0, dtype=np.int64)
-    partitions = [empty] * executor.num_clients
-    holdouts = [empty] * executor.num_clients if inner.fed.holdouts else []
-    for move in members:
-        partitions[move.client] = move.rows
-        if holdouts:
-            holdouts[move.client] = move.holdout if move.holdout is not None else empty
-    view = Federation(bundle=inner.fed.bundle, partitions=partitions, holdouts=holdouts)
-    return ShardExecutor.build(inner.cfg, view, clients, inner.model, inner.device)
+    held = [fed.partitions[p] for p in keep.tolist()] + [m.rows for m in moves]
+    holdouts = ([fed.holdouts[p] for p in keep.tolist()]
+                + [empty if m.holdout is None else m.holdout for m in moves]
+                if fed.holdouts else [])
+    rows = [data.rows[p] for p in keep.tolist()]
+    batch = data.batch[keep]
+    weights = [data.weight.index_select(0, torch.as_tensor(keep, device=data.weight.device))]
+    if moves:
+        new = ClientRows.build(Federation(bundle=fed.bundle, partitions=[m.rows for m in moves]),
+                               inner.cfg.batch_size, inner.device)
+        rows += new.rows
+        batch = np.concatenate([batch, new.batch])
+        weights.append(new.weight)
+    width = int(batch.max())
+    weight = torch.cat([w[:, :width] if w.shape[1] >= width
+                        else torch.nn.functional.pad(w, (0, width - w.shape[1]))
+                        for w in weights])
+    order = np.argsort(ids, kind="stable")
+    index = torch.as_tensor(order, device=weight.device)
+    ids = ids[order]
+    data = ShardRows(x=data.x, y=data.y, rows=[rows[i] for i in order.tolist()],
+                     batch=batch[order], width=width, weight=weight.index_select(0, index),
+                     client_ids=ids)
+    shard = Federation(bundle=fed.bundle, partitions=[held[i] for i in order.tolist()],
+                       holdouts=[holdouts[i] for i in order.tolist()] if holdouts else [])
+    return ShardExecutor(dataclasses.replace(inner, fed=shard, data=data, client_ids=ids,
+                                             buffers={}, momentum={}, next_momentum={},
+                                             _rows={}), ids, executor.num_clients)
 
 
 def start_shard_jobs(settings: HSGDSettings, executor: Any,
