@@ -12,6 +12,8 @@ import pytest
 import torch
 from hypothesis import settings
 
+from tests.ray_cluster import ray_cluster  # noqa: F401  (one Ray cluster per session)
+
 settings.register_profile("ci", derandomize=True, database=None, deadline=None,
                           print_blob=True)
 settings.register_profile("explore", derandomize=False, deadline=None, print_blob=True,

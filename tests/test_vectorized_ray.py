@@ -1,18 +1,11 @@
 """Engine ``vectorized-ray`` (the batched engine sharded by edge over Ray) equals engine
 ``vectorized``: a shard trains its clients bit for bit as the one-process executor does, and
 whole runs on a local two-node Ray cluster (a head and one more node on 127.0.0.1, started
-once for this module with ``ray start``) give the one-process metrics to 1e-6, with
-participation and faults, and an interrupted run resumes bit for bit.
+once per session with ``ray start``, shared with tests/test_vectorized_ray_moves.py) give the
+one-process metrics to 1e-6, with participation and faults, and an interrupted run resumes
+bit for bit.
 """
 
-import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +22,9 @@ from fedhier.run_folder import RunFolder
 from fedhier.run_setup import initial_model, prepare
 from fedhier.train import params_of
 from tests.helpers import assert_refused, metrics
+from tests.ray_cluster import free_port
 from tests.test_faults import run_interrupted_at
 
-ROOT = Path(__file__).resolve().parents[1]
-RAY = Path(sys.executable).parent / "ray"
 #: 8 clients on 4 edges, two of them per worker; participation and faults make some edges
 #: and clients drop out of some edge rounds.
 CFG = RunConfig(dataset="digits", clients=8, groups=(4,), local_period=2, global_period=4,
@@ -43,78 +35,6 @@ TOL = 1e-6
 EXACT = ("round", "iteration", "edge_rounds", "failed_clients", "failed_edges",
          "client_edge_messages", "client_edge_bytes", "edge_cloud_messages",
          "edge_cloud_bytes", "sim_seconds")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _ray_node(*args: str, env: dict[str, str]) -> subprocess.Popen:
-    """A ``ray start --block`` node in its own process group (stopped with the group)."""
-    return subprocess.Popen([str(RAY), "start", "--block", "--num-cpus", "1",
-                             "--disable-usage-stats", *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-
-
-def _stop(nodes: list[subprocess.Popen], temp_dir: str) -> None:
-    """Stop the nodes started here (their process groups), then any process still running
-    from this cluster's private temp dir (by pid): never another cluster's."""
-    for node in nodes:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(node.pid, signal.SIGTERM)
-    for node in nodes:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            node.wait(timeout=20)
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if temp_dir.encode() in (entry / "cmdline").read_bytes():
-                os.kill(int(entry.name), signal.SIGKILL)
-
-
-def _wait_for_port(port: int, seconds: float = 120) -> None:
-    """Until the head's GCS accepts connections on ``port``."""
-    deadline = time.time() + seconds
-    while True:
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        assert time.time() < deadline, "the Ray head did not start"
-        time.sleep(0.2)
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """The address of a two-node Ray cluster on 127.0.0.1 (1 CPU each, a private temp dir)."""
-    ray = pytest.importorskip("ray")
-    temp_dir = tempfile.mkdtemp(prefix="fhray-", dir="/tmp")  # short: Ray's socket paths
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
-                                         if p)}
-    nodes = [_ray_node("--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-                       "--include-dashboard=false", f"--temp-dir={temp_dir}", env=env)]
-    try:
-        _wait_for_port(port)
-        nodes.append(_ray_node(f"--address={address}", "--node-ip-address=127.0.0.1",
-                               env=env))
-        # this process stays connected, so the runs share their workers (started once)
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-        try:
-            deadline = time.time() + 120
-            while sum(n["Alive"] for n in ray.nodes()) < 2:
-                assert time.time() < deadline, "the second Ray node did not join"
-                time.sleep(0.5)
-            yield address
-        finally:
-            ray.shutdown()
-    finally:
-        _stop(nodes, temp_dir)
 
 
 def _close(a: float | None, b: float | None) -> bool:
@@ -167,7 +87,9 @@ def test_edges_are_placed_whole_in_runs_of_about_equal_clients():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"mobility_rate": 0.2}, "engine vectorized-ray needs static clients (no mobility)"),
+    ({"edge_periods": "1,2,1,2", "local_period": 1, "mobility_rate": 0.2},
+     "engine vectorized-ray with per-edge periods needs static clients (no mobility): a job "
+     "split at a move would restart an edge's period"),
     ({"periods": (2, 4, 8), "groups": (4, 2)}, "engine vectorized-ray needs a two-level "
                                                "hierarchy (one local and one global period)"),
     ({"momentum": 0.9, "optimizer_state": "keep"}, "engine vectorized-ray keeps no optimizer "

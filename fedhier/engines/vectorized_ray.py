@@ -15,8 +15,11 @@ Numbers: every edge round that ends at the edges is bit for bit the one-process 
 (an edge's clients are all in one shard, summed in client order); the cloud averages the
 edges' averages instead of all clients at once, as edge servers do, so the global model
 differs from the one-process engine's by float rounding (docs/engines.md, "Sharded over a
-Ray cluster"). Two-level trees with a static grouping, synchronous edges, one period for
-every edge and no kept optimizer state (checked by :func:`check_sharded`).
+Ray cluster"). Two-level trees, synchronous edges and no kept optimizer state (checked by
+:func:`check_sharded`). Clients move (mobility, regrouping) as between edge servers
+(:mod:`fedhier.edge_moves`): the edges stay on their workers and a client whose new edge is
+on another worker moves there (:meth:`RayShardExecutor.reattach`,
+:mod:`fedhier.engines.vectorized_ray_moves`); per-edge periods run in the workers' jobs.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from fedhier.checkpoint import Checkpoint
 from fedhier.config import RunConfig
 from fedhier.edge_tier import EdgeJob, EdgeReport, EdgeTierHierarchicalSGD, check_edge_tier
 from fedhier.engines.vectorized import BatchedExecutor, BatchedRun
+from fedhier.engines.vectorized_ray_moves import move_between_workers
 from fedhier.engines.vectorized_ray_worker import (
     check_reachable,
     peak_rss_bytes,
@@ -52,10 +56,14 @@ def check_sharded(cfg: RunConfig) -> None:
     """Refuse, in one line, what the sharded engine does not run (yet)."""
     try:
         check_edge_tier(cfg.mobility_rate > 0 or bool(cfg.mobility_trace),
-                        cfg.regroup_every > 0, bool(cfg.edge_periods))
+                        cfg.regroup_every > 0, moves=True)
     except ConfigError as error:
         raise ConfigError(str(error).replace("edge servers as processes need",
                                              "engine vectorized-ray needs")) from None
+    if cfg.edge_periods and (cfg.mobility_rate > 0 or cfg.mobility_trace):
+        raise ConfigError("engine vectorized-ray with per-edge periods needs static clients "
+                          "(no mobility): a job split at a move would restart an edge's "
+                          "period")
     if cfg.async_buffer > 0:  # edge servers run it (fedhier.edge_tier_async), not shards
         raise ConfigError("engine vectorized-ray needs synchronous edges (no async_buffer)")
     if len(cfg.periods) != 2:
@@ -103,6 +111,10 @@ class RayShardExecutor:
     actors: list[Any] = dataclasses.field(default_factory=list)
     placement: np.ndarray | None = None  # int64 [E], each edge's worker
     bytes_between: int = 0  # model bytes sent driver <-> workers
+    #: int64 [n]: each client's edge as its worker holds it (what re-attachment moves)
+    edge_of_client: np.ndarray | None = None
+    #: [client, from worker, to worker] per client moved between workers, in order
+    worker_moves: list[list[int]] = dataclasses.field(default_factory=list)
 
     def profiles(self) -> ClientInfo:
         return self.whole.profiles()
@@ -144,9 +156,21 @@ class RayShardExecutor:
         self.bytes_between += size * (down + sum(r.model is not None for r in reports))
         return reports
 
+    def reattach(self, moves: dict[int, int]) -> dict[int, float]:
+        """Re-attach clients to other edges (:class:`fedhier.edge_moves.Reattacher`): a
+        client whose new edge is on another worker moves there, its data reference and
+        not its data (:func:`~fedhier.engines.vectorized_ray_moves.move_between_workers`);
+        client -> seconds its move took."""
+        assert self.placement is not None and self.edge_of_client is not None
+        seconds, moved = move_between_workers(self.actors, self.placement,
+                                              self.edge_of_client, moves)
+        self.worker_moves += moved
+        return seconds
+
     def start(self, edge_of_client: np.ndarray, num_edges: int) -> None:
         """Place the edges and start one actor per shard."""
-        self.placement = place_edges(np.asarray(edge_of_client), num_edges, self.workers)
+        self.edge_of_client = np.array(edge_of_client, dtype=np.int64)
+        self.placement = place_edges(self.edge_of_client, num_edges, self.workers)
         worker_of_client = self.placement[edge_of_client]
         shards = [np.flatnonzero(worker_of_client == w).astype(np.int64)
                   for w in range(int(self.placement.max()) + 1)]
@@ -164,6 +188,18 @@ class RayShardExecutor:
                 "bytes_between_workers": self.bytes_between}
 
 
+class ShardedCloud(EdgeTierHierarchicalSGD):
+    """The cloud of engine ``vectorized-ray``: the edge tier's, which starts the shards
+    (:meth:`RayShardExecutor.start`) at its first cloud round, from the tree in force before
+    the round's membership changes, so that a regrouping or a move is a re-attachment."""
+
+    def begin_cloud_round(self, executor: Any, cloud_round: int) -> dict[str, Any]:
+        if getattr(executor, "placement", True) is None:
+            hierarchy = self._hierarchy()
+            executor.start(hierarchy.edge_of_client(), hierarchy.num_nodes(1))
+        return super().begin_cloud_round(executor, cloud_round)
+
+
 def run_vectorized_ray(cfg: RunConfig, folder: RunFolder, progress: bool = True, *,
                        federation: Federation | None = None,
                        resume: Checkpoint | None = None) -> dict[str, Any]:
@@ -176,7 +212,7 @@ def run_vectorized_ray(cfg: RunConfig, folder: RunFolder, progress: bool = True,
     check_sharded(cfg)
     check_reachable(cfg.ray_address)
     run = BatchedRun.start(cfg, folder, "vectorized-ray", progress, federation, resume)
-    algorithm = EdgeTierHierarchicalSGD(settings_for(cfg), as_cloud_step(make_cloud_strategy(
+    algorithm = ShardedCloud(settings_for(cfg), as_cloud_step(make_cloud_strategy(
         cfg.cloud_strategy, cfg.server_lr, cfg.server_momentum)))
     with ray_session(cfg.ray_address, cfg.ray_workers):
         worker_pool(min(cfg.ray_workers, cfg.num_edges))  # they boot while the driver sets up
@@ -184,5 +220,6 @@ def run_vectorized_ray(cfg: RunConfig, folder: RunFolder, progress: bool = True,
         executor = RayShardExecutor(cfg, run.fed, whole, cfg.ray_workers)
         summary = run.finish(cfg, algorithm, executor, resume)
         summary["sharding"] = executor.stats()
+        summary["sharding"]["worker_moves"] = executor.worker_moves
     return summary
 

@@ -23,10 +23,15 @@ import torch
 
 from fedhier.communication import BatchCommunication
 from fedhier.config import RunConfig
-from fedhier.edge_tier import EdgeJob, EdgeReport, job_rounds, start_job
+from fedhier.edge_tier import EdgeJob, EdgeReport
 from fedhier.engines.batched_kernels import INDEX_CLIENT_BLOCK, ClientRows
 from fedhier.engines.vectorized import BatchedExecutor, training_for
-from fedhier.engines.vectorized_chunks import ChunkExecutor, train_edge_chunks
+from fedhier.engines.vectorized_chunks import ChunkExecutor
+from fedhier.engines.vectorized_ray_moves import (
+    segment_models,
+    start_shard_jobs,
+    train_shard,
+)
 from fedhier.federation import Federation
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import (
@@ -158,12 +163,12 @@ def run_shard_jobs(settings: HSGDSettings, executor: ShardExecutor,
     computation per edge round, then each edge's aggregate of its survivors, as
     :func:`fedhier.edge_tier.run_edge_job` does for one edge. The shard's summed counters,
     losses and traffic ride on the first report (the cloud sums the reports)."""
-    first = jobs[0]
-    algorithm = start_job(settings, executor, first)
+    algorithm = start_shard_jobs(settings, executor, jobs)
     edges = np.array(sorted(job.edge for job in jobs), dtype=np.int64)
     algorithm.communication = BatchCommunication(algorithm._hierarchy(), edges)
-    outcome, models = train_edge_chunks(algorithm, executor, job_rounds(settings, first),
-                                        executor.inner.chunk_size())
+    outcome, models = train_shard(settings, algorithm, executor, jobs,
+                                  executor.inner.chunk_size())
+    models = segment_models(settings, algorithm, jobs, models)
     edge_of = algorithm._hierarchy().edge_of_client()
     traffic = algorithm.communication
     seconds = algorithm._clock().edge_time.copy()  # one array for all reports ([E] each)

@@ -56,6 +56,21 @@ class ShardWorker:
 
         return run_shard_jobs(self.settings, self.executor, jobs)
 
+    def release(self, clients: Sequence[int]) -> list[Any]:
+        """Let ``clients`` go to another shard; their moves (:mod:`.vectorized_ray_moves`)."""
+        from fedhier.engines.vectorized_ray_moves import release
+
+        self.executor, moves = release(self.executor, clients)
+        self.num_clients = len(self.executor.clients)
+        return moves
+
+    def adopt(self, moves: Sequence[Any]) -> None:
+        """Take the clients of ``moves`` (released by another shard) into this one."""
+        from fedhier.engines.vectorized_ray_moves import adopt
+
+        self.executor = adopt(self.executor, moves)
+        self.num_clients = len(self.executor.clients)
+
     def stats(self) -> dict[str, Any]:
         """Its clients, peak resident memory (bytes), node and process id."""
         import ray

@@ -1,0 +1,218 @@
+"""Moving clients between the shards of engine ``vectorized-ray`` (mobility, regrouping).
+
+The cloud decides every move and cuts a cloud round into segments at the edge rounds where
+a client moves (:func:`fedhier.edge_moves.run_segments`, as with edge servers as processes).
+Between two segments it asks its executor to **re-attach** the moved clients
+(:meth:`fedhier.engines.vectorized_ray.RayShardExecutor.reattach`): edges stay on their
+workers, so a client whose new edge is on another worker moves there. What moves is the
+client, not its data: its id, its rows' indices into the pool every worker already holds
+(the federation from Ray's object store) and its held-out rows' (a :class:`ClientMove`);
+its averaging weight comes with every job (``EdgeJob.num_examples``) and its mini-batch and
+failure draws are keyed by its id and the round, so its "RNG position" needs no moving. The
+old worker releases it (:func:`release`), the new one adopts it (:func:`adopt`): each
+updates its shard's row index over the same pool (:func:`reshaped`), once per move, never
+per round.
+
+A shard's cloud round then runs a segment's jobs exactly as an edge server runs its job:
+each edge from its job's model, a job's handoff applied with
+:func:`fedhier.edge_moves.apply_job_handoff` (:func:`start_shard_jobs`); a segment that ends
+inside the cloud round answers with each edge's model (:func:`segment_models`), as
+:func:`fedhier.edge_tier.run_edge_job` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedhier.edge_moves import apply_job_handoff
+from fedhier.edge_tier import (
+    EdgeJob,
+    EdgeRunOutcome,
+    edge_aggregates,
+    job_rounds,
+    start_job,
+    train_edges,
+)
+from fedhier.engines.batched_kernels import ClientRows
+from fedhier.engines.vectorized_chunks import train_edge_chunks
+from fedhier.federation import Federation
+from fedhier.hsgd import HierarchicalSGD, HSGDSettings, Params
+
+
+# ------------------------------------------------------------------------ a worker's side
+@dataclass
+class ClientMove:
+    """A client leaving one shard for another: its id in the whole federation and its
+    data reference, int64 indices into the shared pool of training rows (``rows``) and of
+    held-out rows (``holdout``, None: the run holds none out)."""
+
+    client: int
+    rows: np.ndarray
+    holdout: np.ndarray | None = None
+
+
+def release(executor: Any, clients: Sequence[int]) -> tuple[Any, list[ClientMove]]:
+    """``executor`` (a :class:`~fedhier.engines.vectorized_ray_shard.ShardExecutor`)
+    without ``clients`` (ids it holds), and their moves."""
+    fed = executor.inner.fed
+    positions = executor.local(np.sort(np.asarray(clients, dtype=np.int64)))
+    moves = [ClientMove(int(executor.clients[p]), fed.partitions[p],
+                        fed.holdouts[p] if fed.holdouts else None) for p in positions.tolist()]
+    keep = np.setdiff1d(np.arange(len(executor.clients)), positions).astype(np.int64)
+    return reshaped(executor, keep, []), moves
+
+
+def adopt(executor: Any, moves: Sequence[ClientMove]) -> Any:
+    """``executor`` with the moved clients ``moves`` added."""
+    return reshaped(executor, np.arange(len(executor.clients), dtype=np.int64), moves)
+
+
+def reshaped(executor: Any, keep: np.ndarray, moves: Sequence[ClientMove]) -> Any:
+    """The shard executor of ``executor``'s clients at positions ``keep`` (int64,
+    increasing) and the clients of ``moves``, in id order, over the same pool, model and
+    settings: the kept clients' row indices, batch sizes and batch weights taken as they are,
+    the moved clients' built as :meth:`ClientRows.build` builds them, the padded width that of
+    the new set (what :meth:`ShardExecutor.build` would give, bit for bit, in O(1) Python per
+    moved client and vectorized copies per kept one); no row of the pool is copied."""
+    from fedhier.engines.vectorized_ray_shard import ShardExecutor, ShardRows
+
+    inner, data, fed = executor.inner, executor.inner.data, executor.inner.fed
+    ids = np.concatenate([executor.clients[keep],
+                          np.array([m.client for m in moves], dtype=np.int64)])
+    if not len(ids):  # an empty shard trains nobody until it adopts someone
+        return ShardExecutor(inner, ids, executor.num_clients)
+    empty = np.zeros(0, dtype=np.int64)
+    held = [fed.partitions[p] for p in keep.tolist()] + [m.rows for m in moves]
+    holdouts = ([fed.holdouts[p] for p in keep.tolist()]
+                + [empty if m.holdout is None else m.holdout for m in moves]
+                if fed.holdouts else [])
+    rows = [data.rows[p] for p in keep.tolist()]
+    batch = data.batch[keep]
+    weights = [data.weight.index_select(0, torch.as_tensor(keep, device=data.weight.device))]
+    if moves:
+        new = ClientRows.build(Federation(bundle=fed.bundle, partitions=[m.rows for m in moves]),
+                               inner.cfg.batch_size, inner.device)
+        rows += new.rows
+        batch = np.concatenate([batch, new.batch])
+        weights.append(new.weight)
+    width = int(batch.max())
+    weight = torch.cat([w[:, :width] if w.shape[1] >= width
+                        else torch.nn.functional.pad(w, (0, width - w.shape[1]))
+                        for w in weights])
+    order = np.argsort(ids, kind="stable")
+    index = torch.as_tensor(order, device=weight.device)
+    ids = ids[order]
+    data = ShardRows(x=data.x, y=data.y, rows=[rows[i] for i in order.tolist()],
+                     batch=batch[order], width=width, weight=weight.index_select(0, index),
+                     client_ids=ids)
+    shard = Federation(bundle=fed.bundle, partitions=[held[i] for i in order.tolist()],
+                       holdouts=[holdouts[i] for i in order.tolist()] if holdouts else [])
+    return ShardExecutor(dataclasses.replace(inner, fed=shard, data=data, client_ids=ids,
+                                             buffers={}, momentum={}, next_momentum={},
+                                             _rows={}), ids, executor.num_clients)
+
+
+def start_shard_jobs(settings: HSGDSettings, executor: Any,
+                     jobs: Sequence[EdgeJob]) -> HierarchicalSGD:
+    """A shard's round for its edges' ``jobs`` (one segment): :func:`start_job` on the first,
+    then every edge from its own job's model (inside a cloud round the edges' models
+    differ) and every job's handoff applied as an edge server applies it."""
+    algorithm = start_job(settings, executor, jobs[0])
+    for job in jobs[1:]:
+        if job.params is not jobs[0].params:
+            for name, value in algorithm.edge_models.items():
+                value[job.edge] = job.params[name].to(value.device, value.dtype)
+    for job in jobs[1:]:
+        apply_job_handoff(algorithm, job)
+    return algorithm
+
+
+def shard_chunk_size(algorithm: HierarchicalSGD, executor: Any, jobs: Sequence[EdgeJob],
+                     size: int) -> int:
+    """The clients per run of whole edges for a segment: ``size``, or all the shard's when
+    a ``carry`` client of the shard starts from the model of an edge the shard trains too
+    (a run trains its edges through the whole segment, so a later run would find that edge's
+    model already moved on)."""
+    starts = [job.start_edge_of_client for job in jobs if job.start_edge_of_client is not None]
+    if not starts or not len(executor.clients):
+        return size
+    edge_of = algorithm._hierarchy().edge_of_client()
+    start = starts[0][executor.clients]
+    mine = edge_of[executor.clients]
+    olds = np.unique(start[start != mine])
+    return max(size, len(executor.clients)) if np.isin(olds, mine).any() else size
+
+
+def train_shard(settings: HSGDSettings, algorithm: HierarchicalSGD, executor: Any,
+                jobs: Sequence[EdgeJob], size: int) -> tuple[EdgeRunOutcome, dict[int, Params]]:
+    """A shard's edge rounds of one segment (:func:`train_edge_chunks`'s answer: the
+    outcome and each edge's aggregate). In runs of whole edges of ``size`` clients, each run
+    planned ahead; with per-edge periods, whose plan of an edge round depends on the one
+    before (the clients' carried models), the edge rounds of all the shard's clients one
+    after the other as an edge server runs them (:func:`fedhier.edge_tier.train_edges`)."""
+    rounds = job_rounds(settings, jobs[0])
+    if not settings.edge_periods:
+        return train_edge_chunks(algorithm, executor, rounds,
+                                 shard_chunk_size(algorithm, executor, jobs, size))
+    edges = np.array(sorted(job.edge for job in jobs), dtype=np.int64)
+    outcome = train_edges(algorithm, executor, edges, jobs[0].cloud_round, rounds,
+                          hold_level=2)
+    averaged = edge_aggregates(algorithm, outcome.held)
+    models = {} if averaged is None else {
+        int(edge): {k: v[i].clone() for k, v in averaged[0].items()}
+        for i, edge in enumerate(averaged[1].tolist())}
+    return dataclasses.replace(outcome, held=None), models
+
+
+def segment_models(settings: HSGDSettings, algorithm: HierarchicalSGD,
+                   jobs: Sequence[EdgeJob], models: dict[int, Params]) -> dict[int, Params]:
+    """Each edge's answer: its aggregate of the last round's survivors (``models``) when the
+    segment ends at the cloud, else its own model (it aggregated at the edge), as
+    :func:`fedhier.edge_tier.run_edge_job` answers."""
+    rounds = job_rounds(settings, jobs[0])
+    if not (rounds.stop - 1) * settings.local_period % settings.periods[1]:
+        return models
+    return {job.edge: {k: v[job.edge].clone() for k, v in algorithm.edge_models.items()}
+            for job in jobs}
+
+
+# ------------------------------------------------------------------------ the driver's side
+def move_between_workers(actors: Sequence[Any], worker_of_edge: np.ndarray,
+                         edge_of_client: np.ndarray,
+                         moves: dict[int, int]) -> tuple[dict[int, float], list[list[int]]]:
+    """Re-attach the clients of ``moves`` (client -> new edge; ``edge_of_client``, int64
+    [n], is where each client is attached now, updated here): those whose new edge is on
+    another worker are released by their old worker and adopted by the new one, all
+    workers at once (first every release, then every adoption). Returns client -> seconds
+    its move took (0 within a worker) and [client, from worker, to worker] per client that
+    changed workers."""
+    import ray
+
+    clients = np.array(sorted(moves), dtype=np.int64)
+    target = np.array([moves[c] for c in clients.tolist()], dtype=np.int64)
+    old = worker_of_edge[edge_of_client[clients]]
+    new = worker_of_edge[target]
+    across = old != new
+    edge_of_client[clients] = target
+    seconds = dict.fromkeys(clients.tolist(), 0.0)
+    if not across.any():
+        return seconds, []
+    t0 = time.perf_counter()
+    leaving = {int(w): clients[across & (old == w)].tolist() for w in np.unique(old[across])}
+    released = dict(zip(leaving, ray.get([actors[w].release.remote(c)
+                                          for w, c in leaving.items()]), strict=True))
+    by_client = {m.client: m for batch in released.values() for m in batch}
+    arriving = {int(w): [by_client[c] for c in clients[across & (new == w)].tolist()]
+                for w in np.unique(new[across])}
+    ray.get([actors[w].adopt.remote(m) for w, m in arriving.items()])
+    wall = time.perf_counter() - t0
+    seconds.update(dict.fromkeys(clients[across].tolist(), round(wall, 6)))
+    return seconds, [[int(c), int(a), int(b)] for c, a, b in
+                     zip(clients[across], old[across], new[across], strict=True)]

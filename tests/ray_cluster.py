@@ -1,0 +1,93 @@
+"""A two-node Ray cluster on 127.0.0.1 for the tests of engine ``vectorized-ray``
+(tests/test_vectorized_ray.py, tests/test_vectorized_ray_moves.py): the ``ray_cluster``
+fixture, registered in tests/conftest.py so that every module shares one cluster per session
+(its start and stop take about 15 s on the 2-core CI machine)."""
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RAY = Path(sys.executable).parent / "ray"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _ray_node(*args: str, env: dict[str, str]) -> subprocess.Popen:
+    """A ``ray start --block`` node in its own process group (stopped with the group)."""
+    return subprocess.Popen([str(RAY), "start", "--block", "--num-cpus", "1",
+                             "--disable-usage-stats", *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def _stop(nodes: list[subprocess.Popen], temp_dir: str) -> None:
+    """Stop the nodes started here (their process groups), then any process still running
+    from this cluster's private temp dir (by pid): never another cluster's."""
+    for node in nodes:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.pid, signal.SIGTERM)
+    for node in nodes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            node.wait(timeout=20)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if temp_dir.encode() in (entry / "cmdline").read_bytes():
+                os.kill(int(entry.name), signal.SIGKILL)
+
+
+def _wait_for_port(port: int, seconds: float = 120) -> None:
+    """Until the head's GCS accepts connections on ``port``."""
+    deadline = time.time() + seconds
+    while True:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        assert time.time() < deadline, "the Ray head did not start"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """The address of a two-node Ray cluster on 127.0.0.1 (1 CPU each, a private temp dir),
+    started once for the test session: the modules that use it share it, and it stays up
+    until the session ends (only test files without Ray sort after them)."""
+    ray = pytest.importorskip("ray")
+    temp_dir = tempfile.mkdtemp(prefix="fhray-", dir="/tmp")  # short: Ray's socket paths
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
+                                         if p)}
+    nodes = [_ray_node("--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                       "--include-dashboard=false", f"--temp-dir={temp_dir}", env=env)]
+    try:
+        _wait_for_port(port)
+        nodes.append(_ray_node(f"--address={address}", "--node-ip-address=127.0.0.1",
+                               env=env))
+        # this process stays connected, so the runs share their workers (started once)
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        try:
+            deadline = time.time() + 120
+            while sum(n["Alive"] for n in ray.nodes()) < 2:
+                assert time.time() < deadline, "the second Ray node did not join"
+                time.sleep(0.5)
+            yield address
+        finally:
+            ray.shutdown()
+    finally:
+        _stop(nodes, temp_dir)

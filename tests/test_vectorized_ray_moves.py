@@ -1,0 +1,160 @@
+"""Clients that move in engine ``vectorized-ray`` (mobility, regrouping): the cloud cuts a
+cloud round at the moves (fedhier.edge_moves) and a client whose new edge is on another
+worker moves there, its row indices and not its rows (fedhier.engines.vectorized_ray_moves);
+and per-edge periods, which the workers run as edge servers do.
+The runs equal ``vectorized`` within the sharded engine's 1e-6 (counters exact) and
+``inprocess`` within the engines' tolerance, on the two-node Ray cluster of
+tests/test_vectorized_ray.py; a moved client trains bit for bit as on a shard built with it.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from fedhier.cli import main
+from fedhier.engines.inprocess import run_inprocess
+from fedhier.engines.vectorized import run_vectorized
+from fedhier.engines.vectorized_ray import run_vectorized_ray
+from fedhier.engines.vectorized_ray_moves import adopt, release
+from fedhier.engines.vectorized_ray_shard import ShardExecutor
+from fedhier.hsgd import EdgeRoundWork
+from fedhier.run_folder import RunFolder
+from fedhier.run_setup import initial_model, prepare
+from fedhier.train import params_of
+from tests.helpers import metrics
+from tests.test_deploy_mobility import without_handoffs
+from tests.test_faults import run_interrupted_at
+from tests.test_vectorized import assert_same_runs
+from tests.test_vectorized_ray import CFG, assert_equal_runs
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+#: 8 clients on 4 edges, edges 0-1 on worker 0 and 2-3 on worker 1; 3 edge rounds per cloud
+#: round, so moves land inside cloud rounds. Seed 33 moves a ``carry`` client from edge 2 to
+#: edge 3 (one worker) in edge round 2, a segment of 2 edge rounds: with runs of 2 clients
+#: the shard must not train edge 2 before the moved client starts from its model.
+MOBILE = CFG.replace(seed=33, global_period=6, rounds=2, mobility_rate=0.5, handoff="carry",
+                     client_chunk=2)
+#: Inprocess against vectorized: the engines' float32 tolerance (tests/test_vectorized.py).
+INPROCESS_TOL = 1e-5
+
+
+def moves_of(path) -> list[list[int]]:
+    return [m for r in metrics(path) for m in r.get("moves", [])]
+
+
+def test_a_moved_client_trains_bit_for_bit_as_on_a_shard_built_with_it():
+    """Client 5 released by shard {1, 2, 5, 6} and adopted by shard {0}, full-batch (so the
+    padded width shrinks from 192 to 170 rows on the first and grows from 125 to 192 on the
+    second): both shards are the shards built with their new clients (rows, batch sizes and
+    weights, ids) and train exactly as those do (mini-batch and fault draws included)."""
+    cfg = CFG.replace(fail_rate=0.3, batch_size=0)
+    fed = prepare(cfg)
+    model = initial_model(cfg, fed)
+    cpu = torch.device("cpu")
+    edge_models = {k: torch.stack([v, v * 0.5, v * 2.0, -v]) for k, v in
+                   params_of(model).items()}
+    old = ShardExecutor.build(cfg, fed, np.array([1, 2, 5, 6]), model, cpu)
+    new = ShardExecutor.build(cfg, fed, np.array([0]), model, cpu)
+    old, moves = release(old, [5])
+    new = adopt(new, moves)
+    assert [m.client for m in moves] == [5] and moves[0].rows is fed.partitions[5]
+    edge_of = np.array([0, 1, 1, 2, 3, 2, 3, 0])
+    pool = torch.as_tensor(fed.bundle.train_arrays()[0])
+    for shard, clients, width in ((old, [1, 2, 6], 170), (new, [0, 5], 192)):
+        built = ShardExecutor.build(cfg, fed, np.array(clients), model, cpu)
+        got, want = shard.inner.data, built.inner.data
+        assert shard.clients.tolist() == clients and got.width == want.width == width
+        assert got.client_ids.tolist() == shard.inner.client_ids.tolist() == clients
+        np.testing.assert_array_equal(got.batch, want.batch)
+        assert torch.equal(got.weight, want.weight)
+        assert all(np.array_equal(a, b) for a, b in zip(got.rows, want.rows, strict=True))
+        assert got.x.data_ptr() == pool.data_ptr()  # the pool, not a copy
+        work = EdgeRoundWork(edge_round=4, cloud_round=2, start_step=6,
+                             clients=np.array(clients), steps=np.full(len(clients), 2),
+                             edge_of_client=edge_of)
+        trained, reference = shard.train(work, edge_models), built.train(work, edge_models)
+        np.testing.assert_array_equal(trained.ok, reference.ok)
+        np.testing.assert_array_equal(trained.losses, reference.losses)
+        for key, value in reference.models.items():
+            assert torch.equal(value, trained.models[key])
+
+
+def test_moving_clients_equal_the_one_process_and_inprocess_engines(ray_cluster, tmp_path):
+    """``carry`` mobility with participation, faults and runs of 2 clients: every move of
+    the one-process run is re-attached, some between workers inside a cloud round."""
+    cfg = MOBILE.replace(ray_address=ray_cluster)
+    run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
+                   progress=False)
+    run_inprocess(cfg.replace(engine="inprocess"), RunFolder.create(tmp_path / "inprocess"),
+                  progress=False)
+    sharding = run_vectorized_ray(cfg, RunFolder.create(tmp_path / "ray"),
+                                  progress=False)["sharding"]
+    handoffs = [h for r in without_handoffs(tmp_path / "ray") for h in r]
+    assert_equal_runs(tmp_path / "one", tmp_path / "ray")
+    assert_same_runs(tmp_path / "inprocess", tmp_path / "ray", INPROCESS_TOL)
+    moves = moves_of(tmp_path / "one")
+    assert moves_of(tmp_path / "ray") == moves
+    assert [[h["edge_round"], h["client"], h["from"], h["to"]] for h in handoffs] == moves
+    worker = {0: 0, 1: 0, 2: 1, 3: 1}  # place_edges of 4 edges of 2 clients on 2 workers
+    across = [[c, worker[a], worker[b]] for _, c, a, b in moves if worker[a] != worker[b]]
+    assert sharding["worker_moves"] == across
+    assert any((m[0] - 1) % 3 and worker[m[2]] != worker[m[3]] for m in moves)  # mid-round
+    assert [2, 1, 2, 3] in moves  # the carry move within worker 1 (MOBILE's comment)
+    assert sorted(w["clients"] for w in sharding["workers"]) == sorted(
+        np.bincount([worker[e] for e in metrics(tmp_path / "one")[-1]["client_to_edge"]],
+                    minlength=2).tolist())
+
+
+def test_regrouping_and_fresh_moves_equal_the_one_process_engine(ray_cluster, tmp_path):
+    """A random regrouping every cloud round (clients re-attached at its start) and
+    ``fresh`` moves inside the cloud rounds."""
+    cfg = CFG.replace(ray_address=ray_cluster, grouping="random", regroup_every=1,
+                      mobility_rate=0.5, handoff="fresh")
+    run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
+                   progress=False)
+    sharding = run_vectorized_ray(cfg, RunFolder.create(tmp_path / "ray"),
+                                  progress=False)["sharding"]
+    handoffs = [h for r in without_handoffs(tmp_path / "ray") for h in r]
+    assert_equal_runs(tmp_path / "one", tmp_path / "ray")
+    assert any(r.get("regrouped") for r in metrics(tmp_path / "one"))
+    assert moves_of(tmp_path / "one") and sharding["worker_moves"]
+    assert {h["bytes"] for h in handoffs} == {0}  # fresh: no model moves with a client
+
+
+def test_per_edge_periods_equal_the_one_process_and_inprocess_engines(ray_cluster, tmp_path):
+    """Edges aggregating every 1, 2, 4 and 2 steps (G = 4), with a regrouping every cloud
+    round and runs of 2 clients: a worker runs its edges' rounds one after the other, as an
+    edge server does (each round's plan depends on the clients' carried models)."""
+    cfg = CFG.replace(ray_address=ray_cluster, local_period=1, edge_periods="1,2,4,2",
+                      grouping="random", regroup_every=1, client_chunk=2)
+    run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
+                   progress=False)
+    run_inprocess(cfg.replace(engine="inprocess"), RunFolder.create(tmp_path / "inprocess"),
+                  progress=False)
+    run_vectorized_ray(cfg, RunFolder.create(tmp_path / "ray"), progress=False)
+    without_handoffs(tmp_path / "ray")
+    assert_equal_runs(tmp_path / "one", tmp_path / "ray")
+    assert_same_runs(tmp_path / "inprocess", tmp_path / "ray", INPROCESS_TOL)
+    assert [r.get("edge_aggregations") for r in metrics(tmp_path / "ray")[1:]] == [
+        [4, 2, 1, 2]] * 3
+
+
+def test_an_interrupted_mobile_run_resumes_bit_identically(ray_cluster, tmp_path,
+                                                           monkeypatch):
+    args = ["run", "--dataset", "digits", "--clients", "8", "--groups", "4",
+            "--local-period", "2", "--global-period", "4", "--rounds", "3",
+            "--batch-size", "8", "--seed", "4", "--mobility-rate", "0.5", "--handoff",
+            "carry", "--engine", "vectorized-ray", "--ray-address", ray_cluster,
+            "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    stopped = tmp_path / "stopped"
+    assert run_interrupted_at(2, [*args, "--out", str(stopped)], monkeypatch) == 130
+    assert main(["run", "--resume", str(stopped), "--no-progress"]) == 0
+    whole, resumed = metrics(tmp_path / "whole"), metrics(stopped)
+    assert [r["round"] for r in resumed] == [0, 1, 2, 3]
+    assert any(r.get("moves") for r in resumed[2:])
+    ignore = ("wall_seconds", "handoffs")  # handoffs: measured seconds
+    for a, b in zip(whole, resumed, strict=True):
+        assert {k: v for k, v in a.items() if k not in ignore} == {
+            k: v for k, v in b.items() if k not in ignore}
