@@ -27,7 +27,7 @@ from fedhier.edge_tier import EdgeJob, EdgeReport
 from fedhier.engines.batched_kernels import INDEX_CLIENT_BLOCK, ClientRows
 from fedhier.engines.vectorized import BatchedExecutor, training_for
 from fedhier.engines.vectorized_chunks import ChunkExecutor
-from fedhier.engines.vectorized_ray_moves import (
+from fedhier.engines.vectorized_ray_segment import (
     segment_models,
     start_shard_jobs,
     train_shard,
