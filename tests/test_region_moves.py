@@ -7,6 +7,7 @@ to another's). What regions cannot follow is refused in one line.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +17,14 @@ from fedhier.config import RunConfig
 from fedhier.engines.deployment import reattach as reattach_module
 from fedhier.engines.grid_run import run_federation
 from fedhier.engines.inprocess import run_inprocess
+from fedhier.engines.inprocess_grid import InProcessGrid
 from fedhier.errors import ConfigError
 from fedhier.run_folder import RunFolder
 from tests.helpers import metrics
+from tests.test_deploy_mobility import BASE as TWO_LEVELS
 from tests.test_deploy_mobility import InProcessReattacher, without_handoffs
 from tests.test_deploy_regions import servers_grid
+from tests.test_edge_tier import edge_tier_grid
 from tests.test_vectorized import assert_same_runs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -33,13 +37,24 @@ BASE = RunConfig(dataset="digits", clients=8, groups=(4, 2), periods=(2, 4, 8),
 TOL = 1e-5
 
 
-def run_moving(cfg: RunConfig, path: Path, monkeypatch) -> InProcessReattacher:
-    cfg = cfg.replace(edge_servers=True)
-    grid = servers_grid(cfg)
-    edges = [e for region in grid.client_app.servers  # type: ignore[attr-defined]
-             for e in region.grid.client_app.servers]
+def moving_grid(cfg: RunConfig, monkeypatch) -> tuple[InProcessGrid, InProcessReattacher]:
+    """The cloud's grid of servers (regions, when ``cfg`` has three levels) and the
+    re-attacher that moves clients between its edges' grids."""
+    if len(cfg.periods) > 2:
+        grid = servers_grid(cfg)
+        edges = [e for region in grid.client_app.servers  # type: ignore[attr-defined]
+                 for e in region.grid.client_app.servers]
+    else:
+        grid, app = edge_tier_grid(cfg)
+        edges = list(app.servers)
     mover = InProcessReattacher([e.grid for e in sorted(edges, key=lambda e: e.edge)])
     monkeypatch.setattr(reattach_module, "reattacher_from_env", lambda: mover)
+    return grid, mover
+
+
+def run_moving(cfg: RunConfig, path: Path, monkeypatch) -> InProcessReattacher:
+    cfg = cfg.replace(edge_servers=True)
+    grid, mover = moving_grid(cfg, monkeypatch)
     run_federation(grid, cfg, RunFolder.create(path, cfg), engine="servers (in-process)",
                    progress=False)
     return mover
@@ -77,3 +92,48 @@ def test_what_regions_cannot_follow_is_refused_in_one_line(change, message):
     measured from the region's own model would need its last aggregate in every job."""
     with pytest.raises(ConfigError, match=message):
         BASE.replace(edge_servers=True, **change).validate()
+
+
+@pytest.mark.parametrize("cfg", [TWO_LEVELS.replace(handoff="carry"), BASE],
+                         ids=["two-levels-carry", "regions-fresh"])
+def test_a_resumed_mobile_run_equals_the_uninterrupted_one(cfg, tmp_path, monkeypatch):
+    """Stopped after cloud round 1 (a checkpoint every round), resumed on fresh grids (every
+    client back at its first edge): the resumed run re-attaches the clients that moved to
+    where the checkpoint's tree puts them and equals the simulated mobile run."""
+    import fedhier.recorded_run as recorded_run
+    from fedhier.checkpoint import load_checkpoint
+
+    monkeypatch.setattr("fedhier.plots.plot_runs", lambda *args, **kwargs: None)
+    cfg = cfg.replace(checkpoint_every=1)
+    run_inprocess(cfg, RunFolder.create(tmp_path / "ref", cfg), progress=False)
+    split = cfg.replace(edge_servers=True)
+    calls = {"n": 0}
+
+    def interrupt() -> None:  # 2 crash points for round 0, 3 per later round
+        calls["n"] += 1
+        if calls["n"] == 6:  # round 2's record
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(recorded_run, "crash_point", interrupt)
+        grid, _ = moving_grid(split, patch)
+        with pytest.raises(KeyboardInterrupt):
+            run_federation(grid, split, RunFolder.create(tmp_path / "split", split),
+                           engine="servers (in-process)", progress=False)
+    resume = load_checkpoint(tmp_path / "split")
+    assert resume.round == 1
+    grid, mover = moving_grid(split, monkeypatch)  # fresh grids: clients at their first edges
+    run_federation(grid, split, RunFolder.claim_existing(tmp_path / "split"),
+                   engine="servers (in-process)", progress=False, resume=resume)
+    handoffs = without_handoffs(tmp_path / "split")
+    assert_same_runs(tmp_path / "ref", tmp_path / "split", TOL)
+    ref = metrics(tmp_path / "ref")
+    first = np.array(json.loads((tmp_path / "ref" / "groups.json").read_text())
+                     ["client_to_edge"])  # where the fresh grids start every client
+    start = cfg.global_period // cfg.local_period + 1  # round 2's first edge round
+    target = np.array(ref[1]["client_to_edge"])  # the checkpoint's tree ...
+    for _, client, _, edge in [m for m in ref[2].get("moves", []) if m[0] == start]:
+        target[client] = edge  # ... and round 2's moves at its start
+    displaced = {int(c): int(target[c]) for c in np.flatnonzero(target != first)}
+    assert displaced and mover.calls[0] == displaced  # re-attached before round 2 trains
+    assert [h["client"] for h in handoffs[2] if h["edge_round"] == start] == sorted(displaced)
