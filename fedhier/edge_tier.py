@@ -383,18 +383,23 @@ def run_children(algorithm: HierarchicalSGD, executor: Executor, level: int, nod
             clock.edge_time[mine] = report.seconds[mine]
         if not ends_period(s, level, exchange.stop - 1):
             absorb_reports(algorithm, reports, under)
+        last = exchange.stop - 1
+        aggregates = ends_period(s, level, last) and not ends_period(s, level + 1, last)
         answered = [r for r in reports if r.model is not None]
         out.models = None
         if not answered:
+            if aggregates:  # no survivor under it (its clients moved away, or failed): it
+                # keeps its model, but its edges still exchange with it, counted and timed
+                # as the one-process run counts every node of the level's aggregation
+                algorithm.communication.add_aggregation(hierarchy, level, algorithm.model_bytes)
+                clock.aggregate(hierarchy, level, algorithm.model_bytes)
             continue
         out.children = np.array([r.edge for r in answered], dtype=np.int64)
         out.weights = np.array([r.weight for r in answered], dtype=np.float64)
         device = next(iter(algorithm.global_params.values())).device
         out.models = {k: torch.stack([r.model[k].to(device) for r in answered])  # type: ignore[index]
                       for k in algorithm.global_params}
-        last = exchange.stop - 1
-        if ends_period(s, level, last) and not ends_period(s, level + 1, last):
-            # the node aggregates; its children take the result
+        if aggregates:  # the node aggregates; its children take the result
             averaged = aggregate_node(algorithm, level, node, out.models, out.weights)
             algorithm._aggregated(averaged, np.array([node], dtype=np.int64), level)
     reported = loss_sums[:, 1] > 0

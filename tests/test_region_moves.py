@@ -63,7 +63,11 @@ def run_moving(cfg: RunConfig, path: Path, monkeypatch) -> InProcessReattacher:
 @pytest.mark.parametrize("change", [
     {},
     dict(handoff="carry", participation=0.7, fail_rate=0.15, compute_spread=0.5),
-], ids=["fresh", "carry-faults-sim-time"])
+    # 4 clients at 4 edges: region 0's clients both leave (it aggregates nothing, its edges
+    # still exchange with it) -- the real-process run of docs/deployment.md
+    dict(clients=4, periods=(1, 2, 4), rounds=1, seed=4, handoff="carry",
+         compute_spread=0.5),
+], ids=["fresh", "carry-faults-sim-time", "a-region-emptied"])
 def test_moving_clients_under_regions_equal_the_simulated_mobile_run(change, tmp_path,
                                                                     monkeypatch):
     cfg = BASE.replace(**change)
