@@ -42,8 +42,9 @@ def moving_grid(cfg: RunConfig, monkeypatch) -> tuple[InProcessGrid, InProcessRe
     re-attacher that moves clients between its edges' grids."""
     if len(cfg.periods) > 2:
         grid = servers_grid(cfg)
-        edges = [e for region in grid.client_app.servers  # type: ignore[attr-defined]
-                 for e in region.grid.client_app.servers]
+        edges = list(grid.client_app.servers)  # type: ignore[attr-defined]
+        while edges[0].level > 1:  # down the tree to the edges
+            edges = [e for node in edges for e in node.grid.client_app.servers]
     else:
         grid, app = edge_tier_grid(cfg)
         edges = list(app.servers)
@@ -67,7 +68,8 @@ def run_moving(cfg: RunConfig, path: Path, monkeypatch) -> InProcessReattacher:
     # still exchange with it) -- the real-process run of docs/deployment.md
     dict(clients=4, periods=(1, 2, 4), rounds=1, seed=4, handoff="carry",
          compute_spread=0.5),
-], ids=["fresh", "carry-faults-sim-time", "a-region-emptied"])
+    dict(groups=(4, 2, 1), periods=(2, 4, 8, 16), rounds=1, handoff="carry"),
+], ids=["fresh", "carry-faults-sim-time", "a-region-emptied", "four-levels-carry"])
 def test_moving_clients_under_regions_equal_the_simulated_mobile_run(change, tmp_path,
                                                                     monkeypatch):
     cfg = BASE.replace(**change)
@@ -77,14 +79,14 @@ def test_moving_clients_under_regions_equal_the_simulated_mobile_run(change, tmp
     assert_same_runs(tmp_path / "ref", tmp_path / "split", TOL)
     moves = [m for r in metrics(tmp_path / "ref") for m in r.get("moves", [])]
     region = np.array([0, 0, 1, 1])
+    span, per = cfg.periods[1] // cfg.periods[0], cfg.global_period // cfg.local_period
     assert any(region[m[2]] != region[m[3]] for m in moves)  # a move crosses regions
-    assert any((m[0] - 1) % 2 for m in moves)  # one inside a region period
-    assert any((m[0] - 1) % 4 for m in moves)  # one inside a cloud round
+    assert any((m[0] - 1) % span for m in moves)  # one inside a region period
     recorded = [[h["edge_round"], h["client"], h["from"], h["to"]] for r in handoffs
                 for h in r]
     assert recorded == moves
     carried = [h["bytes"] > 0 for r in handoffs for h in r]
-    assert carried == [cfg.handoff == "carry" and bool((m[0] - 1) % 4) for m in moves]
+    assert carried == [cfg.handoff == "carry" and bool((m[0] - 1) % per) for m in moves]
 
 
 @pytest.mark.parametrize("change, message", [
