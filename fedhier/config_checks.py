@@ -86,8 +86,9 @@ def check_edge_servers(cfg: RunConfig) -> None:
     from fedhier.edge_tier import check_edge_tier
 
     check_edge_tier(cfg.mobility_rate > 0 or bool(cfg.mobility_trace),
-                    cfg.regroup_every > 0,
-                    moves=len(cfg.periods) == 2)  # clients re-attach to edges (edge_moves)
+                    cfg.regroup_every > 0, moves=True)  # clients re-attach (edge_moves)
+    if len(cfg.periods) > 2 and cfg.clients_move():
+        check_moves_under_regions(cfg)
     if cfg.clients_move() and cfg.keeps_client_state():
         raise ConfigError("edge servers with moving clients need --optimizer-state reset: a "
                           "client re-attached to another edge starts in that edge's run, "
@@ -105,6 +106,22 @@ def check_edge_servers(cfg: RunConfig) -> None:
             raise ConfigError("asynchronous edge servers need --optimizer-state reset: the "
                               "clients' kept state is gathered between synchronous jobs")
         check_async_edge_tier(cfg)
+
+
+def check_moves_under_regions(cfg: RunConfig) -> None:
+    """Moving clients under region servers (fedhier.edge_moves): only clients move."""
+    from fedhier.aggregate import aggregator
+
+    if cfg.regroup_every:
+        raise ConfigError("edge servers under region servers need a fixed grouping (no "
+                          "regroup_every): a regrouping re-draws the edges' regions too, and "
+                          "an edge server stays under the region server it started under")
+    names = cfg.aggregator_names
+    regional = names if len(names) == 1 else names[1:-1]  # the levels between edge and cloud
+    if any(aggregator(name).needs_reference for name in regional):
+        raise ConfigError("moving clients under region servers need a region rule that does "
+                          "not measure from the region's own model (not clip): a region's "
+                          "job that starts inside its period does not carry its last aggregate")
 
 
 def check_limits(cfg: RunConfig) -> None:

@@ -17,7 +17,29 @@ cloud round into **segments** at the edge rounds where a client moves
 
 An edge applies a job's handoff with :func:`apply_job_handoff` and runs with a static
 membership (:func:`job_settings`): the job's client -> edge map is the one in force. Without
-moves a cloud round is one segment, as before. Two levels only (edges under the cloud).
+moves a cloud round is one segment, as before.
+
+**Regions** (servers between the edges and the cloud; only clients move, an edge stays under
+its region, so a move may cross regions). A segment is cut where a move is, whatever the
+periods, so a node's job may start or end inside a period of its own level:
+
+* a node splits its job into exchanges at its level's absolute period boundaries
+  (:func:`exchanges`), aggregating at a boundary that is not its parent's (:func:`ends_period`),
+  exactly where the one-process run aggregates at its level;
+* a job that ends inside its parent's period answers with each of its edges' models
+  (``EdgeReport.edge_models``: the simulation aggregates nothing there), which the parent
+  writes into its edge models (:func:`absorb_reports`); a job that starts inside its node's
+  period carries those models back (``carried``, :func:`with_own_edges`);
+* a region passes its job's ``carry`` handoff on to the jobs of its edges' first exchange
+  (:class:`HandoffJobs` with ``first_round``); the moved client's old edge may sit in another
+  region: its model travels in the job (``carried``).
+
+A region's aggregate at a period's end is then the simulation's: the weighted mean of the
+survivors its edges hold under the map in force in that edge round. A regrouping re-draws the
+tree above the edges too, which fixed region servers cannot follow
+(:func:`fedhier.config_checks.check_edge_servers` refuses it with regions), and a rule that
+measures from a region's own model (``needs_reference``) is refused there too: a job that
+starts inside the cloud round does not carry the region's last aggregate.
 """
 
 from __future__ import annotations
@@ -79,14 +101,15 @@ class JobHandoff:
 
 
 def apply_job_handoff(algorithm: HierarchicalSGD, job: Any) -> None:
-    """Put a job's carried models (its moved clients' old edges' models) in the edge
-    models and start those clients from them in the job's first edge round."""
-    if job.start_edge_of_client is None:
-        return
+    """Put a job's carried models (its moved clients' old edges' models; a region's job
+    that starts inside its period: its own edges' models) in the edge models and start the
+    moved clients from them in the job's first edge round."""
     edges = np.asarray(job.carried_edges, dtype=np.int64).tolist()
     for name, value in algorithm.edge_models.items():
         for row, edge in enumerate(edges):
             value[edge] = job.carried[name][row].to(value.device, value.dtype)
+    if job.start_edge_of_client is None:
+        return
     first = job.first_round or algorithm.settings.edge_rounds_of(job.cloud_round).start
     algorithm.membership = Membership([JobHandoff(first, job.start_edge_of_client)])
 
@@ -118,32 +141,96 @@ def segments(algorithm: HierarchicalSGD, rounds: range) -> list[Segment]:
 
 
 class HandoffJobs:
-    """The executor of one segment: each job to an edge carries the old edges' models of
-    the clients that move there with a ``carry`` handoff."""
+    """The executor of one segment: each job to a server (an edge, a region, ...) carries
+    the old edges' models of the clients that move under it with a ``carry`` handoff.
+    ``first_round``: only the jobs that start at that edge round (a region's first exchange
+    of its job; None: every job, the cloud's one exchange per segment)."""
 
     def __init__(self, executor: Any, start_edges: np.ndarray | None, edge_models: Params,
-                 edge_of_client: np.ndarray) -> None:
+                 edge_of_client: np.ndarray, first_round: int | None = None) -> None:
         self.executor = executor
         self.start_edges = start_edges
         self.edge_models = edge_models
         self.edge_of_client = edge_of_client
+        self.first_round = first_round
 
     def run_edge_jobs(self, jobs: list[Any]) -> list[Any]:
         if self.start_edges is not None:
-            jobs = [self._with_handoff(job) for job in jobs]
+            jobs = [self._with_handoff(job) if self.first_round in (None, job.first_round)
+                    else job for job in jobs]
         return self.executor.run_edge_jobs(jobs)  # type: ignore[no-any-return]
 
     def _with_handoff(self, job: Any) -> Any:
         assert self.start_edges is not None
-        mine = self.edge_of_client == job.edge
+        node_of_client = self.edge_of_client
+        for parent in job.parents[:job.level - 1]:  # a region's job: its clients
+            node_of_client = np.asarray(parent)[node_of_client]
+        mine = node_of_client == job.edge
         olds = np.unique(self.start_edges[mine & (self.start_edges != self.edge_of_client)])
         if not len(olds):
             return job
-        index = torch.as_tensor(olds)
-        carried = {k: v.index_select(0, index.to(v.device)).clone()
-                   for k, v in self.edge_models.items()}
-        return dataclasses.replace(job, start_edge_of_client=self.start_edges.copy(),
-                                   carried=carried, carried_edges=olds)
+        return with_carried(job, self.edge_models, olds,
+                            start_edge_of_client=self.start_edges.copy())
+
+
+def with_carried(job: Any, edge_models: Params, edges: np.ndarray, **changes: Any) -> Any:
+    """``job`` (an :class:`fedhier.edge_tier.EdgeJob`) also carrying the models of
+    ``edges`` (int64) from ``edge_models`` (name -> [E, *shape]); the ones it carries
+    already stay; ``changes``: other fields replaced."""
+    have = np.asarray(job.carried_edges, dtype=np.int64)
+    union = np.union1d(have, np.asarray(edges, dtype=np.int64))
+    carried = {}
+    for name, value in edge_models.items():
+        rows = [job.carried[name][int(np.flatnonzero(have == e)[0])] if e in have
+                else value[e].clone() for e in union.tolist()]
+        carried[name] = torch.stack([r.to(value.device, value.dtype) for r in rows])
+    return dataclasses.replace(job, carried=carried, carried_edges=union, **changes)
+
+
+# ------------------------------------------------------------------------ any node's side
+def ends_period(settings: HSGDSettings, level: int, edge_round: int) -> bool:
+    """Whether edge round ``edge_round`` (1-based; 0: before the first) ends a period of
+    ``level`` (1: edges, ..., L: the cloud; above the cloud: always)."""
+    periods = settings.periods
+    return level > len(periods) or edge_round * settings.local_period % periods[level - 1] == 0
+
+
+def exchanges(settings: HSGDSettings, level: int, rounds: range) -> list[range]:
+    """The edge rounds ``rounds`` of a level-``level`` node's job cut at its level's period
+    boundaries (absolute: a segment may start or end inside a period)."""
+    span = settings.periods[level - 1] // settings.local_period
+    out, start = [], rounds.start
+    while start < rounds.stop:
+        stop = min((start - 1) // span * span + span + 1, rounds.stop)
+        out.append(range(start, stop))
+        start = stop
+    return out
+
+
+def with_own_edges(algorithm: HierarchicalSGD, job: Any, under: np.ndarray) -> Any:
+    """A child server's job that starts inside the child's period (a segment): it carries
+    the models of the child's edges (``under``: each edge's child-level ancestor), which
+    differ there. An edge's job (its model is ``params``) or one at a period start: as is."""
+    if job.level < 2 or ends_period(algorithm.settings, job.level, job.first_round - 1):
+        return job
+    return with_carried(job, algorithm.edge_models, np.flatnonzero(under == job.edge))
+
+
+def absorb_reports(algorithm: HierarchicalSGD, reports: list[Any], under: np.ndarray) -> None:
+    """A node's exchange that ended inside its period (a segment's end): each reached
+    child's edges continue from their own models (``EdgeReport.edge_models``, or an edge's
+    ``model``), written into the node's edge models (``under``: each edge's child)."""
+    for report in reports:
+        if not report.reached:
+            continue
+        if len(report.edges):
+            index = torch.as_tensor(np.asarray(report.edges, dtype=np.int64))
+            for k, v in algorithm.edge_models.items():
+                v.index_copy_(0, index.to(v.device), report.edge_models[k].to(v.device, v.dtype))
+        elif report.model is not None:
+            for k, v in algorithm.edge_models.items():
+                v[torch.as_tensor(under == report.edge, device=v.device)] = \
+                    report.model[k].to(v.device, v.dtype)
 
 
 def reattach(executor: Any, hierarchy: Hierarchy, edge_round: int, handoff: Handoff | None,
@@ -178,9 +265,6 @@ def run_segments(algorithm: HierarchicalSGD, executor: Any, run_children: Callab
     range) and the handoff records."""
     if not algorithm.membership.rules:
         return run_children(algorithm, executor, level, 0, cloud_round, rounds), []
-    if level != 2:
-        raise ConfigError("clients move between edge servers directly under the cloud only "
-                          "(no --regions with mobility or regroup_every)")
     handoffs: list[dict[str, Any]] = []
     parts = []
     pieces = segments(algorithm, rounds)
@@ -191,12 +275,9 @@ def run_segments(algorithm: HierarchicalSGD, executor: Any, run_children: Callab
         start_edges = None if part.handoff is None else part.handoff.start_edges
         jobs = HandoffJobs(executor, start_edges, algorithm.edge_models,
                            part.hierarchy.edge_of_client())
-        out = run_children(algorithm, jobs, level, 0, cloud_round, part.rounds)  # type: ignore[arg-type]
-        if part.rounds.stop < rounds.stop and out.models is not None:
-            index = torch.as_tensor(out.children)
-            for k, v in algorithm.edge_models.items():  # each edge continues from its own
-                v.index_copy_(0, index.to(v.device), out.models[k].to(v.device, v.dtype))
-        parts.append(out)
+        # a segment that ends inside the cloud round leaves each edge at its own model
+        # (run_children writes it into the edge models: absorb_reports)
+        parts.append(run_children(algorithm, jobs, level, 0, cloud_round, part.rounds))
     last = parts[-1]
     last.losses = np.concatenate([p.losses for p in parts])
     last.failed = sum(p.failed for p in parts)

@@ -41,7 +41,16 @@ import torch
 
 from fedhier.aggregate import aggregator, presence_weights
 from fedhier.communication import BatchCommunication, Communication
-from fedhier.edge_moves import apply_job_handoff, job_settings, run_segments
+from fedhier.edge_moves import (
+    HandoffJobs,
+    absorb_reports,
+    apply_job_handoff,
+    ends_period,
+    exchanges,
+    job_settings,
+    run_segments,
+    with_own_edges,
+)
 from fedhier.errors import ConfigError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import (
@@ -160,7 +169,10 @@ class EdgeReport:
         subtree (:class:`fedhier.communication.Communication`); seconds: float64 [E], its
         edges' simulated clocks when the report is ready (other entries unread); weight:
         the clients' total averaging weight behind ``model``; unreached: level -> the
-        servers of that level in its subtree that missed a job (once per missed job).
+        servers of that level in its subtree that missed a job (once per missed job);
+        edge_models, edges: a job that ends inside its parent's period (a segment,
+        :mod:`fedhier.edge_moves`): the models (name -> [m, *shape]) of the node's m edges
+        ``edges`` (int64 [m]), each continuing from its own (``model`` then None).
     """
 
     edge: int
@@ -176,6 +188,8 @@ class EdgeReport:
     edge_cloud_messages: int = 0
     edge_cloud_bytes: int = 0
     unreached: dict[int, list[int]] = field(default_factory=dict)
+    edge_models: Params = field(default_factory=dict)
+    edges: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def add_traffic(self, traffic: Communication) -> None:
         """Add this report's traffic counters to ``traffic`` (a
@@ -241,21 +255,31 @@ def run_edge_job(settings: HSGDSettings, executor: Executor, job: EdgeJob) -> Ed
     edges = np.flatnonzero(hierarchy.edges_under(job.level) == job.edge)
     rounds = job_rounds(settings, job)
     weight = float(algorithm.weights[np.isin(hierarchy.edge_of_client(), edges)].sum())
+    own: dict[str, Any] = {}
     if job.level == 1:
         outcome = train_edges(algorithm, executor, edges, job.cloud_round, rounds,
                               hold_level=2)
         averaged = edge_aggregates(algorithm, outcome.held)
         model = None if averaged is None else {k: v[0] for k, v in averaged[0].items()}
-        if (rounds.stop - 1) * settings.local_period % settings.periods[1]:
+        if not ends_period(settings, 2, rounds.stop - 1):  # inside the parent's period
             model = {k: v[edges[0]].clone() for k, v in algorithm.edge_models.items()}
         losses, failed, failed_edge_count = (outcome.losses, outcome.failed_clients,
                                              outcome.failed_edges)
     else:
+        if job.start_edge_of_client is not None:  # a carry handoff: its edges' first jobs
+            executor = HandoffJobs(executor, job.start_edge_of_client,  # type: ignore[assignment]
+                                   algorithm.edge_models, hierarchy.edge_of_client(),
+                                   first_round=rounds.start)
         below = run_children(algorithm, executor, job.level, job.edge, job.cloud_round,
                              rounds)
-        model = (None if below.models is None else
-                 {k: v[0] for k, v in aggregate_node(algorithm, job.level, job.edge,
-                                                     below.models, below.weights).items()})
+        model = None
+        if not ends_period(settings, job.level + 1, rounds.stop - 1):
+            # a segment ends inside the parent's period: each edge's own model
+            own = dict(edges=edges, edge_models={k: v[torch.as_tensor(edges)].clone()
+                                                 for k, v in algorithm.edge_models.items()})
+        elif below.models is not None:
+            model = {k: v[0] for k, v in aggregate_node(algorithm, job.level, job.edge,
+                                                        below.models, below.weights).items()}
         weight = float(below.weights.sum())
         losses, failed, failed_edge_count = below.losses, below.failed, below.failed_edges
     traffic = algorithm.communication
@@ -264,7 +288,8 @@ def run_edge_job(settings: HSGDSettings, executor: Executor, job: EdgeJob) -> Ed
                       clock.edge_time.copy(), weight=weight,
                       edge_cloud_messages=traffic.edge_cloud_messages,
                       edge_cloud_bytes=traffic.edge_cloud_bytes,
-                      unreached={} if job.level == 1 else below.below_level(job.level))
+                      unreached={} if job.level == 1 else below.below_level(job.level),
+                      **own)
 
 
 # ------------------------------------------------------------------------ a node's children
@@ -314,27 +339,30 @@ def aggregate_node(algorithm: HierarchicalSGD, level: int, node: int, models: Pa
 def run_children(algorithm: HierarchicalSGD, executor: Executor, level: int, node: int,
                  cloud_round: int, rounds: range) -> ChildrenOutcome:
     """The edge rounds ``rounds`` of level-``level`` node ``node``'s subtree: one job per
-    child and period of the node's level, each from the node's model; between two, the node
-    aggregates the answers (:meth:`HierarchicalSGD._aggregated`, counted and timed); the last
-    answers are returned, not aggregated (the node's parent, or the cloud step, does)."""
+    child and period of the node's level (:func:`fedhier.edge_moves.exchanges`), each from
+    the node's model; after one that ends a period of its level but not of its parent's, the
+    node aggregates the answers (:meth:`HierarchicalSGD._aggregated`, counted and timed); the
+    last answers are returned, not aggregated (the node's parent, or the cloud step, does).
+    An exchange that ends inside the node's period (a segment of moving clients) leaves each
+    edge at its own model (:func:`fedhier.edge_moves.absorb_reports`)."""
     if not hasattr(executor, "run_edge_jobs"):
         raise ConfigError("servers above the clients need an executor that reaches them "
                           "(fedhier deploy local --edges)")
     s, hierarchy, clock = algorithm.settings, algorithm._hierarchy(), algorithm._clock()
     under = hierarchy.edges_under(level - 1)  # each edge's child-level ancestor
     children = np.unique(under[hierarchy.edges_under(level) == node])
-    span = s.periods[level - 1] // s.local_period  # edge rounds between two exchanges
     edge_of = hierarchy.edge_of_client()
     loss_sums = np.zeros((len(rounds), 2))
     out = ChildrenOutcome(None, np.zeros(0, dtype=np.int64), np.zeros(0), loss_sums)
-    for start in range(rounds.start, rounds.stop, span):
-        count = min(span, rounds.stop - start)  # a shorter range: a segment (edge_moves)
+    for exchange in exchanges(s, level, rounds):
+        start, count = exchange.start, len(exchange)
         seconds = clock.edge_time.copy()  # one [E] array for all jobs, not one per child
-        jobs = [EdgeJob(int(child), cloud_round,
-                        {k: v[np.flatnonzero(under == child)[0]].clone()
-                         for k, v in algorithm.edge_models.items()},
-                        edge_of, algorithm._info().num_examples, seconds,
-                        level - 1, tuple(hierarchy.parents[1:]), start, count)
+        jobs = [with_own_edges(algorithm, EdgeJob(
+                    int(child), cloud_round,
+                    {k: v[np.flatnonzero(under == child)[0]].clone()
+                     for k, v in algorithm.edge_models.items()},
+                    edge_of, algorithm._info().num_examples, seconds,
+                    level - 1, tuple(hierarchy.parents[1:]), start, count), under)
                 for child in children]
         reports = sorted(executor.run_edge_jobs(jobs), key=lambda r: r.edge)  # type: ignore[attr-defined]
         rows = slice(start - rounds.start, start - rounds.start + count)
@@ -353,16 +381,25 @@ def run_children(algorithm: HierarchicalSGD, executor: Executor, level: int, nod
                 out.deeper.setdefault(below, []).extend(nodes)
             report.add_traffic(algorithm.communication)
             clock.edge_time[mine] = report.seconds[mine]
+        if not ends_period(s, level, exchange.stop - 1):
+            absorb_reports(algorithm, reports, under)
+        last = exchange.stop - 1
+        aggregates = ends_period(s, level, last) and not ends_period(s, level + 1, last)
         answered = [r for r in reports if r.model is not None]
         out.models = None
         if not answered:
+            if aggregates:  # no survivor under it (its clients moved away, or failed): it
+                # keeps its model, but its edges still exchange with it, counted and timed
+                # as the one-process run counts every node of the level's aggregation
+                algorithm.communication.add_aggregation(hierarchy, level, algorithm.model_bytes)
+                clock.aggregate(hierarchy, level, algorithm.model_bytes)
             continue
         out.children = np.array([r.edge for r in answered], dtype=np.int64)
         out.weights = np.array([r.weight for r in answered], dtype=np.float64)
         device = next(iter(algorithm.global_params.values())).device
         out.models = {k: torch.stack([r.model[k].to(device) for r in answered])  # type: ignore[index]
                       for k in algorithm.global_params}
-        if start + span < rounds.stop:  # the node aggregates; its children take the result
+        if aggregates:  # the node aggregates; its children take the result
             averaged = aggregate_node(algorithm, level, node, out.models, out.weights)
             algorithm._aggregated(averaged, np.array([node], dtype=np.int64), level)
     reported = loss_sums[:, 1] > 0

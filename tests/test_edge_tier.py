@@ -120,7 +120,8 @@ def test_an_edge_that_misses_its_job_leaves_its_clients_out_of_that_round(tmp_pa
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(mobility_rate=0.1, groups=(3, 1), periods=(2, 6, 6)), "static clients"),
+    (dict(mobility_rate=0.1, groups=(3, 1), periods=(2, 6, 6), aggregators="clip"),
+     "region rule"),  # moving clients under regions run: tests/test_region_moves.py
     (dict(regroup_every=2, groups=(3, 1), periods=(2, 6, 6)), "fixed grouping"),
 ])
 def test_what_edge_servers_do_not_run_is_refused_in_one_line(change, message):

@@ -4,16 +4,20 @@ A job carries every client's edge; an edge whose clients changed since its last 
 re-attached to it, or one that left) updates its client -> node map before it trains: a
 client that left is forgotten, a node it does not know is asked its profile query and the
 partition id it reports names the client it serves (a re-attached SuperNode may have a new
-node id: Flower numbers a node per SuperLink).
+node id: Flower numbers a node per SuperLink). A server above the edges (a region) reaches
+its edges, not its clients: it only takes its subtree's clients and their servers from the
+job (:func:`follow_subtree`), for its answers by client (evaluation, gradients).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 from flwr.app import Message, MessageType, RecordDict
 
+from fedhier.edge_tier import EdgeJob
 from fedhier.faults import RunFailureError
 from fedhier_strategies.grid_executor import GridExecutor
 
@@ -61,3 +65,18 @@ def follow_clients(executor: GridExecutor, clients: list[int], seen: dict[int, i
 def clients_of(edge_of_client: np.ndarray, edge: int) -> list[int]:
     """The clients a job's map puts at ``edge``."""
     return np.flatnonzero(np.asarray(edge_of_client) == edge).tolist()
+
+
+def follow_subtree(executor: Any, job: EdgeJob, node: int) -> list[int]:
+    """The clients ``job``'s map puts under level-``job.level`` server ``node``; ``executor``
+    (its :class:`~fedhier_strategies.edge.cloud_executor.EdgeServersExecutor`) serves them
+    from now on, each under the servers the map puts it (``ancestors``, -1 elsewhere)."""
+    where = np.asarray(job.edge_of_client, dtype=np.int64)
+    path = [where]
+    for parent in job.parents[:job.level - 1]:
+        path.append(np.asarray(parent, dtype=np.int64)[path[-1]])
+    mine = path[-1] == node
+    for level, ancestors in enumerate(executor.ancestors):
+        ancestors[:] = np.where(mine, path[level], -1)
+    executor.served = np.flatnonzero(mine).tolist()
+    return list(executor.served)

@@ -15,10 +15,13 @@ server its clients through its own SuperLink under the client message contract
                        float64 [E], ``parents-k`` the tree above the edges), ``config``: the
                        run configuration plus ``server-round``, ``edge-id``, ``node-level``,
                        ``first-edge-round``, ``num-edge-rounds``; with a ``carry``
-                       handoff also ``start-edge-of-client``, ``carried-edges`` in the job
-                       record and ArrayRecord ``carried`` (those edges' models).
+                       handoff also ``start-edge-of-client``, and with it or a region's job
+                       that starts inside its period ``carried-edges`` in the job record and
+                       ArrayRecord ``carried`` (those edges' models).
                        Reply: ``arrays`` (the edge's aggregate; absent when no client survived)
-                       and ``metrics`` (see :func:`report_from_reply`)
+                       and ``metrics`` (see :func:`report_from_reply`); a region's job that
+                       ends inside its parent's period: ArrayRecord ``edge-models`` (its
+                       edges' models, ``edges`` in the metrics) instead of ``arrays``
 ``evaluate``           ``arrays`` (the global model); reply ``metrics``: per client ``loss``,
                        ``accuracy``, ``holdout-accuracy`` (NaN: none), ``num-examples``
 ``query.gradient``     ``arrays``; reply ArrayRecord ``gradient`` (``g``: [k, P] in
@@ -50,6 +53,8 @@ PATH = "server-path"
 JOB_RECORD = "edge-job"
 #: A carry handoff's models of the moved clients' old edges (name -> [m, *shape]).
 CARRIED = "carried"
+#: A report's models of the server's edges (name -> [m, *shape]; a segment's end).
+EDGE_MODELS = "edge-models"
 #: ``unreached-<level>``: the servers of that level under a server that missed a job.
 UNREACHED = "unreached"
 LEVEL = "node-level"
@@ -97,10 +102,11 @@ def job_content(job: EdgeJob, run_config: ConfigRecord) -> RecordDict:
                    for k, p in enumerate(job.parents, start=1)})
     if job.start_edge_of_client is not None:  # a carry handoff (fedhier.edge_moves)
         arrays["start-edge-of-client"] = np.asarray(job.start_edge_of_client, dtype=np.int64)
+    if len(job.carried_edges):
         arrays["carried-edges"] = np.asarray(job.carried_edges, dtype=np.int64)
     tree = ArrayRecord({k: torch.as_tensor(v) for k, v in arrays.items()})
     content = RecordDict({"arrays": to_record(job.params), JOB_RECORD: tree, "config": config})
-    if job.start_edge_of_client is not None:
+    if len(job.carried_edges):
         content[CARRIED] = to_record(job.carried)
     return content
 
@@ -112,8 +118,9 @@ def job_from_message(msg: Message) -> EdgeJob:
                     if f"parents-{k}" in tree)
     handoff: dict = {}
     if "start-edge-of-client" in tree:
-        handoff = dict(start_edge_of_client=tree["start-edge-of-client"].numpy(),
-                       carried_edges=tree["carried-edges"].numpy(),
+        handoff["start_edge_of_client"] = tree["start-edge-of-client"].numpy()
+    if "carried-edges" in tree:
+        handoff.update(carried_edges=tree["carried-edges"].numpy(),
                        carried=to_tensors(cast(ArrayRecord, msg.content[CARRIED])))
     return EdgeJob(edge=int(config[EDGE_ID]),  # type: ignore[arg-type]
                    cloud_round=int(config["server-round"]),  # type: ignore[arg-type]
@@ -145,6 +152,9 @@ def report_content(report: EdgeReport) -> RecordDict:
     content = RecordDict({"metrics": metrics})
     if report.model is not None:
         content["arrays"] = to_record(report.model)
+    if len(report.edges):
+        metrics["edges"] = [int(e) for e in report.edges]
+        content[EDGE_MODELS] = to_record(report.edge_models)
     return content
 
 
@@ -155,6 +165,10 @@ def report_from_reply(reply: Message, edge: int) -> EdgeReport:
                        np.asarray(m["loss-weights"], dtype=np.float64)], axis=1)
     model = (to_tensors(cast(ArrayRecord, reply.content["arrays"]))
              if "arrays" in reply.content.array_records else None)
+    own: dict = {}
+    if EDGE_MODELS in reply.content.array_records:
+        own = dict(edges=np.asarray(m["edges"], dtype=np.int64),
+                   edge_models=to_tensors(cast(ArrayRecord, reply.content[EDGE_MODELS])))
     return EdgeReport(edge=edge, model=model, losses=losses,
                       failed_clients=int(m["failed-clients"]),  # type: ignore[arg-type]
                       failed_edges=int(m["failed-edges"]),  # type: ignore[arg-type]
@@ -165,4 +179,5 @@ def report_from_reply(reply: Message, edge: int) -> EdgeReport:
                       edge_cloud_messages=int(m["edge-cloud-messages"]),  # type: ignore[arg-type]
                       edge_cloud_bytes=int(m["edge-cloud-bytes"]),  # type: ignore[arg-type]
                       unreached={int(k[len(UNREACHED) + 1:]): [int(n) for n in v]  # type: ignore[union-attr]
-                                 for k, v in m.items() if k.startswith(f"{UNREACHED}-")})
+                                 for k, v in m.items() if k.startswith(f"{UNREACHED}-")},
+                      **own)

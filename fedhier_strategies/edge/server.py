@@ -30,7 +30,7 @@ from fedhier.errors import ConfigError
 from fedhier.run_setup import settings_for
 from fedhier_clients.app import run_config_of
 from fedhier_clients.records import to_tensors
-from fedhier_strategies.edge.follow import clients_of, follow_clients
+from fedhier_strategies.edge.follow import clients_of, follow_clients, follow_subtree
 from fedhier_strategies.edge.messages import (
     EDGE_ID,
     EDGE_KEYS,
@@ -130,6 +130,8 @@ class EdgeServer:
                 clients = clients_of(job.edge_of_client, self.edge)  # clients moved
                 follow_clients(executor, clients, self.seen)
                 self.clients = clients  # only once followed: a failed follow is tried again
+            if self.level > 1:  # clients moved between its edges, in or out of its subtree
+                self.clients = follow_subtree(executor, job, self.edge)
             return report_content(run_edge_job(settings_for(cfg), executor, job))
         if kind == f"{MessageType.QUERY}.state":  # the clients keep it: ask them
             return state_content(executor.client_state())
