@@ -5,7 +5,10 @@ the run configuration (kebab-case keys of :class:`fedhier.config.RunConfig`) plu
 ``local-steps`` and ``start-step`` in the ConfigRecord ``config``. The client's identity is
 its ``partition-id`` from ``context.node_config``, on every Flower engine.
 
-Replies carry ``num-examples`` (used for ``samples`` weighting) and ``partition-id``.
+Replies carry ``num-examples`` (used for ``samples`` weighting) and ``partition-id``. The
+profile reply also says the client reads packed models (:mod:`fedhier_clients.packed_model`):
+a server that sends one (an edge server of ``fedhier deploy``) gets the trained model back
+packed; any other gets Flower's ArrayRecord.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from fedhier.models import build_model
 from fedhier.real_slowdown import sleep_for_steps
 from fedhier.round_diagnostics import diagnostic_rows
 from fedhier.train import batch_indices, evaluate, local_sgd, resolve_device
-from fedhier_clients.records import to_record, to_tensors
+from fedhier_clients.packed_model import READS_PACKED, VERSION, get_model, is_packed, model_record
+from fedhier_clients.records import to_tensors
 
 #: Where a client keeps its momentum buffers between rounds (``optimizer-state = keep``).
 OPTIMIZER_STATE_KEY = "fedhier-optimizer"
@@ -65,9 +69,9 @@ def _int(value: object) -> int:
     return int(value)  # type: ignore[call-overload]
 
 
-def _params(arrays: ArrayRecord, device: torch.device,
-            remember: bool = True) -> dict[str, torch.Tensor]:
-    return {k: v.to(device) for k, v in to_tensors(arrays, remember).items()}
+def _params(content: RecordDict, device: torch.device) -> dict[str, torch.Tensor]:
+    """The model ``arrays`` of a message (an ArrayRecord or a packed model) on ``device``."""
+    return {k: v.to(device) for k, v in get_model(content, "arrays").items()}
 
 
 @app.train()
@@ -86,13 +90,13 @@ def train(msg: Message, context: Context) -> Message:
         raise InjectedFaultError(f"injected fault: client {pid} fails edge round {edge_round}")
     x, y = fed.client_tensors(pid, device)
     model = _skeleton(cfg.model, fed.bundle.input_shape, fed.bundle.num_classes, str(device))
-    start_params = _params(msg.content.array_records["arrays"], device)
+    start_params = _params(msg.content, device)
     optimizer = cfg.local_optimizer()
     keep = optimizer.has_state and cfg.optimizer_state == "keep"
     buffers = None
     if keep and OPTIMIZER_STATE_KEY in context.state:
-        buffers = _params(context.state.array_records[OPTIMIZER_STATE_KEY], device,
-                          remember=False)
+        buffers = {k: v.to(device) for k, v in to_tensors(
+            context.state.array_records[OPTIMIZER_STATE_KEY], remember=False).items()}
     params, loss, buffers = local_sgd(
         model, start_params, x, y, lr=cfg.learning_rates(start, steps),
         indices=batch_indices(cfg.seed, pid, len(y), cfg.batch_size, start, steps),
@@ -103,7 +107,7 @@ def train(msg: Message, context: Context) -> Message:
         context.state[OPTIMIZER_STATE_KEY] = ArrayRecord(
             {k: v.detach().cpu() for k, v in buffers.items()})
     reply = RecordDict({
-        "arrays": to_record(params),
+        "arrays": model_record(params, packed=is_packed(msg.content, "arrays")),
         "metrics": MetricRecord({"num-examples": len(y), "train-loss": loss,
                                  "partition-id": pid, "local-steps": steps}),
     })
@@ -116,7 +120,7 @@ def evaluate_local(msg: Message, context: Context) -> Message:
     cfg, fed, pid, device = _setup(msg, context)
     x, y = fed.client_tensors(pid, device)
     model = _skeleton(cfg.model, fed.bundle.input_shape, fed.bundle.num_classes, str(device))
-    params = _params(msg.content.array_records["arrays"], device)
+    params = _params(msg.content, device)
     loss, accuracy = evaluate(model, params, x, y)
     metrics = MetricRecord({"num-examples": len(y), "loss": loss, "accuracy": accuracy,
                             "partition-id": pid})
@@ -145,7 +149,7 @@ def profile(msg: Message, context: Context) -> Message:
     histogram = fed.label_histograms[pid]
     metrics = MetricRecord({"partition-id": pid, "num-examples": int(histogram.sum()),
                             "label-histogram": [int(c) for c in histogram],
-                            "edge-tag": _edge_tag(context)})
+                            "edge-tag": _edge_tag(context), READS_PACKED: VERSION})
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)
 
 
@@ -159,7 +163,7 @@ def gradient(msg: Message, context: Context) -> Message:
     model = _skeleton(cfg.model, fed.bundle.input_shape, fed.bundle.num_classes, str(device))
     rows = torch.as_tensor(diagnostic_rows(len(y), cfg.diagnostics_max_samples, cfg.seed, pid),
                            device=device)
-    params = _params(msg.content.array_records["arrays"], device)
+    params = _params(msg.content, device)
     grad = flat_gradient(model, params, x[rows], y[rows])
     reply = RecordDict({
         "gradient": ArrayRecord({"g": grad.detach().cpu()}),

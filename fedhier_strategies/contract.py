@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from flwr.app import ArrayRecord, Message
+from flwr.app import Message
 
 from fedhier.contract import (
     ACCURACY_KEYS,
@@ -26,7 +26,7 @@ from fedhier.contract import (
     TRAIN_LOSS_KEYS,
 )
 from fedhier.errors import FedhierError
-from fedhier_clients.records import to_tensors
+from fedhier_clients.packed_model import PackedModelError, get_model, has_model
 
 __all__ = ["ACCURACY_KEYS", "EDGE_ROUND", "LOCAL_STEPS", "LOSS_KEYS", "NUM_EXAMPLES",
            "ROUND_KEYS", "SERVER_ROUND", "START_STEP", "TRAIN_LOSS_KEYS", "ContractError",
@@ -102,14 +102,16 @@ def evaluate_rows(reply: Message, client: int) -> int:
 
 def read_train_reply(reply: Message, client: int, arrays_key: str,
                      expected: dict[str, torch.Tensor]) -> TrainReply:
-    """Parse a (non-error) train reply; its arrays must match ``expected`` in keys and
+    """Parse a (non-error) train reply; its arrays (an ArrayRecord, or a packed model when
+    one was sent: :mod:`fedhier_clients.packed_model`) must match ``expected`` in keys and
     shapes (the model that was sent)."""
-    records = reply.content.array_records
-    if arrays_key not in records:
+    if not has_model(reply.content, arrays_key):
         raise ContractError(f"{who(reply, client)} replied without ArrayRecord "
                             f"'{arrays_key}' (the trained model; docs/contract.md)")
-    record: ArrayRecord = records[arrays_key]
-    params = to_tensors(record, remember=False)
+    try:
+        params = get_model(reply.content, arrays_key, remember=False)
+    except PackedModelError as exc:
+        raise ContractError(f"{who(reply, client)} replied '{arrays_key}': {exc}") from None
     if params.keys() != expected.keys():
         raise ContractError(key_difference(who(reply, client), params, expected))
     for key, value in params.items():

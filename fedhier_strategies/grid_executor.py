@@ -22,6 +22,7 @@ from fedhier.faults import RunFailureError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, Params, TrainResult
 from fedhier.reply_policy import ReplyGuard, ReplyPolicy, outlying_updates
+from fedhier_clients.packed_model import model_record, reads_packed
 from fedhier_clients.records import to_record
 from fedhier_strategies.cloud_failure import TrainOutcomes
 from fedhier_strategies.contract import (
@@ -64,6 +65,9 @@ class GridExecutor:
         num_clients: the federation's number of clients (arrays by client have this length;
             default: the number of nodes).
         policy: what a reply that breaks the contract does (:mod:`fedhier.reply_policy`).
+        packed_models: send models packed (one object instead of 1 + 2 per tensor:
+            :mod:`fedhier_clients.packed_model`) when every client's profile reply says it
+            reads them (fedhier's own ClientApp does; a user's app gets ArrayRecords).
     """
 
     def __init__(self, grid: Grid, train_config: ConfigRecord | None = None,
@@ -71,7 +75,7 @@ class GridExecutor:
                  *, min_available_nodes: int = 1, arrayrecord_key: str = "arrays",
                  configrecord_key: str = "config", keeps_client_state: bool = False,
                  clients: Iterable[int] | None = None, num_clients: int | None = None,
-                 policy: ReplyPolicy | None = None) -> None:
+                 policy: ReplyPolicy | None = None, packed_models: bool = False) -> None:
         self.grid = grid
         self.train_config = ConfigRecord() if train_config is None else train_config
         self.evaluate_config = (self.train_config if evaluate_config is None
@@ -87,6 +91,9 @@ class GridExecutor:
         self.client_of_node: dict[int, int] = {}
         self.outcomes = TrainOutcomes()  # who trained, per cloud round (cloud_failure.py)
         self.guard = ReplyGuard(policy or ReplyPolicy())
+        self.packed_models = packed_models
+        #: models go packed to the clients: allowed, and every profiled client reads them
+        self.packs = False
 
     def state_dict(self) -> dict[str, Any]:
         """The reply guard's counts for a checkpoint (a resumed run excludes exactly the
@@ -138,6 +145,7 @@ class GridExecutor:
         if len(replies) != len(nodes):
             raise RunFailureError(f"{len(nodes) - len(replies)} of {len(nodes)} nodes did not "
                                   f"answer the profile query within {self.timeout:.0f} s")
+        self.packs = self.packed_models and all(reads_packed(r) for r in replies)
         profiles = [self._profile(reply, _usual_length(replies)) for reply in replies]
         profiles.sort()
         ids = [p[0] for p in profiles]
@@ -216,13 +224,14 @@ class GridExecutor:
     def train_messages(self, work: EdgeRoundWork, edge_models: Params) -> list[Message]:
         """One train message per sent client: its start edge's model (its edge's, or its
         old edge's after a ``carry`` handoff) and the contract's keys."""
-        records: dict[int, ArrayRecord] = {}
+        records: dict[int, ArrayRecord | ConfigRecord] = {}
         messages = []
         start_edges = work.start_edges
         for client, steps in zip(work.clients.tolist(), work.steps.tolist(), strict=True):
             edge = int(start_edges[client])
             if edge not in records:
-                records[edge] = to_record({k: v[edge] for k, v in edge_models.items()})
+                records[edge] = model_record({k: v[edge] for k, v in edge_models.items()},
+                                             self.packs)
             cfg = self.train_config.copy()  # its values were checked when set
             cfg[LOCAL_STEPS] = int(steps)
             cfg[START_STEP] = work.start_step
@@ -296,7 +305,7 @@ class GridExecutor:
         """The global model to every client, to evaluate on its own training rows."""
         cfg = ConfigRecord(dict(self.evaluate_config))
         cfg[SERVER_ROUND] = cloud_round
-        content = RecordDict({self.arrayrecord_key: to_record(params),
+        content = RecordDict({self.arrayrecord_key: model_record(params, self.packs),
                               self.configrecord_key: cfg})
         return [Message(content, message_type=MessageType.EVALUATE, dst_node_id=node)
                 for node in self.node_ids.values()]
@@ -354,7 +363,7 @@ class GridExecutor:
     def client_gradients(self, params: Params) -> torch.Tensor | None:
         """Every client's full local gradient (``query.gradient``), [n, P] by client; None
         (with a warning) when a client does not answer."""
-        content = RecordDict({self.arrayrecord_key: to_record(params),
+        content = RecordDict({self.arrayrecord_key: model_record(params, self.packs),
                               self.configrecord_key: self.train_config})
         messages = [Message(content, message_type=f"{MessageType.QUERY}.gradient",
                             dst_node_id=node) for node in self.node_ids.values()]

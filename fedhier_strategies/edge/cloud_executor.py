@@ -22,7 +22,7 @@ from fedhier.faults import RunFailureError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, Params, TrainResult
 from fedhier_clients.app import run_config_of
-from fedhier_clients.records import to_record
+from fedhier_clients.packed_model import model_record
 from fedhier_strategies.edge.messages import (
     EDGE_ID,
     PARTITION_IDS,
@@ -192,7 +192,7 @@ class EdgeServersExecutor(GridExecutor):
         config = self.evaluate_config.copy()
         if cloud_round is not None:
             config["server-round"] = cloud_round
-        content = RecordDict({"arrays": to_record(params), "config": config})
+        content = RecordDict({"arrays": model_record(params, packed=True), "config": config})
         messages = [Message(content, message_type=message_type, dst_node_id=node)
                     for node in self.node_of_edge.values()]
         return [r for r in self.grid.send_and_receive(messages, timeout=self.timeout)

@@ -33,18 +33,20 @@ server its clients through its own SuperLink under the client message contract
 ``query.restore``      a resumed run's kept state back to the clients, in the same records
                        (the server's clients only); reply ``metrics``: ``edge-id``
 =====================  ==========================================================================
+
+Both ends are fedhier's, so the models (``arrays``, ``carried``, ``edge-models``) and the job record travel
+packed, one object each instead of 1 + 2 per tensor (:mod:`fedhier_clients.packed_model`;
+read in either form).
 """
 
 from __future__ import annotations
-
-from typing import cast
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedhier.edge_tier import EdgeJob, EdgeReport
-from fedhier_clients.records import to_record, to_tensors
+from fedhier_clients.packed_model import get_model, has_model, model_record
 
 EDGE_ID = "edge-id"
 PARTITION_IDS = "partition-ids"
@@ -104,16 +106,17 @@ def job_content(job: EdgeJob, run_config: ConfigRecord) -> RecordDict:
         arrays["start-edge-of-client"] = np.asarray(job.start_edge_of_client, dtype=np.int64)
     if len(job.carried_edges):
         arrays["carried-edges"] = np.asarray(job.carried_edges, dtype=np.int64)
-    tree = ArrayRecord({k: torch.as_tensor(v) for k, v in arrays.items()})
-    content = RecordDict({"arrays": to_record(job.params), JOB_RECORD: tree, "config": config})
+    tree = model_record({k: torch.as_tensor(v) for k, v in arrays.items()}, packed=True)
+    content = RecordDict({"arrays": model_record(job.params, packed=True), JOB_RECORD: tree,
+                          "config": config})
     if len(job.carried_edges):
-        content[CARRIED] = to_record(job.carried)
+        content[CARRIED] = model_record(job.carried, packed=True)
     return content
 
 
 def job_from_message(msg: Message) -> EdgeJob:
     config = msg.content["config"]
-    tree = cast(ArrayRecord, msg.content[JOB_RECORD]).to_torch_state_dict()
+    tree = get_model(msg.content, JOB_RECORD, remember=False)
     parents = tuple(tree[f"parents-{k}"].numpy() for k in range(1, len(tree))
                     if f"parents-{k}" in tree)
     handoff: dict = {}
@@ -121,10 +124,10 @@ def job_from_message(msg: Message) -> EdgeJob:
         handoff["start_edge_of_client"] = tree["start-edge-of-client"].numpy()
     if "carried-edges" in tree:
         handoff.update(carried_edges=tree["carried-edges"].numpy(),
-                       carried=to_tensors(cast(ArrayRecord, msg.content[CARRIED])))
+                       carried=get_model(msg.content, CARRIED))
     return EdgeJob(edge=int(config[EDGE_ID]),  # type: ignore[arg-type]
                    cloud_round=int(config["server-round"]),  # type: ignore[arg-type]
-                   params=to_tensors(cast(ArrayRecord, msg.content["arrays"])),
+                   params=get_model(msg.content, "arrays"),
                    edge_of_client=tree["edge-of-client"].numpy(),
                    num_examples=tree["num-examples"].numpy(),
                    seconds=tree["edge-seconds"].numpy(),
@@ -151,10 +154,10 @@ def report_content(report: EdgeReport) -> RecordDict:
         metrics[f"{UNREACHED}-{level}"] = [int(n) for n in nodes]
     content = RecordDict({"metrics": metrics})
     if report.model is not None:
-        content["arrays"] = to_record(report.model)
+        content["arrays"] = model_record(report.model, packed=True)
     if len(report.edges):
         metrics["edges"] = [int(e) for e in report.edges]
-        content[EDGE_MODELS] = to_record(report.edge_models)
+        content[EDGE_MODELS] = model_record(report.edge_models, packed=True)
     return content
 
 
@@ -163,12 +166,11 @@ def report_from_reply(reply: Message, edge: int) -> EdgeReport:
     m = reply.content["metrics"]
     losses = np.stack([np.asarray(m["loss-means"], dtype=np.float64),
                        np.asarray(m["loss-weights"], dtype=np.float64)], axis=1)
-    model = (to_tensors(cast(ArrayRecord, reply.content["arrays"]))
-             if "arrays" in reply.content.array_records else None)
+    model = get_model(reply.content, "arrays") if has_model(reply.content, "arrays") else None
     own: dict = {}
-    if EDGE_MODELS in reply.content.array_records:
+    if has_model(reply.content, EDGE_MODELS):
         own = dict(edges=np.asarray(m["edges"], dtype=np.int64),
-                   edge_models=to_tensors(cast(ArrayRecord, reply.content[EDGE_MODELS])))
+                   edge_models=get_model(reply.content, EDGE_MODELS))
     return EdgeReport(edge=edge, model=model, losses=losses,
                       failed_clients=int(m["failed-clients"]),  # type: ignore[arg-type]
                       failed_edges=int(m["failed-edges"]),  # type: ignore[arg-type]

@@ -29,7 +29,7 @@ from fedhier.edge_tier import run_edge_job
 from fedhier.errors import ConfigError
 from fedhier.run_setup import settings_for
 from fedhier_clients.app import run_config_of
-from fedhier_clients.records import to_tensors
+from fedhier_clients.packed_model import get_model
 from fedhier_strategies.edge.follow import clients_of, follow_clients, follow_subtree
 from fedhier_strategies.edge.messages import (
     EDGE_ID,
@@ -97,7 +97,7 @@ class EdgeServer:
                     self.grid, run_config, timeout=timeout,
                     min_available_nodes=len(self.clients), clients=self.clients,
                     num_clients=cfg.clients, policy=cfg.reply_policy(),
-                    keeps_client_state=cfg.keeps_client_state())
+                    keeps_client_state=cfg.keeps_client_state(), packed_models=True)
             else:
                 from fedhier_strategies.edge.cloud_executor import EdgeServersExecutor
 
@@ -138,7 +138,7 @@ class EdgeServer:
         if kind == f"{MessageType.QUERY}.restore":
             executor.restore_client_state(states_of(msg.content))
             return RecordDict({"metrics": MetricRecord({EDGE_ID: self.edge})})
-        params = to_tensors(cast(ArrayRecord, msg.content["arrays"]))
+        params = get_model(msg.content, "arrays")
         if kind == MessageType.EVALUATE:
             return self._evaluate(executor, params, int(config["server-round"]))  # type: ignore[arg-type]
         if kind == f"{MessageType.QUERY}.gradient":

@@ -6,6 +6,10 @@ ClientApp task of the SuperNode whose runtime API is HOST:PORT (a SuperNode star
 ``flwr-clientapp`` would, but without starting a Python process (imports, data loading) per
 message: ``fedhier deploy local`` uses it for its own app. The context (the client's kept
 state) goes back to the SuperNode with every reply, as in Flower's runtime.
+
+Torch runs on ``--torch-threads`` threads (default 1): ``deploy local`` puts every client on
+one machine, where a second thread per client only spins waiting for a core (the default MLP's
+train message: 2 ms of CPU on one thread, 11-28 ms on two; docs/deployment.md#latency).
 """
 
 from __future__ import annotations
@@ -24,7 +28,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--name", default="client", help="the name in log lines")
     parser.add_argument("--superexec-secret", type=Path,
                         help="the SuperNode's SuperExec authentication secret")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch's intra-op threads (default 1)")
     args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(max(1, args.torch_threads))
     from fedhier.engines.deployment.task_runtime import exit_on_sigterm, serve_tasks
     from fedhier_clients.app import app
 

@@ -30,6 +30,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import torch
 from flwr.app import Context, Message
 from flwr.common.serde import run_from_proto
 from flwr.proto.runtime_pb2 import PullTaskInputRequest
@@ -135,7 +136,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "SuperNode")
     parser.add_argument("--timeout", type=float, default=3600,
                         help="seconds to wait for the clients' replies")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch's intra-op threads for aggregating (default 1: the "
+                        "models are small next to a thread's start; docs/deployment.md#latency)")
     args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, args.torch_threads))
     exit_on_sigterm()
     ca = args.root_certificates.read_bytes() if args.root_certificates else None
     secret = args.superexec_secret.read_bytes() if args.superexec_secret else None
