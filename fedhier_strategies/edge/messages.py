@@ -34,8 +34,8 @@ server its clients through its own SuperLink under the client message contract
                        (the server's clients only); reply ``metrics``: ``edge-id``
 =====================  ==========================================================================
 
-Both ends are fedhier's, so the models (``arrays``, ``carried``, ``edge-models``) and the job record travel
-packed, one object each instead of 1 + 2 per tensor (:mod:`fedhier_clients.packed_model`;
+Both ends are fedhier's, so the models (``arrays``, ``carried``, ``edge-models``) and the job
+record travel packed, one object each instead of 1 + 2 per tensor (:mod:`fedhier_clients.packed_model`;
 read in either form).
 """
 
