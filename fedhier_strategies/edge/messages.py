@@ -35,8 +35,8 @@ server its clients through its own SuperLink under the client message contract
 =====================  ==========================================================================
 
 Both ends are fedhier's, so the models (``arrays``, ``carried``, ``edge-models``) and the job
-record travel packed, one object each instead of 1 + 2 per tensor (:mod:`fedhier_clients.packed_model`;
-read in either form).
+record travel packed, one object each instead of 1 + 2 per tensor
+(:mod:`fedhier_clients.packed_model`; read in either form).
 """
 
 from __future__ import annotations
