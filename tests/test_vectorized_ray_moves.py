@@ -7,6 +7,8 @@ The runs equal ``vectorized`` within the sharded engine's 1e-6 (counters exact) 
 tests/test_vectorized_ray.py; a moved client trains bit for bit as on a shard built with it.
 """
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -140,13 +142,26 @@ def test_per_edge_periods_equal_the_one_process_and_inprocess_engines(ray_cluste
         [4, 2, 1, 2]] * 3
 
 
+#: A trace that moves clients 2-7 to edge 0 in edge round 2, emptying worker 1 (edges 2-3),
+#: then client 7 to edge 3 in edge round 5: a resumed run must keep each edge on its worker
+#: (placing them again from the moved tree would sum in another order), start worker 1 without
+#: clients and let it adopt client 7.
+EMPTYING_TRACE = "edge_round,client,edge\n" + "".join(
+    f"2,{c},0\n" for c in range(2, 8)) + "5,7,3\n"
+
+
+@pytest.mark.parametrize("moves", ["random", "trace"])
 def test_an_interrupted_mobile_run_resumes_bit_identically(ray_cluster, tmp_path,
-                                                           monkeypatch):
+                                                           monkeypatch, moves):
+    trace = tmp_path / "trace.csv"
+    trace.write_text(EMPTYING_TRACE)
     args = ["run", "--dataset", "digits", "--clients", "8", "--groups", "4",
-            "--local-period", "2", "--global-period", "4", "--rounds", "3",
-            "--batch-size", "8", "--seed", "4", "--mobility-rate", "0.5", "--handoff",
-            "carry", "--engine", "vectorized-ray", "--ray-address", ray_cluster,
-            "--no-progress"]
+            "--grouping", "contiguous", "--local-period", "2",
+            "--global-period", "4" if moves == "random" else "6", "--rounds", "3",
+            "--batch-size", "8", "--seed", "4", "--handoff", "carry",
+            *(["--mobility-rate", "0.5"] if moves == "random"
+              else ["--mobility-trace", str(trace)]),
+            "--engine", "vectorized-ray", "--ray-address", ray_cluster, "--no-progress"]
     assert main([*args, "--out", str(tmp_path / "whole")]) == 0
     stopped = tmp_path / "stopped"
     assert run_interrupted_at(2, [*args, "--out", str(stopped)], monkeypatch) == 130
@@ -158,3 +173,10 @@ def test_an_interrupted_mobile_run_resumes_bit_identically(ray_cluster, tmp_path
     for a, b in zip(whole, resumed, strict=True):
         assert {k: v for k, v in a.items() if k not in ignore} == {
             k: v for k, v in b.items() if k not in ignore}
+    sharding = [json.loads((path / "sharding.json").read_text())
+                for path in (tmp_path / "whole", stopped)]
+    assert sharding[0]["worker_moves"] == sharding[1]["worker_moves"]
+    assert sharding[0]["bytes_between_workers"] == sharding[1]["bytes_between_workers"]
+    if moves == "trace":  # worker 1 emptied, then client 7 adopted there
+        assert [7, 0, 1] in sharding[1]["worker_moves"]
+        assert [c for c, _, to in sharding[1]["worker_moves"] if to == 0] == [4, 5, 6, 7]

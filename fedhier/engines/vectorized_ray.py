@@ -135,6 +135,23 @@ class RayShardExecutor:
     def client_state(self) -> Any:
         return {}
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to shard as the interrupted one did (plain ints and
+        lists, in the checkpoint's strategy state): each edge's worker, fixed at the start
+        (a resumed run that placed the edges again from the moved tree would sum in another
+        order, or leave a worker without clients), and the counters of ``sharding``."""
+        if self.placement is None:
+            return {}
+        return {"placement": [int(w) for w in self.placement],
+                "worker_moves": [list(m) for m in self.worker_moves],
+                "bytes_between": int(self.bytes_between)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            self.placement = np.asarray(state["placement"], dtype=np.int64)
+            self.worker_moves = [list(m) for m in state["worker_moves"]]
+            self.bytes_between = int(state["bytes_between"])
+
     def restore_client_state(self, state: Any) -> None:
         """Nothing to restore (no kept optimizer state, :func:`check_sharded`)."""
 
@@ -142,7 +159,7 @@ class RayShardExecutor:
         """Every edge's job, each shard's in one call to its actor; the reports of all."""
         import ray
 
-        if self.placement is None:
+        if not self.actors:
             self.start(jobs[0].edge_of_client, len(jobs))
         assert self.placement is not None
         by_worker: list[list[EdgeJob]] = [[] for _ in self.actors]
@@ -168,9 +185,11 @@ class RayShardExecutor:
         return seconds
 
     def start(self, edge_of_client: np.ndarray, num_edges: int) -> None:
-        """Place the edges and start one actor per shard."""
+        """Place the edges (unless a resumed run restored their places: a worker may then
+        start without clients) and start one actor per shard."""
         self.edge_of_client = np.array(edge_of_client, dtype=np.int64)
-        self.placement = place_edges(self.edge_of_client, num_edges, self.workers)
+        if self.placement is None:
+            self.placement = place_edges(self.edge_of_client, num_edges, self.workers)
         worker_of_client = self.placement[edge_of_client]
         shards = [np.flatnonzero(worker_of_client == w).astype(np.int64)
                   for w in range(int(self.placement.max()) + 1)]
@@ -194,7 +213,7 @@ class ShardedCloud(EdgeTierHierarchicalSGD):
     the round's membership changes, so that a regrouping or a move is a re-attachment."""
 
     def begin_cloud_round(self, executor: Any, cloud_round: int) -> dict[str, Any]:
-        if getattr(executor, "placement", True) is None:
+        if getattr(executor, "actors", True) == []:
             hierarchy = self._hierarchy()
             executor.start(hierarchy.edge_of_client(), hierarchy.num_nodes(1))
         return super().begin_cloud_round(executor, cloud_round)
@@ -221,5 +240,6 @@ def run_vectorized_ray(cfg: RunConfig, folder: RunFolder, progress: bool = True,
         summary = run.finish(cfg, algorithm, executor, resume)
         summary["sharding"] = executor.stats()
         summary["sharding"]["worker_moves"] = executor.worker_moves
+        folder.write_json("sharding.json", summary["sharding"])
     return summary
 

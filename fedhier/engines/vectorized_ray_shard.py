@@ -95,13 +95,16 @@ class ShardExecutor:
     @classmethod
     def build(cls, cfg: RunConfig, fed: Federation, clients: np.ndarray,
               model: torch.nn.Module, device: torch.device) -> ShardExecutor:
-        """The shard of ``fed``'s clients ``clients`` (int64, sorted) training ``model``."""
+        """The shard of ``fed``'s clients ``clients`` (int64, sorted) training ``model``.
+        An empty shard (a resumed run's worker whose clients all moved away) holds client 0's
+        rows as its executor's until it adopts clients (:mod:`.vectorized_ray_moves`)."""
         clients = np.asarray(clients, dtype=np.int64)
-        inner = BatchedExecutor(cfg=cfg, model=model, fed=shard_federation(fed, clients),
-                                data=ShardRows.of_shard(fed, clients, cfg.batch_size, device),
+        held = clients if len(clients) else np.zeros(1, dtype=np.int64)
+        inner = BatchedExecutor(cfg=cfg, model=model, fed=shard_federation(fed, held),
+                                data=ShardRows.of_shard(fed, held, cfg.batch_size, device),
                                 train_fn=training_for(model, device), device=device,
                                 optimizer=cfg.local_optimizer(), faults=cfg.faults(),
-                                client_ids=clients)
+                                client_ids=held)
         return cls(inner, clients, fed.num_clients)
 
     def chunk(self, positions: np.ndarray) -> ShardExecutor:
