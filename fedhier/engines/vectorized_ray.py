@@ -22,6 +22,7 @@ every edge and no kept optimizer state (checked by :func:`check_sharded`).
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,13 +154,15 @@ class RayShardExecutor:
         self.actors = start_workers(self.cfg, self.fed, shards)
 
     def stats(self) -> dict[str, Any]:
-        """Per worker: clients, peak resident memory, node; the driver's peak; the model
-        bytes moved between the driver and the workers."""
+        """Per worker: clients, peak resident memory, node, seconds of training
+        (:meth:`fedhier.engines.vectorized_ray_worker.ShardWorker.stats`); the driver's
+        peak and CPU seconds; the model bytes moved between the driver and the workers."""
         import ray
 
         workers = ray.get([actor.stats.remote() for actor in self.actors])
         driver = peak_rss_bytes()
         return {"workers": workers, "driver_peak_rss_bytes": driver,
+                "driver_cpu_seconds": time.process_time(),
                 "total_peak_rss_bytes": driver + sum(w["peak_rss_bytes"] for w in workers),
                 "bytes_between_workers": self.bytes_between}
 
