@@ -8,7 +8,9 @@ that the run starts and stops. Printed per size: each worker's clients and peak 
 memory (``ru_maxrss`` of the actor process, after the run), the driver's, the sum of all, and
 the time per client and edge round (the window from the record of cloud round 1 to the last
 record, over clients x edge rounds: cloud round 1 also loads the shards; with ``--rounds 1``
-from round 0). The JSON report goes to ``--out`` (default
+from round 0), and the workers' CPU seconds in their runs of jobs (all cloud rounds, loading
+excluded) per client and edge round: on a shared machine CPU time does not grow with other
+processes' load, wall time does. The JSON report goes to ``--out`` (default
 benchmarks/results/vectorized_ray_scale.json).
 """
 
@@ -55,11 +57,15 @@ def one_run(clients: int, workers: int, rounds: int, per_edge: int = 10,
     window = records[-1]["wall_seconds"] - records[first]["wall_seconds"]
     edge_rounds = (rounds - first) * cfg.global_period // cfg.local_period
     sharding = summary["sharding"]
+    all_edge_rounds = rounds * cfg.global_period // cfg.local_period
+    train_cpu = sum(w["run_cpu_seconds"] for w in sharding["workers"])
     return {"clients": clients, "workers": workers, "rounds": rounds, "per_edge": per_edge,
             "global_period": cfg.global_period,
             "edge_rounds": edge_rounds, "federation_seconds": setup, "total_seconds": total,
             "window_seconds": window,
             "seconds_per_client_edge_round": window / (clients * edge_rounds),
+            "worker_cpu_seconds_per_client_edge_round": train_cpu / (clients * all_edge_rounds),
+            "load_average_after": os.getloadavg()[0],
             "final_test_accuracy": summary.get("final_test_accuracy"), **sharding}
 
 
@@ -105,7 +111,10 @@ def main() -> int:
               f"{run['driver_peak_rss_bytes'] / 2**20:,.0f} MB, total "
               f"{run['total_peak_rss_bytes'] / 2**20:,.0f} MB "
               f"({run['total_peak_rss_bytes'] / n:,.0f} B/client); "
-              f"{run['seconds_per_client_edge_round'] * 1e6:.1f} us per client-edge round; "
+              f"{run['seconds_per_client_edge_round'] * 1e6:.1f} us per client-edge round "
+              f"(workers' training CPU "
+              f"{run['worker_cpu_seconds_per_client_edge_round'] * 1e6:.1f} us; driver CPU "
+              f"{run['driver_cpu_seconds']:.0f} s); "
               f"{run['bytes_between_workers'] / 2**20:.1f} MB between driver and workers")
     report = {"command": "python benchmarks/vectorized_ray_scale.py " + " ".join(sys.argv[1:]),
               "machine": bench.machine(), "runs": runs}

@@ -15,13 +15,14 @@ Writes that the file system refuses (disk full, read-only, the folder removed) r
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,24 @@ def writing(path: str | Path) -> Iterator[None]:
         raise WriteError(f"cannot write {path}: {reason}") from exc
 
 
+class JsonStream(list):  # type: ignore[type-arg]
+    """A JSON array of ``count`` items made one at a time, ``item(j)``, as :func:`write_json`
+    writes it (a run folder's per-client lists: not all in memory at a million clients)."""
+
+    def __init__(self, count: int, item: Callable[[int], Any]) -> None:
+        super().__init__()
+        self.size, self.make = count, item
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[Any]:
+        return (_jsonable(self.make(j)) for j in range(self.size))
+
+
 def _jsonable(value: Any) -> Any:
+    if isinstance(value, JsonStream):
+        return value
     if isinstance(value, Mapping):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -73,15 +91,17 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside ``path`` and rename it: never a half-written file."""
+def atomic_write_bytes(path: Path, data: bytes | Iterable[bytes]) -> None:
+    """Write ``data`` (or its parts in turn) to a temporary file beside ``path`` and rename
+    it: never a half-written file."""
     path = Path(path)
     with writing(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         try:
             with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
+                for part in [data] if isinstance(data, bytes) else data:
+                    handle.write(part)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -89,7 +109,10 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def write_json(path: Path, value: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(_jsonable(value), indent=1) + "\n").encode())
+    """``json.dumps(value, indent=1)`` and a newline, written as it is encoded (the same
+    bytes; a :class:`JsonStream` is never whole in memory)."""
+    chunks = json.JSONEncoder(indent=1).iterencode(_jsonable(value))
+    atomic_write_bytes(path, (chunk.encode() for chunk in itertools.chain(chunks, ["\n"])))
 
 
 def default_run_dir(name: str) -> Path:

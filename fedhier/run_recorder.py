@@ -23,7 +23,7 @@ from fedhier.crash_points import crash_point
 from fedhier.diagnostics import label_upward_divergence
 from fedhier.federation import Federation, resolved
 from fedhier.grouping import ClientInfo
-from fedhier.run_folder import RunFolder, read_metrics
+from fedhier.run_folder import JsonStream, RunFolder, read_metrics
 from fedhier.topology import Hierarchy
 from fedhier.train import resolve_device
 
@@ -108,10 +108,11 @@ class RunRecorder:
         _, y_train = fed.bundle.train_arrays()
         folder.write_json("partition.json", {
             "scheme": cfg.partition,
-            "clients": [{"client": j, "rows": rows.tolist(), "num_examples": len(rows),
-                         "label_counts": np.bincount(
-                             y_train[rows], minlength=fed.bundle.num_classes).tolist()}
-                        for j, rows in enumerate(fed.partitions)],
+            "clients": JsonStream(len(fed.partitions), lambda j: {
+                "client": j, "rows": fed.partitions[j].tolist(),
+                "num_examples": len(fed.partitions[j]),
+                "label_counts": np.bincount(y_train[fed.partitions[j]],
+                                            minlength=fed.bundle.num_classes).tolist()}),
             "holdout": [rows.tolist() for rows in fed.holdouts]})
 
     @classmethod

@@ -3,6 +3,8 @@ equals the one-shot shard: every edge's aggregate bit for bit, the simulated clo
 counters exactly, the train losses to float64 rounding; with participation, faults and edges
 of one client."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -10,8 +12,9 @@ import torch
 from fedhier.communication import BatchCommunication
 from fedhier.config import RunConfig
 from fedhier.edge_tier import EdgeJob, edge_aggregates, job_rounds, start_job, train_edges
-from fedhier.engines.vectorized_chunks import edge_chunks, train_edge_chunks
+from fedhier.engines.vectorized_chunks import ChunkTree, edge_chunks, train_edge_chunks
 from fedhier.engines.vectorized_ray_shard import ShardExecutor, edge_weights
+from fedhier.faults import RunFailureError
 from fedhier.run_setup import initial_model, prepare, settings_for
 from fedhier.train import params_of
 
@@ -83,3 +86,55 @@ def test_chunks_of_whole_edges_give_the_one_shot_shard(shard, size):
     for name in ("client_edge_messages", "client_edge_bytes", "edge_cloud_messages",
                  "edge_cloud_bytes"):
         assert getattr(chunked.communication, name) == getattr(one_shot.communication, name)
+
+
+def test_a_chunk_runs_as_a_federation_of_its_own_in_whole_federation_ids(shard):
+    """A chunk's algorithm holds its c clients and e edges only (every call O(chunk)); a
+    carry handoff's start edges outside the chunk are extra start-model rows."""
+    fed, model, clients = shard
+    _, _, _, algorithm = _start(fed, model, clients, cloud_round=1)
+    ids = np.flatnonzero(np.isin(EDGE_OF, [2, 4]))  # clients 1, 6, 9
+    work, _ = algorithm.plan(1)
+    start = EDGE_OF.copy()
+    start[6] = 5  # client 6 starts from edge 5's model (it just moved to edge 2)
+    work = dataclasses.replace(work, clients=ids, steps=np.full(3, 2),
+                               start_edge_of_client=start)
+    tree = ChunkTree.of(ids, EDGE_OF, [work])
+    assert tree.edges.tolist() == [2, 4] and tree.edge_of.tolist() == [0, 0, 1]
+    assert tree.sources.tolist() == [2, 4, 5]
+    local = tree.work(work)
+    assert local.clients.tolist() == [0, 1, 2]
+    assert tree.sources[local.start_edges].tolist() == [2, 5, 4]
+    part = tree.algorithm(algorithm)
+    assert len(part.weights) == part._hierarchy().num_clients == 3
+    assert len(part._clock().step_seconds) == 3 and len(part._clock().edge_time) == 2
+    for key, value in part.edge_models.items():
+        assert torch.equal(value, algorithm.edge_models[key][[2, 4, 5]])
+    error = tree.in_whole_ids(RunFailureError(
+        "edge 1 kept 0 of 1 clients in edge round 3; non-finite values in the update of "
+        "client 1 (edge 0) in edge round 3"))
+    assert str(error) == ("edge 4 kept 0 of 1 clients in edge round 3; non-finite values "
+                          "in the update of client 6 (edge 2) in edge round 3")
+
+
+def test_a_run_stopping_edge_is_named_by_its_id_in_the_whole_federation(shard):
+    fed, model, _ = shard
+    cfg = CFG.replace(min_clients_per_edge=1, fail_rate=0.5)
+    edges = np.array([2, 4, 5])  # edge 4 is the chunk's edge 1
+    clients = np.flatnonzero(np.isin(EDGE_OF, edges))
+    messages = []
+    for chunked in (False, True):
+        settings = settings_for(cfg)
+        executor = ShardExecutor.build(cfg, fed, clients, model, torch.device("cpu"))
+        job = EdgeJob(0, 1, params_of(model), EDGE_OF,
+                      np.asarray(fed.client_sizes(), dtype=np.int64), np.zeros(6))
+        algorithm = start_job(settings, executor, job)
+        with pytest.raises(RunFailureError) as caught:
+            if chunked:
+                train_edge_chunks(algorithm, executor, job_rounds(settings, job), 100)
+            else:
+                train_edges(algorithm, executor, edges, 1, job_rounds(settings, job),
+                            hold_level=2)
+        messages.append(str(caught.value))
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("edge 4 kept 0 of 1 clients in edge round 2")

@@ -33,6 +33,7 @@ from fedhier.engines.batched_kernels import (
     LocalTraining,
     local_training_for,
 )
+from fedhier.engines.chunked_eval import client_metrics
 from fedhier.errors import ConfigError
 from fedhier.faults import FaultModel
 from fedhier.federation import Federation
@@ -69,8 +70,6 @@ INDEX_BLOCK_ENTRIES = 2**22
 #: 37.5 KiB models: chunks of 25-100 clients 1.2-1.4x faster than all 1,000 at once; see
 #: docs/engines.md). Chunks of >= 2 clients give bit-for-bit the results of one chunk.
 CHUNK_BYTES = 2 * 2**20
-#: Rows per forward pass when evaluating the global model on the clients' training rows.
-EVAL_CHUNK = 4096
 
 
 # ------------------------------------------------------------------------------ local steps
@@ -372,26 +371,10 @@ class BatchedExecutor:
 
     def client_metrics(self, params: Mapping[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
         """float64 [n] each: the model's mean loss and accuracy on each client's training
-        rows (every distinct row is evaluated once)."""
+        rows (every distinct row is evaluated once; :func:`fedhier.engines.chunked_eval.
+        client_metrics`, a run of clients at a time)."""
         data = self.data
-        used, member = np.unique(np.concatenate(data.rows), return_inverse=True)
-        used_t = torch.as_tensor(used, device=self.device)
-        row_loss, row_correct = [], []
-        with torch.no_grad():
-            for lo in range(0, len(used), EVAL_CHUNK):
-                index = used_t[lo:lo + EVAL_CHUNK]
-                logits = torch.func.functional_call(self.model, dict(params),
-                                                    (data.x[index],))
-                target = data.y[index]
-                row_loss.append(nn.functional.cross_entropy(logits, target, reduction="none"))
-                row_correct.append(logits.argmax(1) == target)
-        loss = torch.cat(row_loss).to(torch.float64).cpu().numpy()[member]
-        correct = torch.cat(row_correct).cpu().numpy()[member]
-        client = np.repeat(np.arange(data.num_clients), [len(r) for r in data.rows])
-        sizes = np.bincount(client, minlength=data.num_clients)
-        client_loss = np.bincount(client, weights=loss, minlength=data.num_clients) / sizes
-        client_acc = np.bincount(client, weights=correct, minlength=data.num_clients) / sizes
-        return client_loss, client_acc
+        return client_metrics(self.model, params, data.x, data.y, data.rows)
 
 
 

@@ -24,26 +24,36 @@ it differs from the one-shot mean by float64 rounding (about 1e-16 relative).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
+import torch
 
 from fedhier.edge_tier import EdgeRunOutcome, edge_aggregates
 from fedhier.engines.vectorized import BatchedExecutor
+from fedhier.faults import RunFailureError
+from fedhier.grouping import ClientInfo
 from fedhier.hsgd import EdgeRoundWork, HierarchicalSGD, Params
 from fedhier.plan import EdgeRoundPlan
+from fedhier.round.executor import device_of
+from fedhier.round.schedule import EqualPeriods
+from fedhier.topology import Hierarchy
 
 
 class ChunkedShard(Protocol):
     """What :func:`train_edge_chunks` needs of a shard
     (:class:`fedhier.engines.vectorized_ray_shard.ShardExecutor`): its clients (int64 [n],
-    increasing) and an executor for the clients at some of their positions."""
+    increasing) and an executor for the clients at some of their positions (its client j
+    is the one at ``positions[j]``)."""
 
     clients: np.ndarray
 
-    def chunk(self, positions: np.ndarray) -> Any: ...
+    def chunk(self, positions: np.ndarray) -> BatchedExecutor: ...
 
 
 def edge_chunks(edge_of_member: np.ndarray, size: int) -> list[np.ndarray]:
@@ -109,11 +119,19 @@ class ChunkedPlans:
 
     @classmethod
     def build(cls, algorithm: HierarchicalSGD, rounds: range, chunk_of_client: np.ndarray,
-              num_chunks: int) -> ChunkedPlans:
-        """``chunk_of_client``: int64 [n], every client's chunk (-1: not in this shard)."""
+              num_chunks: int, edge_of_client: np.ndarray) -> ChunkedPlans:
+        """``chunk_of_client``: int64 [n], every client's chunk (-1: not in this shard);
+        ``edge_of_client``: int64 [n], the map the chunks were cut by (it must hold in every
+        round: chunks are whole edges)."""
         planned, picks = [], []
         for edge_round in rounds:
             work, plan = algorithm.plan(edge_round)
+            if not np.array_equal(work.edge_of_client, edge_of_client):
+                raise ValueError("chunks of whole edges need one client -> edge map for the "
+                                 "job's edge rounds")
+            if work.carried is not None:
+                raise ValueError("chunks of whole edges carry no client models "
+                                 "(per-edge periods)")
             chunk = chunk_of_client[work.clients]
             order = np.flatnonzero(chunk >= 0)
             order = order[np.argsort(chunk[order], kind="stable")]
@@ -123,11 +141,102 @@ class ChunkedPlans:
         return cls(planned, picks)
 
     def of_chunk(self, k: int, c: int) -> EdgeRoundWork:
-        """Edge round ``k``'s work restricted to chunk ``c``'s participants."""
+        """Edge round ``k``'s work restricted to chunk ``c``'s participants (ids of the
+        whole federation)."""
         work = self.rounds[k][0]
         order, bounds = self.picks[k]
         mine = order[bounds[c]:bounds[c + 1]]
         return dataclasses.replace(work, clients=work.clients[mine], steps=work.steps[mine])
+
+
+@dataclass
+class ChunkTree:
+    """A chunk as a federation of its own: its c clients and e edges renumbered 0..c-1 and
+    0..e-1 (in increasing id order, so every per-edge sum keeps its terms and their order),
+    then any f other edges whose models some of its clients start from (a ``carry``
+    handoff): the rows of its start models are ``sources`` = its edges, then those.
+
+    Attributes:
+        ids: int64 [c], the clients' ids in the whole federation (increasing).
+        edges: int64 [e], their edges' ids (increasing).
+        edge_of: int64 [c], each client's edge among ``edges``.
+        sources: int64 [e + f], the edges whose models the start-model rows are.
+    """
+
+    ids: np.ndarray
+    edges: np.ndarray
+    edge_of: np.ndarray
+    sources: np.ndarray
+
+    @classmethod
+    def of(cls, ids: np.ndarray, edge_of_client: np.ndarray,
+           works: Sequence[EdgeRoundWork]) -> ChunkTree:
+        """The chunk of clients ``ids`` (int64, increasing; whole edges of
+        ``edge_of_client`` [n]) that runs ``works`` (ids of the whole federation)."""
+        edges, local = np.unique(edge_of_client[ids], return_inverse=True)
+        starts = [w.start_edge_of_client[ids] for w in works
+                  if w.start_edge_of_client is not None]
+        foreign = np.setdiff1d(np.concatenate(starts), edges) if starts else edges[:0]
+        return cls(np.asarray(ids, dtype=np.int64), edges.astype(np.int64),
+                   local.reshape(-1).astype(np.int64),
+                   np.concatenate([edges, foreign]).astype(np.int64))
+
+    def work(self, work: EdgeRoundWork) -> EdgeRoundWork:
+        """``work`` (this chunk's participants, ids of the whole federation) in the chunk's
+        numbering."""
+        start = work.start_edge_of_client
+        if start is not None:  # each client's start row among ``sources``
+            order = np.argsort(self.sources, kind="stable")
+            rows = order[np.searchsorted(self.sources, start[self.ids], sorter=order)]
+            start = rows.astype(np.int64)
+        return dataclasses.replace(work, clients=np.searchsorted(self.ids, work.clients),
+                                   edge_of_client=self.edge_of, start_edge_of_client=start)
+
+    def plan(self, plan: EdgeRoundPlan) -> EdgeRoundPlan:
+        """The chunk's clients' part of ``plan`` (steps and FedNova scales [c])."""
+        return EdgeRoundPlan(steps=plan.steps[self.ids], scale=plan.scale[self.ids])
+
+    def algorithm(self, whole: HierarchicalSGD) -> HierarchicalSGD:
+        """A :class:`HierarchicalSGD` of the chunk alone, in its numbering, in ``whole``'s
+        state: the chunk's clients' weights and compute speeds, its edges' models and
+        clocks (copies), the same settings and traffic counters (the object itself: an
+        edge round adds to them). Every call it serves then costs O(chunk), not O(n)."""
+        hierarchy = whole._hierarchy()
+        if hierarchy.num_levels != 2 or type(whole.schedule) is not EqualPeriods:
+            raise ValueError("chunks of whole edges need two levels and one local period")
+        part = HierarchicalSGD(whole.settings)
+        part.hierarchy = Hierarchy(hierarchy.periods, (self.edge_of,),
+                                   num_edges=len(self.edges))
+        part.info = ClientInfo(np.zeros((len(self.ids), 1), dtype=np.int64),
+                               whole._info().num_examples[self.ids])
+        part.weights = whole.weights[self.ids]
+        part.global_params = whole.global_params
+        part.model_bytes = whole.model_bytes
+        part.communication = whole.communication
+        clock = copy.copy(whole._clock())
+        clock.step_seconds = clock.step_seconds[self.ids]
+        clock.edge_factor = clock.edge_factor[self.edges]
+        clock.edge_time = clock.edge_time[self.edges]
+        part.clock = clock
+        index = torch.as_tensor(self.sources, device=device_of(whole.edge_models))
+        part.edge_models = {k: v.index_select(0, index) for k, v in whole.edge_models.items()}
+        return part
+
+    def write_back(self, part: HierarchicalSGD, whole: HierarchicalSGD) -> None:
+        """The chunk's edges' models and clocks, as ``part`` left them, into ``whole``."""
+        whole._clock().edge_time[self.edges] = part._clock().edge_time
+        index = torch.as_tensor(self.edges, device=device_of(whole.edge_models))
+        for key, value in whole.edge_models.items():
+            value.index_copy_(0, index, part.edge_models[key][:len(self.edges)])
+
+    def in_whole_ids(self, error: RunFailureError) -> RunFailureError:
+        """``error`` (a run-stopping client or edge, named in the chunk's numbering) with
+        the ids of the whole federation."""
+        text = re.sub(r"\bclient (\d+) \(edge (\d+)\)", lambda m: (
+            f"client {self.ids[int(m[1])]} (edge {self.edges[int(m[2])]})"), str(error))
+        text = re.sub(r"^edge (\d+) kept", lambda m: f"edge {self.edges[int(m[1])]} kept",
+                      text)
+        return RunFailureError(text)
 
 
 def train_edge_chunks(algorithm: HierarchicalSGD, executor: ChunkedShard, rounds: range,
@@ -135,6 +244,9 @@ def train_edge_chunks(algorithm: HierarchicalSGD, executor: ChunkedShard, rounds
     """The edge rounds ``rounds`` of one cloud round for a shard's clients, chunk by chunk
     of whole edges (:func:`edge_chunks`, ``size`` clients), from the edge models the
     algorithm holds; the last round (it ends at the cloud) is aggregated at each edge.
+    Each chunk runs as a federation of its own (:class:`ChunkTree`), so a chunk's edge
+    round costs O(its clients), not O(the federation); the chunk's edges' models and clocks
+    then go back into ``algorithm``.
 
     Returns:
         (the outcome as :func:`fedhier.edge_tier.train_edges` reports it, without ``held``;
@@ -146,27 +258,34 @@ def train_edge_chunks(algorithm: HierarchicalSGD, executor: ChunkedShard, rounds
     chunk_of_client = np.full(len(edge_of), -1, dtype=np.int64)
     for c, positions in enumerate(chunks):
         chunk_of_client[executor.clients[positions]] = c
-    plans = ChunkedPlans.build(algorithm, rounds, chunk_of_client, len(chunks))
+    plans = ChunkedPlans.build(algorithm, rounds, chunk_of_client, len(chunks), edge_of)
     losses = LossMeans(len(rounds))
     failed = failed_edge_count = 0
     aggregates: dict[int, Params] = {}
     for c, positions in enumerate(chunks):
-        part = executor.chunk(positions)
+        works = [plans.of_chunk(k, c) for k in range(len(rounds))]
+        tree = ChunkTree.of(executor.clients[positions], edge_of, works)
+        part, trainer = tree.algorithm(algorithm), executor.chunk(positions)
         held = None
-        for k in range(len(rounds)):
-            work = plans.of_chunk(k, c)
-            if not len(work.clients):
+        for k, whole_work in enumerate(works):
+            if not len(whole_work.clients):
                 continue
-            result = part.train(work, algorithm.start_models(work))
-            outcome = algorithm.complete(work, plans.rounds[k][1], result, hold_level=2)
+            work = tree.work(whole_work)
+            try:
+                result = trainer.train(work, part.start_models(work))
+                outcome = part.complete(work, tree.plan(plans.rounds[k][1]), result,
+                                        hold_level=2)
+            except RunFailureError as error:
+                raise tree.in_whole_ids(error) from None
             failed += outcome["failed_clients"]
             failed_edge_count += outcome["failed_edges"]
             if outcome["train_loss"] is not None:
                 losses.add(k, outcome["train_loss"], outcome["loss_weight"])
             held = outcome.get("held")
-        averaged = edge_aggregates(algorithm, held)
+        tree.write_back(part, algorithm)
+        averaged = edge_aggregates(part, held)
         if averaged is not None:
-            for i, edge in enumerate(averaged[1].tolist()):
+            for i, edge in enumerate(tree.edges[averaged[1]].tolist()):
                 aggregates[int(edge)] = {k: v[i].clone() for k, v in averaged[0].items()}
     return EdgeRunOutcome(None, losses.means(), failed, failed_edge_count), aggregates
 

@@ -25,6 +25,7 @@ on another worker moves there (:meth:`RayShardExecutor.reattach`,
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,13 +197,15 @@ class RayShardExecutor:
         self.actors = start_workers(self.cfg, self.fed, shards)
 
     def stats(self) -> dict[str, Any]:
-        """Per worker: clients, peak resident memory, node; the driver's peak; the model
-        bytes moved between the driver and the workers."""
+        """Per worker: clients, peak resident memory, node, seconds of training
+        (:meth:`fedhier.engines.vectorized_ray_worker.ShardWorker.stats`); the driver's
+        peak and CPU seconds; the model bytes moved between the driver and the workers."""
         import ray
 
         workers = ray.get([actor.stats.remote() for actor in self.actors])
         driver = peak_rss_bytes()
         return {"workers": workers, "driver_peak_rss_bytes": driver,
+                "driver_cpu_seconds": time.process_time(),
                 "total_peak_rss_bytes": driver + sum(w["peak_rss_bytes"] for w in workers),
                 "bytes_between_workers": self.bytes_between}
 

@@ -107,21 +107,21 @@ class ShardExecutor:
                                 client_ids=held)
         return cls(inner, clients, fed.num_clients)
 
-    def chunk(self, positions: np.ndarray) -> ShardExecutor:
-        """The shard's clients at ``positions`` (int64, increasing) as a shard of their own
-        for one cloud round (a :class:`~fedhier.engines.vectorized_chunks.ChunkExecutor`):
-        the same pool, mini-batch width, draws and training; no copy of the rows."""
+    def chunk(self, positions: np.ndarray) -> ChunkExecutor:
+        """The shard's clients at ``positions`` (int64, increasing) for one cloud round: a
+        :class:`~fedhier.engines.vectorized_chunks.ChunkExecutor` whose client j is the one
+        at ``positions[j]`` (its draws keyed by that client's id), with the same pool,
+        mini-batch width and training; no copy of the rows."""
         inner, data = self.inner, self.inner.data
         ids = self.clients[positions]
         index = torch.as_tensor(positions, device=inner.device)
         rows = ShardRows(x=data.x, y=data.y, rows=[data.rows[p] for p in positions.tolist()],
                          batch=data.batch[positions], width=data.width,
                          weight=data.weight.index_select(0, index), client_ids=ids)
-        part = ChunkExecutor(cfg=inner.cfg, model=inner.model,
+        return ChunkExecutor(cfg=inner.cfg, model=inner.model,
                              fed=shard_federation(inner.fed, positions), data=rows,
                              train_fn=inner.train_fn, device=inner.device,
                              optimizer=inner.optimizer, faults=inner.faults, client_ids=ids)
-        return ShardExecutor(part, ids, self.num_clients)
 
     def local(self, clients: np.ndarray) -> np.ndarray:
         """int64: the shard's positions of the clients ``clients`` (ids, all in the shard)."""

@@ -15,6 +15,7 @@ import os
 import resource
 import socket
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,12 +50,18 @@ class ShardWorker:
         self.num_clients = len(clients)
         self.executor = ShardExecutor.build(cfg, fed, clients,
                                             initial_model(cfg, fed).to(device), device)
+        self.run_seconds = self.run_cpu_seconds = 0.0
 
     def run(self, jobs: Sequence[EdgeJob]) -> list[EdgeReport]:
         """Its edges' jobs of one cloud round (:func:`run_shard_jobs`)."""
         from fedhier.engines.vectorized_ray_shard import run_shard_jobs
 
-        return run_shard_jobs(self.settings, self.executor, jobs)
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            return run_shard_jobs(self.settings, self.executor, jobs)
+        finally:
+            self.run_seconds += time.perf_counter() - wall
+            self.run_cpu_seconds += time.process_time() - cpu
 
     def release(self, clients: Sequence[int]) -> list[Any]:
         """Let ``clients`` go to another shard; their moves (:mod:`.vectorized_ray_moves`)."""
@@ -72,10 +79,13 @@ class ShardWorker:
         self.num_clients = len(self.executor.clients)
 
     def stats(self) -> dict[str, Any]:
-        """Its clients, peak resident memory (bytes), node and process id."""
+        """Its clients, peak resident memory (bytes), node and process id, and the wall and
+        CPU seconds of its runs of jobs since its shard was loaded (CPU time does not grow
+        with other processes' load on the machine)."""
         import ray
 
         return {"clients": self.num_clients, "peak_rss_bytes": peak_rss_bytes(),
+                "run_seconds": self.run_seconds, "run_cpu_seconds": self.run_cpu_seconds,
                 "node": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
 
