@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from fedhier.edge_moves import apply_job_handoff
+from fedhier.edge_moves import apply_job_handoff, ends_period
 from fedhier.edge_tier import (
     EdgeJob,
     EdgeRunOutcome,
@@ -87,8 +87,7 @@ def segment_models(settings: HSGDSettings, algorithm: HierarchicalSGD,
     """Each edge's answer: its aggregate of the last round's survivors (``models``) when the
     segment ends at the cloud, else its own model (it aggregated at the edge), as
     :func:`fedhier.edge_tier.run_edge_job` answers."""
-    rounds = job_rounds(settings, jobs[0])
-    if not (rounds.stop - 1) * settings.local_period % settings.periods[1]:
+    if ends_period(settings, 2, job_rounds(settings, jobs[0]).stop - 1):
         return models
     return {job.edge: {k: v[job.edge].clone() for k, v in algorithm.edge_models.items()}
             for job in jobs}
