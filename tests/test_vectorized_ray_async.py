@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fedhier.cli import main
 from fedhier.config import RunConfig
 from fedhier.edge_tier import EdgeReport
 from fedhier.engines.inprocess import run_inprocess
@@ -19,6 +20,7 @@ from fedhier.engines.vectorized_ray import check_sharded, run_vectorized_ray
 from fedhier.engines.vectorized_ray_async import with_batch_losses
 from fedhier.run_folder import RunFolder
 from tests.helpers import assert_refused, metrics
+from tests.test_faults import run_interrupted_at
 from tests.test_vectorized_ray import EXACT
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -99,3 +101,23 @@ def test_a_submission_reports_its_batch_losses_once():
 ])
 def test_what_async_edges_do_not_shard_is_refused_in_one_line(change, message):
     assert_refused(lambda: check_sharded(CFG.replace(**change)), message)
+
+
+def test_an_interrupted_run_resumes_bit_identically(sharded, ray_cluster, tmp_path,
+                                                    monkeypatch):
+    """Ctrl-C while round 3 is recorded: the checkpoint holds received jobs only (their
+    reports and weights), and --resume ends where the uninterrupted run ends."""
+    args = ["run", "--dataset", "digits", "--clients", "8", "--groups", "4", "--grouping",
+            "contiguous", "--local-period", "2", "--global-period", "4", "--rounds", "5",
+            "--batch-size", "8", "--seed", "11", "--participation", "0.75", "--fail-rate",
+            "0.2", "--async-buffer", "2", "--max-staleness", "1", "--edge-slowdown",
+            "0:8,1:3", "--engine", "vectorized-ray", "--ray-workers", "2", "--ray-address",
+            ray_cluster, "--no-progress"]
+    stopped = tmp_path / "stopped"
+    assert run_interrupted_at(3, [*args, "--out", str(stopped)], monkeypatch) == 130
+    assert main(["run", "--resume", str(stopped), "--no-progress"]) == 0
+    whole, resumed = metrics(sharded[0]), metrics(stopped)
+    assert [r["round"] for r in resumed] == [0, 1, 2, 3, 4, 5]
+    for a, b in zip(whole, resumed, strict=True):
+        assert {k: v for k, v in a.items() if k != "wall_seconds"} == {
+            k: v for k, v in b.items() if k != "wall_seconds"}
