@@ -10,9 +10,12 @@ with two parts of its own:
   jobs of its edges among those starting, as one Ray call (the edges of a worker that are
   still in flight are not in it: :func:`run_some_edges` trains the call's edges' clients
   only), and keeps the ObjectRefs; ``receive`` takes the reports of the earliest submission
-  holding one of the edges asked for. A worker runs its calls one after the other, each a
-  whole job from its own start model (:func:`fedhier.edge_tier.start_job`: no state between
-  calls), so jobs of one edge set that started at different cloud rounds simply queue.
+  holding one of the edges asked for. Edges of one worker start at different cloud rounds
+  (from different global models), so each start is a call of its own; a call is a whole job
+  from its own start model (:func:`fedhier.edge_tier.start_job`: no state between calls),
+  and an actor runs its calls one after the other. The cloud below receives every report in
+  flight before it takes one, so in practice a worker's previous call is done when the next
+  comes (the edges that start together still train in parallel across the workers).
   The edge rounds' train losses of one submission (the simulation's batch of edges that start
   together) are combined as the simulation reports them (one weighted mean per edge round,
   :class:`~fedhier.engines.vectorized_chunks.LossMeans`), on its first report;
@@ -45,7 +48,7 @@ from fedhier.engines.vectorized_ray import RayShardExecutor, shared_start_models
 from fedhier.engines.vectorized_ray_shard import ShardExecutor, run_shard_jobs
 from fedhier.errors import ConfigError
 from fedhier.grouping import ClientInfo
-from fedhier.hsgd import Executor, HSGDSettings, Params
+from fedhier.hsgd import CloudStep, Executor, HSGDSettings, Params
 from fedhier.topology import Hierarchy
 
 
@@ -164,7 +167,8 @@ class ShardedAsyncCloud(EdgeTierAsyncHSGD):
     """The cloud of engine ``vectorized-ray`` with asynchronous edges (the module
     docstring); it starts the shards (:meth:`RayShardExecutor.start`) at its setup."""
 
-    def __init__(self, settings: HSGDSettings, cloud_step: Any = None) -> None:
+    def __init__(self, settings: HSGDSettings, cloud_step: CloudStep | None = None,
+                 ) -> None:
         super().__init__(settings, cloud_step)
         self.outstanding: set[int] = set()  # edges whose job was sent, report not received
 
