@@ -76,7 +76,10 @@ def run_some_edges(settings: HSGDSettings, executor: ShardExecutor,
     edge_of = np.asarray(jobs[0].edge_of_client, dtype=np.int64)[executor.clients]
     mine = np.isin(edge_of, [job.edge for job in jobs])
     if not mine.all():
-        executor = executor.chunk(np.flatnonzero(mine).astype(np.int64))
+        positions = np.flatnonzero(mine).astype(np.int64)
+        part = executor.chunk(positions)  # those clients for one cloud round, no row copied
+        executor = part if isinstance(part, ShardExecutor) else ShardExecutor(
+            part, executor.clients[positions], executor.num_clients)
     return run_shard_jobs(settings, executor, jobs)
 
 
@@ -175,7 +178,7 @@ class ShardedAsyncCloud(EdgeTierAsyncHSGD):
     def setup(self, executor: Executor, initial: Params, *, info: ClientInfo | None = None,
               hierarchy: Hierarchy | None = None) -> None:
         super().setup(executor, initial, info=info, hierarchy=hierarchy)
-        if getattr(executor, "placement", True) is None:
+        if not getattr(executor, "actors", [None]):  # none started yet
             tree = self._hierarchy()
             executor.start(tree.edge_of_client(), tree.num_nodes(1))  # type: ignore[attr-defined]
         self.unsent = []  # a checkpoint's jobs were received before it: complete
