@@ -15,11 +15,12 @@ Numbers: every edge round that ends at the edges is bit for bit the one-process 
 (an edge's clients are all in one shard, summed in client order); the cloud averages the
 edges' averages instead of all clients at once, as edge servers do, so the global model
 differs from the one-process engine's by float rounding (docs/engines.md, "Sharded over a
-Ray cluster"). Two-level trees, synchronous edges and no kept optimizer state (checked by
+Ray cluster"). Two-level trees, no kept optimizer state (checked by
 :func:`check_sharded`). Clients move (mobility, regrouping) as between edge servers
 (:mod:`fedhier.edge_moves`): the edges stay on their workers and a client whose new edge is
 on another worker moves there (:meth:`RayShardExecutor.reattach`,
-:mod:`fedhier.engines.vectorized_ray_moves`); per-edge periods run in the workers' jobs.
+:mod:`fedhier.engines.vectorized_ray_moves`); per-edge periods run in the workers' jobs;
+asynchronous edges (``async_buffer``) are :mod:`fedhier.engines.vectorized_ray_async`.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def check_sharded(cfg: RunConfig) -> None:
         raise ConfigError("engine vectorized-ray with per-edge periods needs static clients "
                           "(no mobility): a job split at a move would restart an edge's "
                           "period")
-    if cfg.async_buffer > 0:  # edge servers run it (fedhier.edge_tier_async), not shards
-        raise ConfigError("engine vectorized-ray needs synchronous edges (no async_buffer)")
+    from fedhier.engines.vectorized_ray_async import check_sharded_async
+
+    check_sharded_async(cfg)
     if len(cfg.periods) != 2:
         raise ConfigError("engine vectorized-ray needs a two-level hierarchy (one local and "
                           "one global period)")
@@ -234,12 +236,17 @@ def run_vectorized_ray(cfg: RunConfig, folder: RunFolder, progress: bool = True,
     check_sharded(cfg)
     check_reachable(cfg.ray_address)
     run = BatchedRun.start(cfg, folder, "vectorized-ray", progress, federation, resume)
-    algorithm = ShardedCloud(settings_for(cfg), as_cloud_step(make_cloud_strategy(
-        cfg.cloud_strategy, cfg.server_lr, cfg.server_momentum)))
+    from fedhier.engines.vectorized_ray_async import RayShardAsyncExecutor, ShardedAsyncCloud
+
+    asynchronous = cfg.asynchronous().active
+    algorithm = (ShardedAsyncCloud if asynchronous else ShardedCloud)(
+        settings_for(cfg), as_cloud_step(make_cloud_strategy(
+            cfg.cloud_strategy, cfg.server_lr, cfg.server_momentum)))
     with ray_session(cfg.ray_address, cfg.ray_workers):
         worker_pool(min(cfg.ray_workers, cfg.num_edges))  # they boot while the driver sets up
         whole = BatchedExecutor.build(cfg, run.fed, run.model, run.device)
-        executor = RayShardExecutor(cfg, run.fed, whole, cfg.ray_workers)
+        executor = (RayShardAsyncExecutor if asynchronous else RayShardExecutor)(
+            cfg, run.fed, whole, cfg.ray_workers)
         summary = run.finish(cfg, algorithm, executor, resume)
         summary["sharding"] = executor.stats()
         summary["sharding"]["worker_moves"] = executor.worker_moves

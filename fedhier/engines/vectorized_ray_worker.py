@@ -63,6 +63,12 @@ class ShardWorker:
             self.run_seconds += time.perf_counter() - wall
             self.run_cpu_seconds += time.process_time() - cpu
 
+    def run_some(self, jobs: Sequence[EdgeJob]) -> list[EdgeReport]:
+        """Some of its edges' jobs (asynchronous edges: :func:`.run_some_edges`)."""
+        from fedhier.engines.vectorized_ray_async import run_some_edges
+
+        return run_some_edges(self.settings, self.executor, jobs)
+
     def release(self, clients: Sequence[int]) -> list[Any]:
         """Let ``clients`` go to another shard; their moves (:mod:`.vectorized_ray_moves`)."""
         from fedhier.engines.vectorized_ray_moves import release

@@ -1,0 +1,123 @@
+"""Engine ``vectorized-ray`` with asynchronous edges (fedhier.engines.vectorized_ray_async):
+the cloud of asynchronous edge servers over the shard actors, the reports taken in the
+simulated clock's order, gives ``--engine vectorized --async-buffer K`` to 1e-6 and
+``--engine inprocess`` to 1e-5, on the session's two-node Ray cluster (tests/ray_cluster.py).
+A slow edge and a small staleness bound make the order matter: reports are stale, one is
+dropped, and a worker runs jobs of its edges that started at different cloud rounds.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedhier.cli import main
+from fedhier.config import RunConfig
+from fedhier.edge_tier import EdgeReport
+from fedhier.engines.inprocess import run_inprocess
+from fedhier.engines.vectorized import run_vectorized
+from fedhier.engines.vectorized_ray import check_sharded, run_vectorized_ray
+from fedhier.engines.vectorized_ray_async import with_batch_losses
+from fedhier.run_folder import RunFolder
+from tests.helpers import assert_refused, metrics
+from tests.test_faults import run_interrupted_at
+from tests.test_vectorized_ray import EXACT
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+#: 8 clients on 4 edges (two per worker), K = 2, S = 1; edges 0 and 1 slow (x8, x3).
+CFG = RunConfig(dataset="digits", clients=8, groups=(4,), grouping="contiguous",
+                local_period=2, global_period=4, rounds=5, batch_size=8, seed=11,
+                participation=0.75, fail_rate=0.2, async_buffer=2, max_staleness=1,
+                edge_slowdown="0:8,1:3", engine="vectorized-ray", ray_workers=2)
+
+
+def assert_close_runs(reference: Path, other: Path, tol: float, exact=EXACT) -> None:
+    """Same records: the ``exact`` keys and the lists (async_reports) equal, every other
+    number within ``tol`` (relative above 1)."""
+    ref, got = metrics(reference), metrics(other)
+    assert len(ref) == len(got)
+    for a, b in zip(ref, got, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            if key == "wall_seconds":
+                continue
+            if key in exact or a[key] is None or b[key] is None \
+                    or not isinstance(a[key], (int, float)):
+                assert a[key] == b[key], (a["round"], key)
+            else:
+                assert abs(a[key] - b[key]) <= tol * max(1.0, abs(a[key])), (
+                    a["round"], key, a[key], b[key])
+
+
+@pytest.fixture(scope="module")
+def sharded(ray_cluster, tmp_path_factory):
+    """One asynchronous sharded run on the two-node cluster: (its folder, its summary)."""
+    path = tmp_path_factory.mktemp("async-ray") / "ray"
+    summary = run_vectorized_ray(CFG.replace(ray_address=ray_cluster),
+                                 RunFolder.create(path), progress=False)
+    return path, summary
+
+
+def test_equals_the_vectorized_engine(sharded, tmp_path):
+    path, summary = sharded
+    run_vectorized(CFG.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
+                   progress=False)
+    assert_close_runs(tmp_path / "one", path, 1e-6)
+    records = metrics(path)[1:]
+    stale = [s for r in records for _, s in r["async_reports"]]
+    assert max(stale) == 1 and sum(r["stale_dropped"] for r in records) == 2
+    workers = summary["sharding"]["workers"]
+    assert [w["clients"] for w in workers] == [4, 4]
+    assert len({w["node"] for w in workers}) == 2
+
+
+def test_equals_the_inprocess_engine(sharded, tmp_path):
+    run_inprocess(CFG.replace(engine="inprocess"), RunFolder.create(tmp_path / "plain"),
+                  progress=False)
+    assert_close_runs(tmp_path / "plain", sharded[0], 1e-5)
+
+
+def test_a_submission_reports_its_batch_losses_once():
+    """Two shards' per-edge-round (mean, weight) rows: one weighted mean per round."""
+    reports = [EdgeReport(2, None, np.array([[1.0, 1.0], [0.0, 0.0]])),
+               EdgeReport(0, None, np.array([[4.0, 2.0], [5.0, 3.0]]))]
+    first, second = with_batch_losses(reports)
+    np.testing.assert_allclose(first.losses, [[3.0, 3.0], [5.0, 3.0]])
+    assert first.edge == 2 and not second.losses.any()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"mobility_rate": 0.2}, "engine vectorized-ray with async_buffer needs static clients "
+     "(no mobility, no regroup_every): jobs in flight keep their clients"),
+    ({"regroup_every": 2}, "engine vectorized-ray with async_buffer needs static clients "
+     "(no mobility, no regroup_every): jobs in flight keep their clients"),
+    ({"periods": (2, 4, 8), "groups": (4, 2)}, "engine vectorized-ray with async_buffer "
+     "needs two levels (no --regions): the regions' buffers run in the simulation only "
+     "(region_buffer)"),
+    ({"edge_periods": "1,2,1,2", "local_period": 1}, "engine vectorized-ray with "
+     "async_buffer needs one local period for every edge (no edge_periods): the simulation "
+     "runs both together"),
+])
+def test_what_async_edges_do_not_shard_is_refused_in_one_line(change, message):
+    assert_refused(lambda: check_sharded(CFG.replace(**change)), message)
+
+
+def test_an_interrupted_run_resumes_bit_identically(sharded, ray_cluster, tmp_path,
+                                                    monkeypatch):
+    """Ctrl-C while round 3 is recorded: the checkpoint holds received jobs only (their
+    reports and weights), and --resume ends where the uninterrupted run ends."""
+    args = ["run", "--dataset", "digits", "--clients", "8", "--groups", "4", "--grouping",
+            "contiguous", "--local-period", "2", "--global-period", "4", "--rounds", "5",
+            "--batch-size", "8", "--seed", "11", "--participation", "0.75", "--fail-rate",
+            "0.2", "--async-buffer", "2", "--max-staleness", "1", "--edge-slowdown",
+            "0:8,1:3", "--engine", "vectorized-ray", "--ray-workers", "2", "--ray-address",
+            ray_cluster, "--no-progress"]
+    stopped = tmp_path / "stopped"
+    assert run_interrupted_at(3, [*args, "--out", str(stopped)], monkeypatch) == 130
+    assert main(["run", "--resume", str(stopped), "--no-progress"]) == 0
+    whole, resumed = metrics(sharded[0]), metrics(stopped)
+    assert [r["round"] for r in resumed] == [0, 1, 2, 3, 4, 5]
+    for a, b in zip(whole, resumed, strict=True):
+        assert {k: v for k, v in a.items() if k != "wall_seconds"} == {
+            k: v for k, v in b.items() if k != "wall_seconds"}
