@@ -15,8 +15,9 @@ Numbers: every edge round that ends at the edges is bit for bit the one-process 
 (an edge's clients are all in one shard, summed in client order); the cloud averages the
 edges' averages instead of all clients at once, as edge servers do, so the global model
 differs from the one-process engine's by float rounding (docs/engines.md, "Sharded over a
-Ray cluster"). Two-level trees, synchronous edges and no kept optimizer state (checked by
-:func:`check_sharded`). Clients move (mobility, regrouping) as between edge servers
+Ray cluster"). Synchronous edges and no kept optimizer state (checked by
+:func:`check_sharded`); deeper trees place whole regions (:mod:`.vectorized_ray_subtree`).
+Clients move (mobility, regrouping) as between edge servers
 (:mod:`fedhier.edge_moves`): the edges stay on their workers and a client whose new edge is
 on another worker moves there (:meth:`RayShardExecutor.reattach`,
 :mod:`fedhier.engines.vectorized_ray_moves`); per-edge periods run in the workers' jobs.
@@ -36,6 +37,7 @@ from fedhier.config import RunConfig
 from fedhier.edge_tier import EdgeJob, EdgeReport, EdgeTierHierarchicalSGD, check_edge_tier
 from fedhier.engines.vectorized import BatchedExecutor, BatchedRun
 from fedhier.engines.vectorized_ray_moves import move_between_workers
+from fedhier.engines.vectorized_ray_subtree import check_levels, top_children
 from fedhier.engines.vectorized_ray_worker import (
     check_reachable,
     peak_rss_bytes,
@@ -66,9 +68,7 @@ def check_sharded(cfg: RunConfig) -> None:
                           "period")
     if cfg.async_buffer > 0:  # edge servers run it (fedhier.edge_tier_async), not shards
         raise ConfigError("engine vectorized-ray needs synchronous edges (no async_buffer)")
-    if len(cfg.periods) != 2:
-        raise ConfigError("engine vectorized-ray needs a two-level hierarchy (one local and "
-                          "one global period)")
+    check_levels(cfg)  # three or more levels: whole subtrees on the workers
     if cfg.keeps_client_state():
         raise ConfigError("engine vectorized-ray keeps no optimizer state between edge "
                           "rounds: use optimizer_state=reset (or engine vectorized)")
@@ -195,8 +195,7 @@ class ShardedCloud(EdgeTierHierarchicalSGD):
 
     def begin_cloud_round(self, executor: Any, cloud_round: int) -> dict[str, Any]:
         if getattr(executor, "placement", True) is None:
-            hierarchy = self._hierarchy()
-            executor.start(hierarchy.edge_of_client(), hierarchy.num_nodes(1))
+            executor.start(*top_children(self._hierarchy()))  # edges, or regions ...
         return super().begin_cloud_round(executor, cloud_round)
 
 

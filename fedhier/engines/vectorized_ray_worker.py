@@ -51,10 +51,10 @@ class ShardWorker:
                                             initial_model(cfg, fed).to(device), device)
 
     def run(self, jobs: Sequence[EdgeJob]) -> list[EdgeReport]:
-        """Its edges' jobs of one cloud round (:func:`run_shard_jobs`)."""
-        from fedhier.engines.vectorized_ray_shard import run_shard_jobs
+        """Its edges' (or whole subtrees') jobs of one cloud round (:func:`run_jobs`)."""
+        from fedhier.engines.vectorized_ray_subtree import run_jobs
 
-        return run_shard_jobs(self.settings, self.executor, jobs)
+        return run_jobs(self.settings, self.executor, jobs)
 
     def release(self, clients: Sequence[int]) -> list[Any]:
         """Let ``clients`` go to another shard; their moves (:mod:`.vectorized_ray_moves`)."""

@@ -1,0 +1,51 @@
+"""Engine ``vectorized-ray`` on a tree of three levels (clients -> edges -> regions -> cloud):
+whole regions on the workers (:mod:`fedhier.engines.vectorized_ray_subtree`), each region's
+edge rounds and aggregations run inside its worker. On the session's two-node Ray cluster
+(tests/ray_cluster.py) it equals engine ``vectorized`` to 1e-6 and engine ``inprocess`` to
+1e-5, with participation and faults; moving clients and per-edge periods are refused.
+"""
+
+import pytest
+
+from fedhier.config import RunConfig
+from fedhier.engines.inprocess import run_inprocess
+from fedhier.engines.vectorized import run_vectorized
+from fedhier.engines.vectorized_ray import check_sharded, run_vectorized_ray
+from fedhier.run_folder import RunFolder
+from tests.helpers import assert_refused
+from tests.test_vectorized import assert_same_runs
+
+#: 8 clients, 4 edges, 2 regions (one per worker): edges aggregate every 2 steps, regions
+#: every 4, the cloud every 8; participation and faults drop clients and edges.
+CFG = RunConfig(dataset="digits", clients=8, groups=(4, 2), periods=(2, 4, 8),
+                grouping="contiguous", rounds=2, batch_size=8, seed=5, participation=0.75,
+                fail_rate=0.2, engine="vectorized-ray", ray_workers=2)
+
+
+def test_whole_regions_on_workers_equal_the_one_process_engines(ray_cluster, tmp_path):
+    cfg = CFG.replace(ray_address=ray_cluster)
+    run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
+                   progress=False)
+    run_inprocess(cfg.replace(engine="inprocess"), RunFolder.create(tmp_path / "loop"),
+                  progress=False)
+    sharding = run_vectorized_ray(cfg, RunFolder.create(tmp_path / "ray"),
+                                  progress=False)["sharding"]
+    assert_same_runs(tmp_path / "one", tmp_path / "ray", 1e-6)
+    assert_same_runs(tmp_path / "loop", tmp_path / "ray", 1e-5)
+    workers = sharding["workers"]
+    assert sorted(w["clients"] for w in workers) == [4, 4]  # a whole region each
+    assert len({w["node"] for w in workers}) == 2
+    # only regions' models cross: per cloud round one down and one up per region
+    model_bytes = sharding["bytes_between_workers"] // (2 * 2 * cfg.rounds)
+    assert sharding["bytes_between_workers"] == model_bytes * 2 * 2 * cfg.rounds
+
+
+@pytest.mark.parametrize("change", [
+    {"mobility_rate": 0.2},
+    {"regroup_every": 1},
+    {"edge_periods": "2,4,2,4", "periods": (2, 4, 8)},
+])
+def test_moving_clients_and_per_edge_periods_are_refused_with_three_levels(change):
+    assert_refused(lambda: check_sharded(CFG.replace(**change)),
+                   "engine vectorized-ray with three or more levels needs static clients (no "
+                   "mobility, no regroup_every) and one local period (no edge_periods)")
