@@ -2,7 +2,7 @@
 whole regions on the workers (:mod:`fedhier.engines.vectorized_ray_subtree`), each region's
 edge rounds and aggregations run inside its worker. On the session's two-node Ray cluster
 (tests/ray_cluster.py) it equals engine ``vectorized`` to 1e-6 and engine ``inprocess`` to
-1e-5, with participation and faults; moving clients and per-edge periods are refused.
+1e-5, with participation and faults, and with per-edge periods; moving clients are refused.
 """
 
 import pytest
@@ -40,12 +40,18 @@ def test_whole_regions_on_workers_equal_the_one_process_engines(ray_cluster, tmp
     assert sharding["bytes_between_workers"] == model_bytes * 2 * 2 * cfg.rounds
 
 
-@pytest.mark.parametrize("change", [
-    {"mobility_rate": 0.2},
-    {"regroup_every": 1},
-    {"edge_periods": "2,4,2,4", "periods": (2, 4, 8)},
-])
-def test_moving_clients_and_per_edge_periods_are_refused_with_three_levels(change):
+def test_per_edge_periods_in_regions_equal_the_one_process_engine(ray_cluster, tmp_path):
+    """Each edge's own period (dividing the regions' 4) runs inside its region's worker;
+    ``vectorized`` equals ``inprocess`` here (tests/test_edge_periods.py)."""
+    cfg = CFG.replace(ray_address=ray_cluster, periods=(1, 4, 8), edge_periods="1,2,4,2")
+    run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
+                   progress=False)
+    run_vectorized_ray(cfg, RunFolder.create(tmp_path / "ray"), progress=False)
+    assert_same_runs(tmp_path / "one", tmp_path / "ray", 1e-6)
+
+
+@pytest.mark.parametrize("change", [{"mobility_rate": 0.2}, {"regroup_every": 1}])
+def test_moving_clients_are_refused_with_three_levels(change):
     assert_refused(lambda: check_sharded(CFG.replace(**change)),
                    "engine vectorized-ray with three or more levels needs static clients (no "
-                   "mobility, no regroup_every) and one local period (no edge_periods)")
+                   "mobility, no regroup_every)")

@@ -12,8 +12,9 @@ cross between the driver and the workers, once per cloud round each way.
 
 Numbers: the region averages its edges' averages and the cloud the regions', as region
 servers do (``fedhier deploy local --regions``), so the global model equals the one-process
-engine's up to float rounding (1e-6, tests/test_vectorized_ray_levels.py). Clients that move
-and per-edge periods with three or more levels are refused (:func:`check_levels`).
+engine's up to float rounding (1e-6, tests/test_vectorized_ray_levels.py), per-edge periods
+included (a region's edges run them in its worker as an edge server does); clients that move
+with three or more levels are refused (:func:`check_levels`).
 """
 
 from __future__ import annotations
@@ -33,14 +34,13 @@ from fedhier.topology import Hierarchy
 
 def check_levels(cfg: RunConfig) -> None:
     """Refuse, in one line, what the sharded engine does not run with three or more
-    levels: clients that move (mobility, regrouping) and per-edge periods."""
+    levels: clients that move (mobility, regrouping: a client moves between workers by its
+    edge's placement, and here the workers are placed by region)."""
     if len(cfg.periods) <= 2:
         return
-    moves = cfg.mobility_rate > 0 or bool(cfg.mobility_trace) or cfg.regroup_every > 0
-    if moves or cfg.edge_periods:
+    if cfg.mobility_rate > 0 or cfg.mobility_trace or cfg.regroup_every > 0:
         raise ConfigError("engine vectorized-ray with three or more levels needs static "
-                          "clients (no mobility, no regroup_every) and one local period "
-                          "(no edge_periods)")
+                          "clients (no mobility, no regroup_every)")
 
 
 def top_children(hierarchy: Hierarchy) -> tuple[np.ndarray, int]:
