@@ -214,7 +214,7 @@ def run_vectorized_ray(cfg: RunConfig, folder: RunFolder, progress: bool = True,
     algorithm = ShardedCloud(settings_for(cfg), as_cloud_step(make_cloud_strategy(
         cfg.cloud_strategy, cfg.server_lr, cfg.server_momentum)))
     with ray_session(cfg.ray_address, cfg.ray_workers):
-        worker_pool(min(cfg.ray_workers, cfg.num_edges))  # they boot while the driver sets up
+        worker_pool(min(cfg.ray_workers, cfg.groups[-1]))  # one per cloud child, booting now
         whole = BatchedExecutor.build(cfg, run.fed, run.model, run.device)
         executor = RayShardExecutor(cfg, run.fed, whole, cfg.ray_workers)
         summary = run.finish(cfg, algorithm, executor, resume)
