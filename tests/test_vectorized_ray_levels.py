@@ -2,10 +2,9 @@
 whole regions on the workers (:mod:`fedhier.engines.vectorized_ray_subtree`), each region's
 edge rounds and aggregations run inside its worker. On the session's two-node Ray cluster
 (tests/ray_cluster.py) it equals engine ``vectorized`` to 1e-6 and engine ``inprocess`` to
-1e-5, with participation and faults, and with per-edge periods; moving clients are refused.
+1e-5, with participation and faults, with per-edge periods, and with clients moving between
+regions (so between workers); regrouping is refused.
 """
-
-import pytest
 
 from fedhier.config import RunConfig
 from fedhier.engines.inprocess import run_inprocess
@@ -13,7 +12,9 @@ from fedhier.engines.vectorized import run_vectorized
 from fedhier.engines.vectorized_ray import check_sharded, run_vectorized_ray
 from fedhier.run_folder import RunFolder
 from tests.helpers import assert_refused
+from tests.test_deploy_mobility import without_handoffs
 from tests.test_vectorized import assert_same_runs
+from tests.test_vectorized_ray_moves import moves_of
 
 #: 8 clients, 4 edges, 2 regions (one per worker): edges aggregate every 2 steps, regions
 #: every 4, the cloud every 8; participation and faults drop clients and edges.
@@ -50,8 +51,24 @@ def test_per_edge_periods_in_regions_equal_the_one_process_engine(ray_cluster, t
     assert_same_runs(tmp_path / "one", tmp_path / "ray", 1e-6)
 
 
-@pytest.mark.parametrize("change", [{"mobility_rate": 0.2}, {"regroup_every": 1}])
-def test_moving_clients_are_refused_with_three_levels(change):
-    assert_refused(lambda: check_sharded(CFG.replace(**change)),
-                   "engine vectorized-ray with three or more levels needs static clients (no "
-                   "mobility, no regroup_every)")
+def test_clients_moving_between_regions_equal_the_one_process_engine(ray_cluster, tmp_path):
+    """``carry`` mobility with participation and faults: every move of the one-process run
+    is re-attached, some to an edge of the other region, so to the other worker."""
+    cfg = CFG.replace(ray_address=ray_cluster, mobility_rate=0.5, handoff="carry")
+    run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
+                   progress=False)
+    sharding = run_vectorized_ray(cfg, RunFolder.create(tmp_path / "ray"),
+                                  progress=False)["sharding"]
+    handoffs = [h for r in without_handoffs(tmp_path / "ray") for h in r]
+    assert_same_runs(tmp_path / "one", tmp_path / "ray", 1e-6)
+    moves = moves_of(tmp_path / "one")
+    assert [[h["edge_round"], h["client"], h["from"], h["to"]] for h in handoffs] == moves
+    region = {0: 0, 1: 0, 2: 1, 3: 1}  # worker = region (contiguous grouping)
+    across = [[c, region[a], region[b]] for _, c, a, b in moves if region[a] != region[b]]
+    assert across and sharding["worker_moves"] == across
+
+
+def test_regrouping_is_refused_with_three_levels():
+    assert_refused(lambda: check_sharded(CFG.replace(regroup_every=1)),
+                   "engine vectorized-ray with three or more levels needs a fixed grouping "
+                   "(no regroup_every): each worker holds whole regions")

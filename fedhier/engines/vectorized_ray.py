@@ -115,6 +115,7 @@ class RayShardExecutor:
     edge_of_client: np.ndarray | None = None
     #: [client, from worker, to worker] per client moved between workers, in order
     worker_moves: list[list[int]] = dataclasses.field(default_factory=list)
+    node_placement: np.ndarray | None = None  # int64: each child of the cloud's worker
 
     def profiles(self) -> ClientInfo:
         return self.whole.profiles()
@@ -146,8 +147,9 @@ class RayShardExecutor:
             self.start(jobs[0].edge_of_client, len(jobs))
         assert self.placement is not None
         by_worker: list[list[EdgeJob]] = [[] for _ in self.actors]
+        assert self.node_placement is not None
         for job in shared_start_models(jobs):
-            by_worker[int(self.placement[job.edge])].append(job)
+            by_worker[int(self.node_placement[job.edge])].append(job)
         pending = [actor.run.remote(mine)
                    for actor, mine in zip(self.actors, by_worker, strict=True) if mine]
         reports = [report for batch in ray.get(pending) for report in batch]
@@ -167,10 +169,15 @@ class RayShardExecutor:
         self.worker_moves += moved
         return seconds
 
-    def start(self, edge_of_client: np.ndarray, num_edges: int) -> None:
-        """Place the edges and start one actor per shard."""
+    def start(self, edge_of_client: np.ndarray, num_edges: int,
+              node_of_edge: np.ndarray | None = None) -> None:
+        """Place the cloud's children (the edges; ``node_of_edge``, int64 [E]: each edge's
+        child of the cloud, a region) and start one actor per shard."""
         self.edge_of_client = np.array(edge_of_client, dtype=np.int64)
-        self.placement = place_edges(self.edge_of_client, num_edges, self.workers)
+        node_of_edge = np.arange(num_edges) if node_of_edge is None else node_of_edge
+        self.node_placement = place_edges(node_of_edge[self.edge_of_client],
+                                          int(node_of_edge.max()) + 1, self.workers)
+        self.placement = self.node_placement[node_of_edge]  # each edge's worker (moves)
         worker_of_client = self.placement[edge_of_client]
         shards = [np.flatnonzero(worker_of_client == w).astype(np.int64)
                   for w in range(int(self.placement.max()) + 1)]
@@ -195,7 +202,7 @@ class ShardedCloud(EdgeTierHierarchicalSGD):
 
     def begin_cloud_round(self, executor: Any, cloud_round: int) -> dict[str, Any]:
         if getattr(executor, "placement", True) is None:
-            executor.start(*top_children(self._hierarchy()))  # edges, or regions ...
+            executor.start(*top_children(self._hierarchy()))  # whole regions with 3+ levels
         return super().begin_cloud_round(executor, cloud_round)
 
 

@@ -13,8 +13,11 @@ cross between the driver and the workers, once per cloud round each way.
 Numbers: the region averages its edges' averages and the cloud the regions', as region
 servers do (``fedhier deploy local --regions``), so the global model equals the one-process
 engine's up to float rounding (1e-6, tests/test_vectorized_ray_levels.py), per-edge periods
-included (a region's edges run them in its worker as an edge server does); clients that move
-with three or more levels are refused (:func:`check_levels`).
+included (a region's edges run them in its worker as an edge server does). Clients move
+between edges as with two levels (:mod:`fedhier.engines.vectorized_ray_moves`: a client whose
+new edge is in a region on another worker moves there); the cloud cuts its round into
+segments and a region's job carries its edges' own models (:mod:`fedhier.edge_moves`), as
+for region servers. Regrouping with three or more levels is refused (:func:`check_levels`).
 """
 
 from __future__ import annotations
@@ -34,20 +37,21 @@ from fedhier.topology import Hierarchy
 
 def check_levels(cfg: RunConfig) -> None:
     """Refuse, in one line, what the sharded engine does not run with three or more
-    levels: clients that move (mobility, regrouping: a client moves between workers by its
-    edge's placement, and here the workers are placed by region)."""
-    if len(cfg.periods) <= 2:
-        return
-    if cfg.mobility_rate > 0 or cfg.mobility_trace or cfg.regroup_every > 0:
-        raise ConfigError("engine vectorized-ray with three or more levels needs static "
-                          "clients (no mobility, no regroup_every)")
+    levels: regrouping (it re-draws the edges' regions, and a worker holds whole regions;
+    region servers refuse it too)."""
+    if len(cfg.periods) > 2 and cfg.regroup_every > 0:
+        raise ConfigError("engine vectorized-ray with three or more levels needs a fixed "
+                          "grouping (no regroup_every): each worker holds whole regions")
 
 
-def top_children(hierarchy: Hierarchy) -> tuple[np.ndarray, int]:
-    """Each client's child of the cloud (int64 [n]: its edge with two levels, its region
-    with three) and how many children the cloud has: what the workers are placed by."""
-    level = hierarchy.num_levels - 1
-    return hierarchy.ancestors(level).astype(np.int64), hierarchy.num_nodes(level)
+def top_children(hierarchy: Hierarchy) -> tuple[np.ndarray, int, np.ndarray]:
+    """What the workers are placed by (:meth:`RayShardExecutor.start`'s arguments): each
+    client's edge (int64 [n]), the number E of edges, and each edge's child of the cloud
+    (int64 [E]: itself with two levels, its region with three)."""
+    num_edges = hierarchy.num_nodes(1)
+    top = (np.arange(num_edges) if hierarchy.num_levels <= 2
+           else hierarchy.edges_under(hierarchy.num_levels - 1))
+    return hierarchy.edge_of_client().astype(np.int64), num_edges, top.astype(np.int64)
 
 
 @dataclass
