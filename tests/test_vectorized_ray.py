@@ -90,8 +90,6 @@ def test_edges_are_placed_whole_in_runs_of_about_equal_clients():
     ({"edge_periods": "1,2,1,2", "local_period": 1, "mobility_rate": 0.2},
      "engine vectorized-ray with per-edge periods needs static clients (no mobility): a job "
      "split at a move would restart an edge's period"),
-    ({"periods": (2, 4, 8), "groups": (4, 2)}, "engine vectorized-ray needs a two-level "
-                                               "hierarchy (one local and one global period)"),
     ({"momentum": 0.9, "optimizer_state": "keep"}, "engine vectorized-ray keeps no optimizer "
      "state between edge rounds: use optimizer_state=reset (or engine vectorized)"),
 ])

@@ -15,8 +15,9 @@ Numbers: every edge round that ends at the edges is bit for bit the one-process 
 (an edge's clients are all in one shard, summed in client order); the cloud averages the
 edges' averages instead of all clients at once, as edge servers do, so the global model
 differs from the one-process engine's by float rounding (docs/engines.md, "Sharded over a
-Ray cluster"). Two-level trees, no kept optimizer state (checked by
-:func:`check_sharded`). Clients move (mobility, regrouping) as between edge servers
+Ray cluster"). No kept optimizer state (checked by :func:`check_sharded`); deeper trees
+place whole regions on the workers (:mod:`.vectorized_ray_subtree`). Clients move
+(mobility, regrouping) as between edge servers
 (:mod:`fedhier.edge_moves`): the edges stay on their workers and a client whose new edge is
 on another worker moves there (:meth:`RayShardExecutor.reattach`,
 :mod:`fedhier.engines.vectorized_ray_moves`); per-edge periods run in the workers' jobs;
@@ -38,6 +39,7 @@ from fedhier.config import RunConfig
 from fedhier.edge_tier import EdgeJob, EdgeReport, EdgeTierHierarchicalSGD, check_edge_tier
 from fedhier.engines.vectorized import BatchedExecutor, BatchedRun
 from fedhier.engines.vectorized_ray_moves import move_between_workers
+from fedhier.engines.vectorized_ray_subtree import check_levels, top_children
 from fedhier.engines.vectorized_ray_worker import (
     check_reachable,
     peak_rss_bytes,
@@ -69,9 +71,7 @@ def check_sharded(cfg: RunConfig) -> None:
     from fedhier.engines.vectorized_ray_async import check_sharded_async
 
     check_sharded_async(cfg)
-    if len(cfg.periods) != 2:
-        raise ConfigError("engine vectorized-ray needs a two-level hierarchy (one local and "
-                          "one global period)")
+    check_levels(cfg)  # three or more levels: whole subtrees on the workers
     if cfg.keeps_client_state():
         raise ConfigError("engine vectorized-ray keeps no optimizer state between edge "
                           "rounds: use optimizer_state=reset (or engine vectorized)")
@@ -118,6 +118,7 @@ class RayShardExecutor:
     edge_of_client: np.ndarray | None = None
     #: [client, from worker, to worker] per client moved between workers, in order
     worker_moves: list[list[int]] = dataclasses.field(default_factory=list)
+    node_placement: np.ndarray | None = None  # int64: each child of the cloud's worker
 
     def profiles(self) -> ClientInfo:
         return self.whole.profiles()
@@ -142,16 +143,19 @@ class RayShardExecutor:
         """What a resumed run needs to shard as the interrupted one did (plain ints and
         lists, in the checkpoint's strategy state): each edge's worker, fixed at the start
         (a resumed run that placed the edges again from the moved tree would sum in another
-        order, or leave a worker without clients), and the counters of ``sharding``."""
-        if self.placement is None:
+        order, or leave a worker without clients), each child of the cloud's (a region's
+        with three or more levels), and the counters of ``sharding``."""
+        if self.placement is None or self.node_placement is None:
             return {}
         return {"placement": [int(w) for w in self.placement],
+                "node_placement": [int(w) for w in self.node_placement],
                 "worker_moves": [list(m) for m in self.worker_moves],
                 "bytes_between": int(self.bytes_between)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             self.placement = np.asarray(state["placement"], dtype=np.int64)
+            self.node_placement = np.asarray(state["node_placement"], dtype=np.int64)
             self.worker_moves = [list(m) for m in state["worker_moves"]]
             self.bytes_between = int(state["bytes_between"])
 
@@ -166,8 +170,9 @@ class RayShardExecutor:
             self.start(jobs[0].edge_of_client, len(jobs))
         assert self.placement is not None
         by_worker: list[list[EdgeJob]] = [[] for _ in self.actors]
+        assert self.node_placement is not None
         for job in shared_start_models(jobs):
-            by_worker[int(self.placement[job.edge])].append(job)
+            by_worker[int(self.node_placement[job.edge])].append(job)
         pending = [actor.run.remote(mine)
                    for actor, mine in zip(self.actors, by_worker, strict=True) if mine]
         reports = [report for batch in ray.get(pending) for report in batch]
@@ -187,12 +192,19 @@ class RayShardExecutor:
         self.worker_moves += moved
         return seconds
 
-    def start(self, edge_of_client: np.ndarray, num_edges: int) -> None:
-        """Place the edges (unless a resumed run restored their places: a worker may then
-        start without clients) and start one actor per shard."""
+    def start(self, edge_of_client: np.ndarray, num_edges: int,
+              node_of_edge: np.ndarray | None = None) -> None:
+        """Place the cloud's children (the edges; ``node_of_edge``, int64 [E]: each edge's
+        child of the cloud, a region) and start one actor per shard. A resumed run keeps the
+        places it restored (:meth:`load_state_dict`): a worker may then start without
+        clients."""
         self.edge_of_client = np.array(edge_of_client, dtype=np.int64)
-        if self.placement is None:
-            self.placement = place_edges(self.edge_of_client, num_edges, self.workers)
+        if self.node_placement is None:
+            node_of_edge = np.arange(num_edges) if node_of_edge is None else node_of_edge
+            self.node_placement = place_edges(node_of_edge[self.edge_of_client],
+                                              int(node_of_edge.max()) + 1, self.workers)
+            self.placement = self.node_placement[node_of_edge]  # each edge's worker (moves)
+        assert self.placement is not None
         worker_of_client = self.placement[edge_of_client]
         shards = [np.flatnonzero(worker_of_client == w).astype(np.int64)
                   for w in range(int(self.placement.max()) + 1)]
@@ -219,8 +231,7 @@ class ShardedCloud(EdgeTierHierarchicalSGD):
 
     def begin_cloud_round(self, executor: Any, cloud_round: int) -> dict[str, Any]:
         if getattr(executor, "actors", True) == []:
-            hierarchy = self._hierarchy()
-            executor.start(hierarchy.edge_of_client(), hierarchy.num_nodes(1))
+            executor.start(*top_children(self._hierarchy()))  # whole regions with 3+ levels
         return super().begin_cloud_round(executor, cloud_round)
 
 
@@ -243,7 +254,7 @@ def run_vectorized_ray(cfg: RunConfig, folder: RunFolder, progress: bool = True,
         settings_for(cfg), as_cloud_step(make_cloud_strategy(
             cfg.cloud_strategy, cfg.server_lr, cfg.server_momentum)))
     with ray_session(cfg.ray_address, cfg.ray_workers):
-        worker_pool(min(cfg.ray_workers, cfg.num_edges))  # they boot while the driver sets up
+        worker_pool(min(cfg.ray_workers, cfg.groups[-1]))  # one per cloud child, booting now
         whole = BatchedExecutor.build(cfg, run.fed, run.model, run.device)
         executor = (RayShardAsyncExecutor if asynchronous else RayShardExecutor)(
             cfg, run.fed, whole, cfg.ray_workers)

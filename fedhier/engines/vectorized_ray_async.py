@@ -8,16 +8,17 @@ with two parts of its own:
 * **the executor** (:class:`RayShardAsyncExecutor`, an
   :class:`~fedhier.edge_tier_async.AsyncEdgeTierExecutor`): ``submit`` sends each worker the
   jobs of its edges among those starting, as one Ray call (the edges of a worker that are
-  still in flight are not in it: :func:`run_some_edges` trains the call's edges' clients
-  only), and keeps the ObjectRefs; ``receive`` takes the reports of the earliest submission
-  holding one of the edges asked for. Edges of one worker start at different cloud rounds
-  (from different global models), so each start is a call of its own; a call is a whole job
-  from its own start model (:func:`fedhier.edge_tier.start_job`: no state between calls),
-  and an actor runs its calls one after the other. The cloud below receives every report in
-  flight before it takes one, so in practice a worker's previous call is done when the next
-  comes (the edges that start together still train in parallel across the workers).
-  The edge rounds' train losses of one submission (the simulation's batch of edges that start
-  together) are combined as the simulation reports them (one weighted mean per edge round,
+  still in flight are not in it: :func:`~fedhier.engines.vectorized_ray_shard.run_some_edges`
+  trains the call's edges' clients only), and keeps the ObjectRefs; ``receive`` takes the
+  reports of the earliest submission holding one of the edges asked for. Edges of one worker
+  start at different cloud rounds (from different global models), so each start is a call of
+  its own; a call is a whole job from its own start model
+  (:func:`fedhier.edge_tier.start_job`: no state between calls), and an actor runs its calls
+  one after the other. The cloud below receives every report in flight before it takes one, so
+  in practice a worker's previous call is done when the next comes (the edges that start
+  together still train in parallel across the workers). The edge rounds' train losses of one
+  submission (the simulation's batch of edges that start together) are combined as the
+  simulation reports them (one weighted mean per edge round,
   :class:`~fedhier.engines.vectorized_chunks.LossMeans`), on its first report;
 * **the arrival order is the simulated clock's** (:class:`ShardsSimulatedOrder`, as in
   ``--engine vectorized``): before each choice every report in flight is received (its
@@ -33,7 +34,7 @@ levels, static clients, one local period (:func:`check_sharded_async`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +46,6 @@ from fedhier.edge_tier import EdgeJob, EdgeReport
 from fedhier.edge_tier_async import EdgeTierAsyncHSGD, check_async_edge_tier
 from fedhier.engines.vectorized_chunks import LossMeans
 from fedhier.engines.vectorized_ray import RayShardExecutor, shared_start_models
-from fedhier.engines.vectorized_ray_shard import ShardExecutor, run_shard_jobs
 from fedhier.errors import ConfigError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import CloudStep, Executor, HSGDSettings, Params
@@ -67,20 +67,6 @@ def check_sharded_async(cfg: RunConfig) -> None:
                           .replace("asynchronous edge servers do not",
                                    "engine vectorized-ray with async_buffer does not")
                           ) from None
-
-
-def run_some_edges(settings: HSGDSettings, executor: ShardExecutor,
-                   jobs: Sequence[EdgeJob]) -> list[EdgeReport]:
-    """The jobs of some of a shard's edges (same cloud round): :func:`run_shard_jobs` on the
-    shard's clients of those edges only (the others are in jobs of their own, in flight)."""
-    edge_of = np.asarray(jobs[0].edge_of_client, dtype=np.int64)[executor.clients]
-    mine = np.isin(edge_of, [job.edge for job in jobs])
-    if not mine.all():
-        positions = np.flatnonzero(mine).astype(np.int64)
-        part = executor.chunk(positions)  # those clients for one cloud round, no row copied
-        executor = part if isinstance(part, ShardExecutor) else ShardExecutor(
-            part, executor.clients[positions], executor.num_clients)
-    return run_shard_jobs(settings, executor, jobs)
 
 
 @dataclass

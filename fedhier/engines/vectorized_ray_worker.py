@@ -16,7 +16,7 @@ import resource
 import socket
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -53,21 +53,26 @@ class ShardWorker:
         self.run_seconds = self.run_cpu_seconds = 0.0
 
     def run(self, jobs: Sequence[EdgeJob]) -> list[EdgeReport]:
-        """Its edges' jobs of one cloud round (:func:`run_shard_jobs`)."""
-        from fedhier.engines.vectorized_ray_shard import run_shard_jobs
+        """Its edges' (or whole subtrees') jobs of one cloud round (:func:`run_jobs`)."""
+        from fedhier.engines.vectorized_ray_subtree import run_jobs
 
-        wall, cpu = time.perf_counter(), time.process_time()
-        try:
-            return run_shard_jobs(self.settings, self.executor, jobs)
-        finally:
-            self.run_seconds += time.perf_counter() - wall
-            self.run_cpu_seconds += time.process_time() - cpu
+        return self._timed(run_jobs, jobs)
 
     def run_some(self, jobs: Sequence[EdgeJob]) -> list[EdgeReport]:
         """Some of its edges' jobs (asynchronous edges: :func:`.run_some_edges`)."""
-        from fedhier.engines.vectorized_ray_async import run_some_edges
+        from fedhier.engines.vectorized_ray_shard import run_some_edges
 
-        return run_some_edges(self.settings, self.executor, jobs)
+        return self._timed(run_some_edges, jobs)
+
+    def _timed(self, run: Callable[..., list[EdgeReport]],
+               jobs: Sequence[EdgeJob]) -> list[EdgeReport]:
+        """``run(settings, shard, jobs)``, its wall and CPU seconds added to the worker's."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            return run(self.settings, self.executor, jobs)
+        finally:
+            self.run_seconds += time.perf_counter() - wall
+            self.run_cpu_seconds += time.process_time() - cpu
 
     def release(self, clients: Sequence[int]) -> list[Any]:
         """Let ``clients`` go to another shard; their moves (:mod:`.vectorized_ray_moves`)."""

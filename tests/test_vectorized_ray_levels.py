@@ -1,0 +1,74 @@
+"""Engine ``vectorized-ray`` on a tree of three levels (clients -> edges -> regions -> cloud):
+whole regions on the workers (:mod:`fedhier.engines.vectorized_ray_subtree`), each region's
+edge rounds and aggregations run inside its worker. On the session's two-node Ray cluster
+(tests/ray_cluster.py) it equals engine ``vectorized`` to 1e-6 and engine ``inprocess`` to
+1e-5, with participation and faults, with per-edge periods, and with clients moving between
+regions (so between workers); regrouping is refused.
+"""
+
+from fedhier.config import RunConfig
+from fedhier.engines.inprocess import run_inprocess
+from fedhier.engines.vectorized import run_vectorized
+from fedhier.engines.vectorized_ray import check_sharded, run_vectorized_ray
+from fedhier.run_folder import RunFolder
+from tests.helpers import assert_refused
+from tests.test_deploy_mobility import without_handoffs
+from tests.test_vectorized import assert_same_runs
+from tests.test_vectorized_ray_moves import moves_of
+
+#: 8 clients, 4 edges, 2 regions (one per worker): edges aggregate every 2 steps, regions
+#: every 4, the cloud every 8; participation and faults drop clients and edges.
+CFG = RunConfig(dataset="digits", clients=8, groups=(4, 2), periods=(2, 4, 8),
+                grouping="contiguous", rounds=2, batch_size=8, seed=5, participation=0.75,
+                fail_rate=0.2, engine="vectorized-ray", ray_workers=2)
+
+
+def test_whole_regions_on_workers_equal_the_one_process_engines(ray_cluster, tmp_path):
+    cfg = CFG.replace(ray_address=ray_cluster)
+    run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
+                   progress=False)
+    run_inprocess(cfg.replace(engine="inprocess"), RunFolder.create(tmp_path / "loop"),
+                  progress=False)
+    sharding = run_vectorized_ray(cfg, RunFolder.create(tmp_path / "ray"),
+                                  progress=False)["sharding"]
+    assert_same_runs(tmp_path / "one", tmp_path / "ray", 1e-6)
+    assert_same_runs(tmp_path / "loop", tmp_path / "ray", 1e-5)
+    workers = sharding["workers"]
+    assert sorted(w["clients"] for w in workers) == [4, 4]  # a whole region each
+    assert len({w["node"] for w in workers}) == 2
+    # only regions' models cross: per cloud round one down and one up per region
+    model_bytes = sharding["bytes_between_workers"] // (2 * 2 * cfg.rounds)
+    assert sharding["bytes_between_workers"] == model_bytes * 2 * 2 * cfg.rounds
+
+
+def test_per_edge_periods_in_regions_equal_the_one_process_engine(ray_cluster, tmp_path):
+    """Each edge's own period (dividing the regions' 4) runs inside its region's worker;
+    ``vectorized`` equals ``inprocess`` here (tests/test_edge_periods.py)."""
+    cfg = CFG.replace(ray_address=ray_cluster, periods=(1, 4, 8), edge_periods="1,2,4,2")
+    run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
+                   progress=False)
+    run_vectorized_ray(cfg, RunFolder.create(tmp_path / "ray"), progress=False)
+    assert_same_runs(tmp_path / "one", tmp_path / "ray", 1e-6)
+
+
+def test_clients_moving_between_regions_equal_the_one_process_engine(ray_cluster, tmp_path):
+    """``carry`` mobility with participation and faults: every move of the one-process run
+    is re-attached, some to an edge of the other region, so to the other worker."""
+    cfg = CFG.replace(ray_address=ray_cluster, mobility_rate=0.5, handoff="carry")
+    run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
+                   progress=False)
+    sharding = run_vectorized_ray(cfg, RunFolder.create(tmp_path / "ray"),
+                                  progress=False)["sharding"]
+    handoffs = [h for r in without_handoffs(tmp_path / "ray") for h in r]
+    assert_same_runs(tmp_path / "one", tmp_path / "ray", 1e-6)
+    moves = moves_of(tmp_path / "one")
+    assert [[h["edge_round"], h["client"], h["from"], h["to"]] for h in handoffs] == moves
+    region = {0: 0, 1: 0, 2: 1, 3: 1}  # worker = region (contiguous grouping)
+    across = [[c, region[a], region[b]] for _, c, a, b in moves if region[a] != region[b]]
+    assert across and sharding["worker_moves"] == across
+
+
+def test_regrouping_is_refused_with_three_levels():
+    assert_refused(lambda: check_sharded(CFG.replace(regroup_every=1)),
+                   "engine vectorized-ray with three or more levels needs a fixed grouping "
+                   "(no regroup_every): each worker holds whole regions")
