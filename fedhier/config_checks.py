@@ -83,10 +83,6 @@ def check_grouping(grouping: str) -> None:
 
 def check_edge_servers(cfg: RunConfig) -> None:
     """What edge servers as processes do not run (yet), in one line."""
-    from fedhier.edge_tier import check_edge_tier
-
-    check_edge_tier(cfg.mobility_rate > 0 or bool(cfg.mobility_trace),
-                    cfg.regroup_every > 0, moves=True)  # clients re-attach (edge_moves)
     if len(cfg.periods) > 2 and cfg.clients_move():
         check_moves_under_regions(cfg)
     if cfg.clients_move() and cfg.keeps_client_state():

@@ -27,7 +27,7 @@ period above the edges, so a job holds whole periods of every edge; the cloud co
 edge's aggregations, :func:`schedule_keys`); clients' kept optimizer state stays with the
 clients. Clients that move re-attach between job segments (:mod:`fedhier.edge_moves`),
 asynchronous edges are :mod:`fedhier.edge_tier_async`; what the tier refuses is checked by
-:func:`check_edge_tier` and :func:`fedhier.config_checks.check_edge_servers`.
+:func:`fedhier.config_checks.check_edge_servers`.
 """
 
 from __future__ import annotations
@@ -61,20 +61,6 @@ from fedhier.hsgd import (
     aggregate_levels,
 )
 from fedhier.topology import Hierarchy
-
-
-def check_edge_tier(mobile: bool, regroups: bool, edge_periods: bool = False, *,
-                    moves: bool = False) -> None:
-    """Refuse, in one line, what servers as processes do not run (yet). Per-edge periods
-    run on the server tier (each I_i divides the period above the edges, so an edge's job
-    holds whole periods of its own): only the sharded engine, which shares these checks,
-    passes ``edge_periods`` to refuse them. ``moves``: clients can be re-attached to other
-    edges (:mod:`fedhier.edge_moves`; mobility, regrouping)."""
-    for failed, needs in ((mobile and not moves, "static clients (no mobility)"),
-                          (regroups and not moves, "a fixed grouping (no regroup_every)"),
-                          (edge_periods, "one local period for every edge (no edge_periods)")):
-        if failed:
-            raise ConfigError(f"edge servers as processes need {needs}")
 
 
 # ------------------------------------------------------------------------ the edge's half

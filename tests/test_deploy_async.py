@@ -169,13 +169,14 @@ def test_what_async_edge_servers_do_not_run_is_refused_in_one_line(change, messa
         BASE.replace(edge_servers=True, **change).validate()
 
 
-def test_the_sharded_engine_still_refuses_async_edges():
-    """check_edge_tier no longer refuses async_buffer (edge servers run it); the sharded
-    engine, which shares it, refuses it on its own."""
+def test_the_sharded_engine_refuses_async_edges_with_moving_clients():
+    """The sharded engine runs asynchronous edges (tests/test_vectorized_ray_async.py) but,
+    as edge servers, not with clients that move."""
     from fedhier.engines.vectorized_ray import check_sharded
 
-    with pytest.raises(ConfigError, match="vectorized-ray needs synchronous edges"):
-        check_sharded(RunConfig(dataset="digits", clients=8, groups=(4,), async_buffer=2))
+    with pytest.raises(ConfigError, match="vectorized-ray with async_buffer needs static"):
+        check_sharded(RunConfig(dataset="digits", clients=8, groups=(4,), async_buffer=2,
+                                mobility_rate=0.5))
 
 
 # ------------------------------------------------------------------------ real processes

@@ -15,7 +15,8 @@ import torch
 from fedhier.cli import main
 from fedhier.config import RunConfig
 from fedhier.engines.vectorized import BatchedExecutor, run_vectorized
-from fedhier.engines.vectorized_ray import check_sharded, place_edges, run_vectorized_ray
+from fedhier.engines.vectorized_ray import check_sharded, run_vectorized_ray
+from fedhier.engines.vectorized_ray_executor import place_edges
 from fedhier.engines.vectorized_ray_shard import ShardExecutor
 from fedhier.hsgd import EdgeRoundWork
 from fedhier.run_folder import RunFolder

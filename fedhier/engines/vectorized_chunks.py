@@ -196,13 +196,23 @@ class ChunkTree:
         """The chunk's clients' part of ``plan`` (steps and FedNova scales [c])."""
         return EdgeRoundPlan(steps=plan.steps[self.ids], scale=plan.scale[self.ids])
 
+    @staticmethod
+    def fits(whole: HierarchicalSGD) -> bool:
+        """Whether a chunk of ``whole`` can run as a federation of its own: two levels and
+        one local period (else :class:`WholeTree`)."""
+        return whole._hierarchy().num_levels == 2 and type(whole.schedule) is EqualPeriods
+
+    def local(self, work: EdgeRoundWork) -> EdgeRoundWork:
+        """``work`` (from :meth:`work`) as the chunk's executor takes it: as it is."""
+        return work
+
     def algorithm(self, whole: HierarchicalSGD) -> HierarchicalSGD:
         """A :class:`HierarchicalSGD` of the chunk alone, in its numbering, in ``whole``'s
         state: the chunk's clients' weights and compute speeds, its edges' models and
         clocks (copies), the same settings and traffic counters (the object itself: an
         edge round adds to them). Every call it serves then costs O(chunk), not O(n)."""
         hierarchy = whole._hierarchy()
-        if hierarchy.num_levels != 2 or type(whole.schedule) is not EqualPeriods:
+        if not self.fits(whole):
             raise ValueError("chunks of whole edges need two levels and one local period")
         part = HierarchicalSGD(whole.settings)
         part.hierarchy = Hierarchy(hierarchy.periods, (self.edge_of,),
@@ -239,6 +249,44 @@ class ChunkTree:
         return RunFailureError(text)
 
 
+@dataclass
+class WholeTree:
+    """A chunk that runs in the whole federation's numbering (the :class:`ChunkTree`
+    interface): for trees of three or more levels (a region's edges in engine
+    ``vectorized-ray``), where each call of the whole algorithm costs O(n), not O(chunk).
+
+    Attributes:
+        ids: int64 [c], the chunk's clients' ids (increasing).
+        edges: int64 [E], every edge's id (the whole numbering).
+    """
+
+    ids: np.ndarray
+    edges: np.ndarray
+
+    def work(self, work: EdgeRoundWork) -> EdgeRoundWork:
+        return work
+
+    def local(self, work: EdgeRoundWork) -> EdgeRoundWork:
+        """``work`` for the chunk's executor, whose client j is ``ids[j]``."""
+        start = work.start_edge_of_client
+        return dataclasses.replace(
+            work, clients=np.searchsorted(self.ids, work.clients),
+            edge_of_client=work.edge_of_client[self.ids],
+            start_edge_of_client=None if start is None else start[self.ids])
+
+    def plan(self, plan: EdgeRoundPlan) -> EdgeRoundPlan:
+        return plan
+
+    def algorithm(self, whole: HierarchicalSGD) -> HierarchicalSGD:
+        return whole
+
+    def write_back(self, part: HierarchicalSGD, whole: HierarchicalSGD) -> None:
+        """Nothing: the chunk trained in ``whole`` itself."""
+
+    def in_whole_ids(self, error: RunFailureError) -> RunFailureError:
+        return error
+
+
 def train_edge_chunks(algorithm: HierarchicalSGD, executor: ChunkedShard, rounds: range,
                       size: int) -> tuple[EdgeRunOutcome, dict[int, Params]]:
     """The edge rounds ``rounds`` of one cloud round for a shard's clients, chunk by chunk
@@ -246,7 +294,8 @@ def train_edge_chunks(algorithm: HierarchicalSGD, executor: ChunkedShard, rounds
     algorithm holds; the last round (it ends at the cloud) is aggregated at each edge.
     Each chunk runs as a federation of its own (:class:`ChunkTree`), so a chunk's edge
     round costs O(its clients), not O(the federation); the chunk's edges' models and clocks
-    then go back into ``algorithm``.
+    then go back into ``algorithm``. Trees of three or more levels and per-edge periods run
+    each chunk in the whole numbering (:class:`WholeTree`: O(n) per call).
 
     Returns:
         (the outcome as :func:`fedhier.edge_tier.train_edges` reports it, without ``held``;
@@ -264,7 +313,10 @@ def train_edge_chunks(algorithm: HierarchicalSGD, executor: ChunkedShard, rounds
     aggregates: dict[int, Params] = {}
     for c, positions in enumerate(chunks):
         works = [plans.of_chunk(k, c) for k in range(len(rounds))]
-        tree = ChunkTree.of(executor.clients[positions], edge_of, works)
+        ids = executor.clients[positions]
+        tree: ChunkTree | WholeTree = (
+            ChunkTree.of(ids, edge_of, works) if ChunkTree.fits(algorithm)
+            else WholeTree(ids, np.arange(algorithm._hierarchy().num_nodes(1))))
         part, trainer = tree.algorithm(algorithm), executor.chunk(positions)
         held = None
         for k, whole_work in enumerate(works):
@@ -272,7 +324,7 @@ def train_edge_chunks(algorithm: HierarchicalSGD, executor: ChunkedShard, rounds
                 continue
             work = tree.work(whole_work)
             try:
-                result = trainer.train(work, part.start_models(work))
+                result = trainer.train(tree.local(work), part.start_models(work))
                 outcome = part.complete(work, tree.plan(plans.rounds[k][1]), result,
                                         hold_level=2)
             except RunFailureError as error:

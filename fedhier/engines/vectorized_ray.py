@@ -1,6 +1,6 @@
 """Engine ``vectorized-ray``: the batched engine sharded by the hierarchy over a Ray cluster.
 
-Whole edges are placed on Ray actors (:func:`place_edges`: contiguous runs of edges with
+Whole edges are placed on Ray actors (:mod:`.vectorized_ray_executor`: contiguous runs of edges with
 about equal numbers of clients, one shard per worker); each actor trains its clients with the
 one-process engine's batched executor and aggregates each of its edges itself
 (:mod:`fedhier.engines.vectorized_ray_shard`). The cloud is
@@ -26,31 +26,25 @@ asynchronous edges (``async_buffer``) are :mod:`fedhier.engines.vectorized_ray_a
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
-import torch
 
 from fedhier.checkpoint import Checkpoint
 from fedhier.config import RunConfig
-from fedhier.edge_tier import EdgeJob, EdgeReport, EdgeTierHierarchicalSGD, check_edge_tier
 from fedhier.engines.vectorized import BatchedExecutor, BatchedRun
-from fedhier.engines.vectorized_ray_moves import move_between_workers
-from fedhier.engines.vectorized_ray_subtree import check_levels, top_children
+from fedhier.engines.vectorized_ray_async import (
+    RayShardAsyncExecutor,
+    ShardedAsyncCloud,
+    check_sharded_async,
+)
+from fedhier.engines.vectorized_ray_executor import RayShardExecutor, ShardedCloud
+from fedhier.engines.vectorized_ray_subtree import check_levels
 from fedhier.engines.vectorized_ray_worker import (
     check_reachable,
-    peak_rss_bytes,
     ray_session,
-    start_workers,
     worker_pool,
 )
 from fedhier.errors import ConfigError
 from fedhier.federation import Federation
-from fedhier.grouping import ClientInfo
-from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, Params, TrainResult
 from fedhier.run_folder import RunFolder
 from fedhier.run_setup import settings_for
 from fedhier_strategies.cloud_step import as_cloud_step, make_cloud_strategy
@@ -58,181 +52,15 @@ from fedhier_strategies.cloud_step import as_cloud_step, make_cloud_strategy
 
 def check_sharded(cfg: RunConfig) -> None:
     """Refuse, in one line, what the sharded engine does not run (yet)."""
-    try:
-        check_edge_tier(cfg.mobility_rate > 0 or bool(cfg.mobility_trace),
-                        cfg.regroup_every > 0, moves=True)
-    except ConfigError as error:
-        raise ConfigError(str(error).replace("edge servers as processes need",
-                                             "engine vectorized-ray needs")) from None
     if cfg.edge_periods and (cfg.mobility_rate > 0 or cfg.mobility_trace):
         raise ConfigError("engine vectorized-ray with per-edge periods needs static clients "
                           "(no mobility): a job split at a move would restart an edge's "
                           "period")
-    from fedhier.engines.vectorized_ray_async import check_sharded_async
-
     check_sharded_async(cfg)
     check_levels(cfg)  # three or more levels: whole subtrees on the workers
     if cfg.keeps_client_state():
         raise ConfigError("engine vectorized-ray keeps no optimizer state between edge "
                           "rounds: use optimizer_state=reset (or engine vectorized)")
-
-
-def place_edges(edge_of_client: np.ndarray, num_edges: int, workers: int) -> np.ndarray:
-    """int64 [E]: each edge's worker. Contiguous runs of edges, cut where the running count
-    of clients crosses k / W of all of them, so the shards hold about equal numbers of
-    clients (at most ``min(workers, E)`` shards, none empty of edges)."""
-    counts = np.bincount(edge_of_client, minlength=num_edges)
-    workers = max(1, min(workers, num_edges))
-    before = np.cumsum(counts) - counts  # clients on edges before each edge
-    total = max(int(counts.sum()), 1)
-    worker = np.minimum((before * workers) // total, workers - 1).astype(np.int64)
-    worker = np.maximum(worker, np.arange(num_edges) - (num_edges - workers))  # none empty
-    return np.minimum(worker, np.arange(num_edges))
-
-
-def shared_start_models(jobs: list[EdgeJob]) -> list[EdgeJob]:
-    """``jobs`` with every start model equal to the first job's replaced by that one dict,
-    so that a worker's call carries it once (Ray pickles a call's arguments together, and
-    pickle writes an object met twice once): at a cloud round's start every edge holds the
-    global model, so W models go down, not E."""
-    first = jobs[0].params
-    return [job if job.params is first
-            or not all(torch.equal(job.params[k], v) for k, v in first.items())
-            else dataclasses.replace(job, params=first) for job in jobs]
-
-
-@dataclass
-class RayShardExecutor:
-    """The cloud's executor (:class:`fedhier.edge_tier.EdgeTierExecutor`): edge jobs go to
-    the shard actors, everything else to a batched executor over the whole federation in the
-    driver (``whole``). Actors start at the first cloud round (the grouping places them)."""
-
-    cfg: RunConfig
-    fed: Federation
-    whole: BatchedExecutor
-    workers: int
-    actors: list[Any] = dataclasses.field(default_factory=list)
-    placement: np.ndarray | None = None  # int64 [E], each edge's worker
-    bytes_between: int = 0  # model bytes sent driver <-> workers
-    #: int64 [n]: each client's edge as its worker holds it (what re-attachment moves)
-    edge_of_client: np.ndarray | None = None
-    #: [client, from worker, to worker] per client moved between workers, in order
-    worker_moves: list[list[int]] = dataclasses.field(default_factory=list)
-    node_placement: np.ndarray | None = None  # int64: each child of the cloud's worker
-
-    def profiles(self) -> ClientInfo:
-        return self.whole.profiles()
-
-    def train(self, work: EdgeRoundWork, edge_models: Params) -> TrainResult:
-        """Not asked: the cloud of an edge tier sends edge jobs (:meth:`run_edge_jobs`)."""
-        raise NotImplementedError("vectorized-ray trains through edge jobs, not train()")
-
-    def evaluate(self, params: Params, cloud_round: int) -> ClientEvaluation:
-        return self.whole.evaluate(params, cloud_round)
-
-    def client_gradients(self, params: Params) -> torch.Tensor:
-        return self.whole.client_gradients(params)
-
-    def model_bytes(self, params: Params) -> int:
-        return self.whole.model_bytes(params)
-
-    def client_state(self) -> Any:
-        return {}
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs to shard as the interrupted one did (plain ints and
-        lists, in the checkpoint's strategy state): each edge's worker, fixed at the start
-        (a resumed run that placed the edges again from the moved tree would sum in another
-        order, or leave a worker without clients), each child of the cloud's (a region's
-        with three or more levels), and the counters of ``sharding``."""
-        if self.placement is None or self.node_placement is None:
-            return {}
-        return {"placement": [int(w) for w in self.placement],
-                "node_placement": [int(w) for w in self.node_placement],
-                "worker_moves": [list(m) for m in self.worker_moves],
-                "bytes_between": int(self.bytes_between)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state:
-            self.placement = np.asarray(state["placement"], dtype=np.int64)
-            self.node_placement = np.asarray(state["node_placement"], dtype=np.int64)
-            self.worker_moves = [list(m) for m in state["worker_moves"]]
-            self.bytes_between = int(state["bytes_between"])
-
-    def restore_client_state(self, state: Any) -> None:
-        """Nothing to restore (no kept optimizer state, :func:`check_sharded`)."""
-
-    def run_edge_jobs(self, jobs: list[EdgeJob]) -> list[EdgeReport]:
-        """Every edge's job, each shard's in one call to its actor; the reports of all."""
-        import ray
-
-        if not self.actors:
-            self.start(jobs[0].edge_of_client, len(jobs))
-        assert self.placement is not None
-        by_worker: list[list[EdgeJob]] = [[] for _ in self.actors]
-        assert self.node_placement is not None
-        for job in shared_start_models(jobs):
-            by_worker[int(self.node_placement[job.edge])].append(job)
-        pending = [actor.run.remote(mine)
-                   for actor, mine in zip(self.actors, by_worker, strict=True) if mine]
-        reports = [report for batch in ray.get(pending) for report in batch]
-        size = self.whole.model_bytes(jobs[0].params)
-        down = sum(len({id(job.params) for job in mine}) for mine in by_worker)
-        self.bytes_between += size * (down + sum(r.model is not None for r in reports))
-        return reports
-
-    def reattach(self, moves: dict[int, int]) -> dict[int, float]:
-        """Re-attach clients to other edges (:class:`fedhier.edge_moves.Reattacher`): a
-        client whose new edge is on another worker moves there, its data reference and
-        not its data (:func:`~fedhier.engines.vectorized_ray_moves.move_between_workers`);
-        client -> seconds its move took."""
-        assert self.placement is not None and self.edge_of_client is not None
-        seconds, moved = move_between_workers(self.actors, self.placement,
-                                              self.edge_of_client, moves)
-        self.worker_moves += moved
-        return seconds
-
-    def start(self, edge_of_client: np.ndarray, num_edges: int,
-              node_of_edge: np.ndarray | None = None) -> None:
-        """Place the cloud's children (the edges; ``node_of_edge``, int64 [E]: each edge's
-        child of the cloud, a region) and start one actor per shard. A resumed run keeps the
-        places it restored (:meth:`load_state_dict`): a worker may then start without
-        clients."""
-        self.edge_of_client = np.array(edge_of_client, dtype=np.int64)
-        if self.node_placement is None:
-            node_of_edge = np.arange(num_edges) if node_of_edge is None else node_of_edge
-            self.node_placement = place_edges(node_of_edge[self.edge_of_client],
-                                              int(node_of_edge.max()) + 1, self.workers)
-            self.placement = self.node_placement[node_of_edge]  # each edge's worker (moves)
-        assert self.placement is not None
-        worker_of_client = self.placement[edge_of_client]
-        shards = [np.flatnonzero(worker_of_client == w).astype(np.int64)
-                  for w in range(int(self.placement.max()) + 1)]
-        self.actors = start_workers(self.cfg, self.fed, shards)
-
-    def stats(self) -> dict[str, Any]:
-        """Per worker: clients, peak resident memory, node, seconds of training
-        (:meth:`fedhier.engines.vectorized_ray_worker.ShardWorker.stats`); the driver's
-        peak and CPU seconds; the model bytes moved between the driver and the workers."""
-        import ray
-
-        workers = ray.get([actor.stats.remote() for actor in self.actors])
-        driver = peak_rss_bytes()
-        return {"workers": workers, "driver_peak_rss_bytes": driver,
-                "driver_cpu_seconds": time.process_time(),
-                "total_peak_rss_bytes": driver + sum(w["peak_rss_bytes"] for w in workers),
-                "bytes_between_workers": self.bytes_between}
-
-
-class ShardedCloud(EdgeTierHierarchicalSGD):
-    """The cloud of engine ``vectorized-ray``: the edge tier's, which starts the shards
-    (:meth:`RayShardExecutor.start`) at its first cloud round, from the tree in force before
-    the round's membership changes, so that a regrouping or a move is a re-attachment."""
-
-    def begin_cloud_round(self, executor: Any, cloud_round: int) -> dict[str, Any]:
-        if getattr(executor, "actors", True) == []:
-            executor.start(*top_children(self._hierarchy()))  # whole regions with 3+ levels
-        return super().begin_cloud_round(executor, cloud_round)
 
 
 def run_vectorized_ray(cfg: RunConfig, folder: RunFolder, progress: bool = True, *,
@@ -247,8 +75,6 @@ def run_vectorized_ray(cfg: RunConfig, folder: RunFolder, progress: bool = True,
     check_sharded(cfg)
     check_reachable(cfg.ray_address)
     run = BatchedRun.start(cfg, folder, "vectorized-ray", progress, federation, resume)
-    from fedhier.engines.vectorized_ray_async import RayShardAsyncExecutor, ShardedAsyncCloud
-
     asynchronous = cfg.asynchronous().active
     algorithm = (ShardedAsyncCloud if asynchronous else ShardedCloud)(
         settings_for(cfg), as_cloud_step(make_cloud_strategy(

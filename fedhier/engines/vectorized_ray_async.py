@@ -45,7 +45,7 @@ from fedhier.config import RunConfig
 from fedhier.edge_tier import EdgeJob, EdgeReport
 from fedhier.edge_tier_async import EdgeTierAsyncHSGD, check_async_edge_tier
 from fedhier.engines.vectorized_chunks import LossMeans
-from fedhier.engines.vectorized_ray import RayShardExecutor, shared_start_models
+from fedhier.engines.vectorized_ray_executor import RayShardExecutor, shared_start_models
 from fedhier.errors import ConfigError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import CloudStep, Executor, HSGDSettings, Params

@@ -3,7 +3,7 @@
 The cloud decides every move and cuts a cloud round into segments at the edge rounds where
 a client moves (:func:`fedhier.edge_moves.run_segments`, as with edge servers as processes).
 Between two segments it asks its executor to **re-attach** the moved clients
-(:meth:`fedhier.engines.vectorized_ray.RayShardExecutor.reattach`): edges stay on their
+(:meth:`fedhier.engines.vectorized_ray_executor.RayShardExecutor.reattach`): edges stay on their
 workers, so a client whose new edge is on another worker moves there. What moves is the
 client, not its data: its id, its rows' indices into the pool every worker already holds
 (the federation from Ray's object store) and its held-out rows' (a :class:`ClientMove`);

@@ -2,7 +2,7 @@
 
 With more than two levels the cloud's children are regions (level L - 1 nodes), and each
 worker holds contiguous runs of whole cloud children (:func:`top_children`, placed by
-:func:`fedhier.engines.vectorized_ray.place_edges`). A worker answers a region's job as a
+:func:`fedhier.engines.vectorized_ray_executor.place_edges`). A worker answers a region's job as a
 region server does (:func:`fedhier.edge_tier.run_edge_job`): the region's edge rounds from
 the cloud's model, its edges' jobs run in process by the one-process batched machinery
 (:func:`fedhier.engines.vectorized_ray_shard.run_shard_jobs` on the region's clients only,

@@ -146,6 +146,7 @@ def ray_session(address: str, num_cpus: int) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+        _POOL.clear()  # a later session of this process may reuse the same job id
 
 
 #: Ray job id -> the :class:`ShardWorker` actors started in that Ray session: a process that
