@@ -45,7 +45,12 @@ from fedhier.config import RunConfig
 from fedhier.edge_tier import EdgeJob, EdgeReport
 from fedhier.edge_tier_async import EdgeTierAsyncHSGD, check_async_edge_tier
 from fedhier.engines.vectorized_chunks import LossMeans
-from fedhier.engines.vectorized_ray_executor import RayShardExecutor, shared_start_models
+from fedhier.engines.vectorized_ray_executor import (
+    RayShardExecutor,
+    models_down,
+    models_up,
+    shared_start_models,
+)
 from fedhier.errors import ConfigError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import CloudStep, Executor, HSGDSettings, Params
@@ -94,9 +99,8 @@ class RayShardAsyncExecutor(RayShardExecutor):
             calls.setdefault((int(self.placement[job.edge]), job.cloud_round), []).append(job)
         refs = [self.actors[worker].run_some.remote(mine)
                 for (worker, _), mine in sorted(calls.items())]
-        down = sum(len({id(job.params) for job in mine}) for mine in calls.values())
         size = self.whole.model_bytes(jobs[0].params)
-        self.bytes_between += size * down
+        self.bytes_between += size * sum(models_down(mine) for mine in calls.values())
         self.in_flight.append(Submission(refs, frozenset(job.edge for job in jobs), size))
 
     def receive(self, edges: frozenset[int]) -> int:
@@ -111,8 +115,7 @@ class RayShardAsyncExecutor(RayShardExecutor):
             self.in_flight.remove(submission)
             reports = sorted((r for call in ray.get(submission.refs) for r in call),
                              key=lambda r: r.edge)
-            self.bytes_between += submission.model_bytes * sum(r.model is not None
-                                                               for r in reports)
+            self.bytes_between += submission.model_bytes * models_up(reports)
             for report in with_batch_losses(reports):
                 self.arrived[report.edge] = report
         return min(edges & self.arrived.keys())

@@ -53,6 +53,19 @@ def shared_start_models(jobs: list[EdgeJob]) -> list[EdgeJob]:
             else dataclasses.replace(job, params=first) for job in jobs]
 
 
+def models_down(jobs: list[EdgeJob]) -> int:
+    """Models one Ray call of ``jobs`` carries: its distinct start models
+    (:func:`shared_start_models`) and the models of ``carry`` handoffs and of edges inside
+    a region's period (``carried``)."""
+    return len({id(job.params) for job in jobs}) + sum(len(job.carried_edges) for job in jobs)
+
+
+def models_up(reports: list[EdgeReport]) -> int:
+    """Models ``reports`` carry back: each aggregate, and each edge's own model a region
+    answers with inside its parent's period (``edge_models``)."""
+    return sum(r.model is not None for r in reports) + sum(len(r.edges) for r in reports)
+
+
 @dataclass
 class RayShardExecutor:
     """The cloud's executor (:class:`fedhier.edge_tier.EdgeTierExecutor`): edge jobs go to
@@ -128,9 +141,8 @@ class RayShardExecutor:
         pending = [actor.run.remote(mine)
                    for actor, mine in zip(self.actors, by_worker, strict=True) if mine]
         reports = [report for batch in ray.get(pending) for report in batch]
-        size = self.whole.model_bytes(jobs[0].params)
-        down = sum(len({id(job.params) for job in mine}) for mine in by_worker)
-        self.bytes_between += size * (down + sum(r.model is not None for r in reports))
+        self.bytes_between += self.whole.model_bytes(jobs[0].params) * (
+            sum(models_down(mine) for mine in by_worker) + models_up(reports))
         return reports
 
     def reattach(self, moves: dict[int, int]) -> dict[int, float]:
