@@ -103,3 +103,31 @@ def assert_refused(call, message: str, error: type[Exception] = ConfigError,
     assert str(caught.value) == message
     if exact:
         assert type(caught.value) is error
+
+
+def benchmark_engines():
+    """benchmarks/engines.py as a module (it puts benchmarks/ on sys.path, so its
+    engine_table package imports too)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_engines", Path(__file__).resolve().parents[1] / "benchmarks" / "engines.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_engines"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def interrupt_at_crash_point(count: int):
+    """A stand-in for ``fedhier.recorded_run.crash_point`` that raises KeyboardInterrupt at
+    its ``count``-th call (2 calls for round 0's record, then 3 per round: 6 = round 2's)."""
+    calls = {"n": 0}
+
+    def interrupt() -> None:
+        calls["n"] += 1
+        if calls["n"] == count:
+            raise KeyboardInterrupt
+
+    return interrupt

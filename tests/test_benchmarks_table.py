@@ -8,23 +8,18 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.helpers import benchmark_engines
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_engines",
-                                                  ROOT / "benchmarks" / "engines.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_engines"] = module
-    spec.loader.exec_module(module)  # puts benchmarks/ on sys.path
-    return module
+    return benchmark_engines()
 
 
 BENCH = _bench()

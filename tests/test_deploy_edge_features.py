@@ -16,7 +16,7 @@ from fedhier.engines.deployment.placement import tree_placement
 from fedhier.engines.grid_run import run_federation
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.run_folder import RunFolder
-from tests.helpers import metrics
+from tests.helpers import interrupt_at_crash_point, metrics
 from tests.test_deploy_regions import BASE, TOL, servers_grid
 from tests.test_vectorized import assert_same_runs
 
@@ -84,13 +84,7 @@ def test_kept_optimizer_state_on_servers_equals_the_one_process_run_and_resumes(
     assert abs(metrics(tmp_path / "reset")[-1]["train_loss"] - last) > 1e-3  # state matters
 
     split = KEEP.replace(edge_servers=True)
-    calls = {"n": 0}
-
-    def interrupt() -> None:  # 2 crash points for round 0, 3 per later round
-        calls["n"] += 1
-        if calls["n"] == 6:  # round 2's record
-            raise KeyboardInterrupt
-
+    interrupt = interrupt_at_crash_point(6)  # round 2's record
     with monkeypatch.context() as patch:
         patch.setattr(recorded_run, "crash_point", interrupt)
         with pytest.raises(KeyboardInterrupt):

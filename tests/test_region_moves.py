@@ -20,7 +20,7 @@ from fedhier.engines.inprocess import run_inprocess
 from fedhier.engines.inprocess_grid import InProcessGrid
 from fedhier.errors import ConfigError
 from fedhier.run_folder import RunFolder
-from tests.helpers import metrics
+from tests.helpers import interrupt_at_crash_point, metrics
 from tests.test_deploy_mobility import BASE as TWO_LEVELS
 from tests.test_deploy_mobility import InProcessReattacher, without_handoffs
 from tests.test_deploy_regions import servers_grid
@@ -113,13 +113,7 @@ def test_a_resumed_mobile_run_equals_the_uninterrupted_one(cfg, tmp_path, monkey
     cfg = cfg.replace(checkpoint_every=1)
     run_inprocess(cfg, RunFolder.create(tmp_path / "ref", cfg), progress=False)
     split = cfg.replace(edge_servers=True)
-    calls = {"n": 0}
-
-    def interrupt() -> None:  # 2 crash points for round 0, 3 per later round
-        calls["n"] += 1
-        if calls["n"] == 6:  # round 2's record
-            raise KeyboardInterrupt
-
+    interrupt = interrupt_at_crash_point(6)  # round 2's record
     with monkeypatch.context() as patch:
         patch.setattr(recorded_run, "crash_point", interrupt)
         grid, _ = moving_grid(split, patch)
