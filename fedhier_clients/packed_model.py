@@ -22,6 +22,7 @@ holds a dtype outside :data:`PACKABLE` is sent as an ArrayRecord too (:func:`mod
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping
 
@@ -89,17 +90,20 @@ def unpack(blob: bytes) -> dict[str, torch.Tensor]:
     if len(blob) < start:
         raise PackedModelError("packed model cut short in its header")
     (length,) = _LENGTH.unpack_from(blob, len(MAGIC))
+    if start + length > len(blob):
+        raise PackedModelError("packed model cut short in its header")
     try:
         layout = json.loads(blob[start:start + length].decode("utf-8"))
-        entries = [(str(n), _DTYPE_OF[d], tuple(int(x) for x in s)) for n, d, s in layout]
+        entries = [(str(n), _DTYPE_OF[d], tuple(s)) for n, d, s in layout]
     except (ValueError, TypeError, KeyError) as exc:
         raise PackedModelError(f"packed model with a bad header: {exc}") from None
     offset = start + length
     out: dict[str, torch.Tensor] = {}
     for name, dtype, shape in entries:
-        if name in out or any(d < 0 for d in shape):
-            raise PackedModelError(f"packed model: repeated name or negative shape at {name!r}")
-        count = int(np.prod(shape, dtype=np.int64))
+        if name in out or not all(type(d) is int and d >= 0 for d in shape):
+            raise PackedModelError(f"packed model: repeated name or a shape that is not "
+                                   f"whole numbers >= 0 at {name!r}")
+        count = math.prod(shape)  # Python ints: no overflow
         end = offset + count * dtype.itemsize
         if end > len(blob):
             raise PackedModelError(f"packed model cut short in {name!r}")

@@ -110,7 +110,11 @@ def _blob(layout, data: bytes) -> bytes:
     (_blob([["w", "<f4", [2]]], b"\0" * 4), "cut short in 'w'"),
     (_blob([["w", "<f4", [1]]], b"\0" * 5), "1 bytes after"),
     (_blob([["w", "|O", [1]]], b"\0" * 8), "bad header"),
-    (_blob([["w", "<f4", [-1]]], b""), "negative shape"),
+    (_blob([["w", "<f4", [-1]]], b""), "shape that is not whole numbers"),
+    (_blob([["w", "<f4", [1.5]]], b"\0" * 4), "shape that is not whole numbers"),
+    # 2**62 x 4 elements: their count overflows an int64 product to 0
+    (_blob([["w", "<f4", [4611686018427387904, 4]]], b""), "cut short in 'w'"),
+    (pm.MAGIC + struct.pack("<I", 2**31) + b"[]", "cut short in its header"),
     (_blob([["w", "<f4", [1]], ["w", "<f4", [1]]], b"\0" * 8), "repeated name"),
     (_blob({"w": 1}, b""), "bad header"),
     (pm.MAGIC + struct.pack("<I", 2) + b"\xff\xfe", "bad header"),

@@ -72,3 +72,13 @@ def test_regrouping_is_refused_with_three_levels():
     assert_refused(lambda: check_sharded(CFG.replace(regroup_every=1)),
                    "engine vectorized-ray with three or more levels needs a fixed grouping "
                    "(no regroup_every): each worker holds whole regions")
+
+
+def test_a_region_rule_measured_from_the_regions_model_is_refused_with_moving_clients():
+    """A worker answers a region's job as a region server does: a job that starts inside
+    the region's period does not carry its last aggregate, which clip measures from."""
+    assert_refused(lambda: check_sharded(CFG.replace(mobility_rate=0.5, aggregators="clip")),
+                   "engine vectorized-ray: moving clients under region servers need a region "
+                   "rule that does not measure from the region's own model (not clip): a "
+                   "region's job that starts inside its period does not carry its last "
+                   "aggregate")

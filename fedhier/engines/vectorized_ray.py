@@ -30,6 +30,7 @@ from typing import Any
 
 from fedhier.checkpoint import Checkpoint
 from fedhier.config import RunConfig
+from fedhier.config_checks import check_moves_under_regions
 from fedhier.engines.vectorized import BatchedExecutor, BatchedRun
 from fedhier.engines.vectorized_ray_async import (
     RayShardAsyncExecutor,
@@ -56,6 +57,11 @@ def check_sharded(cfg: RunConfig) -> None:
         raise ConfigError("engine vectorized-ray with per-edge periods needs static clients "
                           "(no mobility): a job split at a move would restart an edge's "
                           "period")
+    if len(cfg.periods) > 2 and cfg.clients_move():  # a region's job runs as on servers
+        try:
+            check_moves_under_regions(cfg)
+        except ConfigError as error:
+            raise ConfigError(f"engine vectorized-ray: {error}") from None
     check_sharded_async(cfg)
     check_levels(cfg)  # three or more levels: whole subtrees on the workers
     if cfg.keeps_client_state():

@@ -120,7 +120,8 @@ class RayShardExecutor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             self.placement = np.asarray(state["placement"], dtype=np.int64)
-            self.node_placement = np.asarray(state["node_placement"], dtype=np.int64)
+            self.node_placement = np.asarray(state.get("node_placement", state["placement"]),
+                                             dtype=np.int64)  # older checkpoints: two levels
             self.worker_moves = [list(m) for m in state["worker_moves"]]
             self.bytes_between = int(state["bytes_between"])
 
