@@ -57,13 +57,13 @@ def check_sharded(cfg: RunConfig) -> None:
         raise ConfigError("engine vectorized-ray with per-edge periods needs static clients "
                           "(no mobility): a job split at a move would restart an edge's "
                           "period")
+    check_levels(cfg)  # three or more levels: whole subtrees on the workers
     if len(cfg.periods) > 2 and cfg.clients_move():  # a region's job runs as on servers
         try:
             check_moves_under_regions(cfg)
         except ConfigError as error:
             raise ConfigError(f"engine vectorized-ray: {error}") from None
     check_sharded_async(cfg)
-    check_levels(cfg)  # three or more levels: whole subtrees on the workers
     if cfg.keeps_client_state():
         raise ConfigError("engine vectorized-ray keeps no optimizer state between edge "
                           "rounds: use optimizer_state=reset (or engine vectorized)")
