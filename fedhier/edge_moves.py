@@ -224,7 +224,8 @@ def absorb_reports(algorithm: HierarchicalSGD, reports: list[Any], under: np.nda
         if not report.reached:
             continue
         if len(report.edges):
-            index = torch.as_tensor(np.asarray(report.edges, dtype=np.int64))
+            # a copy: the edges of a reply come in a read-only buffer
+            index = torch.as_tensor(np.array(report.edges, dtype=np.int64))
             for k, v in algorithm.edge_models.items():
                 v.index_copy_(0, index.to(v.device), report.edge_models[k].to(v.device, v.dtype))
         elif report.model is not None:
