@@ -57,6 +57,21 @@ def assert_equal_runs(reference: Path, sharded: Path) -> None:
                 assert _close(a[key], b[key]), (a["round"], key, a[key], b[key])
 
 
+def run_side_by_side(cfg: RunConfig, tmp_path: Path, inprocess: bool = False) -> dict:
+    """``cfg`` run by ``vectorized`` (``tmp_path / "one"``), ``inprocess`` when asked
+    (``tmp_path / "inprocess"``) and ``vectorized-ray`` (``tmp_path / "ray"``); the sharded
+    run's ``sharding``."""
+    from fedhier.engines.inprocess import run_inprocess
+
+    run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
+                   progress=False)
+    if inprocess:
+        run_inprocess(cfg.replace(engine="inprocess"),
+                      RunFolder.create(tmp_path / "inprocess"), progress=False)
+    return run_vectorized_ray(cfg, RunFolder.create(tmp_path / "ray"),
+                              progress=False)["sharding"]
+
+
 def test_a_shard_trains_its_clients_bit_for_bit_as_the_whole_federation():
     """Clients 1, 2, 5, 6 as a shard (their own mini-batch draws and fault draws, keyed by
     their ids) return exactly their rows of the one-process executor's result."""
@@ -110,10 +125,7 @@ def test_an_address_where_no_cluster_answers_is_refused_in_one_line(tmp_path, ca
 
 def test_equals_the_one_process_engine_on_a_two_node_cluster(ray_cluster, tmp_path):
     cfg = CFG.replace(ray_address=ray_cluster)
-    run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
-                   progress=False)
-    sharding = run_vectorized_ray(cfg, RunFolder.create(tmp_path / "ray"),
-                                  progress=False)["sharding"]
+    sharding = run_side_by_side(cfg, tmp_path)
     assert_equal_runs(tmp_path / "one", tmp_path / "ray")
     workers = sharding["workers"]
     assert sum(w["clients"] for w in workers) == 8

@@ -7,13 +7,11 @@ regions (so between workers); regrouping is refused.
 """
 
 from fedhier.config import RunConfig
-from fedhier.engines.inprocess import run_inprocess
-from fedhier.engines.vectorized import run_vectorized
-from fedhier.engines.vectorized_ray import check_sharded, run_vectorized_ray
-from fedhier.run_folder import RunFolder
+from fedhier.engines.vectorized_ray import check_sharded
 from tests.helpers import assert_refused
 from tests.test_deploy_mobility import without_handoffs
 from tests.test_vectorized import assert_same_runs
+from tests.test_vectorized_ray import run_side_by_side
 from tests.test_vectorized_ray_moves import moves_of
 
 #: 8 clients, 4 edges, 2 regions (one per worker): edges aggregate every 2 steps, regions
@@ -25,14 +23,9 @@ CFG = RunConfig(dataset="digits", clients=8, groups=(4, 2), periods=(2, 4, 8),
 
 def test_whole_regions_on_workers_equal_the_one_process_engines(ray_cluster, tmp_path):
     cfg = CFG.replace(ray_address=ray_cluster)
-    run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
-                   progress=False)
-    run_inprocess(cfg.replace(engine="inprocess"), RunFolder.create(tmp_path / "loop"),
-                  progress=False)
-    sharding = run_vectorized_ray(cfg, RunFolder.create(tmp_path / "ray"),
-                                  progress=False)["sharding"]
+    sharding = run_side_by_side(cfg, tmp_path, inprocess=True)
     assert_same_runs(tmp_path / "one", tmp_path / "ray", 1e-6)
-    assert_same_runs(tmp_path / "loop", tmp_path / "ray", 1e-5)
+    assert_same_runs(tmp_path / "inprocess", tmp_path / "ray", 1e-5)
     workers = sharding["workers"]
     assert sorted(w["clients"] for w in workers) == [4, 4]  # a whole region each
     assert len({w["node"] for w in workers}) == 2
@@ -45,9 +38,7 @@ def test_per_edge_periods_in_regions_equal_the_one_process_engine(ray_cluster, t
     """Each edge's own period (dividing the regions' 4) runs inside its region's worker;
     ``vectorized`` equals ``inprocess`` here (tests/test_edge_periods.py)."""
     cfg = CFG.replace(ray_address=ray_cluster, periods=(1, 4, 8), edge_periods="1,2,4,2")
-    run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
-                   progress=False)
-    run_vectorized_ray(cfg, RunFolder.create(tmp_path / "ray"), progress=False)
+    run_side_by_side(cfg, tmp_path)
     assert_same_runs(tmp_path / "one", tmp_path / "ray", 1e-6)
 
 
@@ -55,10 +46,7 @@ def test_clients_moving_between_regions_equal_the_one_process_engine(ray_cluster
     """``carry`` mobility with participation and faults: every move of the one-process run
     is re-attached, some to an edge of the other region, so to the other worker."""
     cfg = CFG.replace(ray_address=ray_cluster, mobility_rate=0.5, handoff="carry")
-    run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
-                   progress=False)
-    sharding = run_vectorized_ray(cfg, RunFolder.create(tmp_path / "ray"),
-                                  progress=False)["sharding"]
+    sharding = run_side_by_side(cfg, tmp_path)
     handoffs = [h for r in without_handoffs(tmp_path / "ray") for h in r]
     assert_same_runs(tmp_path / "one", tmp_path / "ray", 1e-6)
     moves = moves_of(tmp_path / "one")

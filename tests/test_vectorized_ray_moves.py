@@ -14,20 +14,16 @@ import pytest
 import torch
 
 from fedhier.cli import main
-from fedhier.engines.inprocess import run_inprocess
-from fedhier.engines.vectorized import run_vectorized
-from fedhier.engines.vectorized_ray import run_vectorized_ray
 from fedhier.engines.vectorized_ray_moves import adopt, release
 from fedhier.engines.vectorized_ray_shard import ShardExecutor
 from fedhier.hsgd import EdgeRoundWork
-from fedhier.run_folder import RunFolder
 from fedhier.run_setup import initial_model, prepare
 from fedhier.train import params_of
 from tests.helpers import metrics
 from tests.test_deploy_mobility import without_handoffs
 from tests.test_faults import run_interrupted_at
 from tests.test_vectorized import assert_same_runs
-from tests.test_vectorized_ray import CFG, assert_equal_runs
+from tests.test_vectorized_ray import CFG, assert_equal_runs, run_side_by_side
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -86,12 +82,7 @@ def test_moving_clients_equal_the_one_process_and_inprocess_engines(ray_cluster,
     """``carry`` mobility with participation, faults and runs of 2 clients: every move of
     the one-process run is re-attached, some between workers inside a cloud round."""
     cfg = MOBILE.replace(ray_address=ray_cluster)
-    run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
-                   progress=False)
-    run_inprocess(cfg.replace(engine="inprocess"), RunFolder.create(tmp_path / "inprocess"),
-                  progress=False)
-    sharding = run_vectorized_ray(cfg, RunFolder.create(tmp_path / "ray"),
-                                  progress=False)["sharding"]
+    sharding = run_side_by_side(cfg, tmp_path, inprocess=True)
     handoffs = [h for r in without_handoffs(tmp_path / "ray") for h in r]
     assert_equal_runs(tmp_path / "one", tmp_path / "ray")
     assert_same_runs(tmp_path / "inprocess", tmp_path / "ray", INPROCESS_TOL)
@@ -113,10 +104,7 @@ def test_regrouping_and_fresh_moves_equal_the_one_process_engine(ray_cluster, tm
     ``fresh`` moves inside the cloud rounds."""
     cfg = CFG.replace(ray_address=ray_cluster, grouping="random", regroup_every=1,
                       mobility_rate=0.5, handoff="fresh")
-    run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
-                   progress=False)
-    sharding = run_vectorized_ray(cfg, RunFolder.create(tmp_path / "ray"),
-                                  progress=False)["sharding"]
+    sharding = run_side_by_side(cfg, tmp_path)
     handoffs = [h for r in without_handoffs(tmp_path / "ray") for h in r]
     assert_equal_runs(tmp_path / "one", tmp_path / "ray")
     assert any(r.get("regrouped") for r in metrics(tmp_path / "one"))
@@ -130,11 +118,7 @@ def test_per_edge_periods_equal_the_one_process_and_inprocess_engines(ray_cluste
     edge server does (each round's plan depends on the clients' carried models)."""
     cfg = CFG.replace(ray_address=ray_cluster, local_period=1, edge_periods="1,2,4,2",
                       grouping="random", regroup_every=1, client_chunk=2)
-    run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
-                   progress=False)
-    run_inprocess(cfg.replace(engine="inprocess"), RunFolder.create(tmp_path / "inprocess"),
-                  progress=False)
-    run_vectorized_ray(cfg, RunFolder.create(tmp_path / "ray"), progress=False)
+    run_side_by_side(cfg, tmp_path, inprocess=True)
     without_handoffs(tmp_path / "ray")
     assert_equal_runs(tmp_path / "one", tmp_path / "ray")
     assert_same_runs(tmp_path / "inprocess", tmp_path / "ray", INPROCESS_TOL)
