@@ -34,12 +34,17 @@ SEED = 3
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return tiny_data(tmp_path_factory.mktemp("oracle"))
+
+
+def tiny_data(folder) -> dict:
+    """The 8 clients' rows, written to ``folder/tiny.npz`` for `fedhier run` and kept for
+    the oracle."""
     rng = np.random.default_rng(7)
     xs, ys = [], []
     for size in SIZES:  # each client its own feature shift and label mix: non-IID
         xs.append((rng.normal(size=(size, 5)) + rng.normal(size=5)).astype(np.float32))
         ys.append(rng.integers(0, 3, size=size).astype(np.int64))
-    folder = tmp_path_factory.mktemp("oracle")
     path = folder / "tiny.npz"
     np.savez(path, x=np.concatenate(xs), y=np.concatenate(ys),
              client_id=np.repeat(np.arange(len(SIZES)), SIZES),
@@ -285,6 +290,38 @@ def test_mobility_handoffs(data, engine, handoff):
     want = oracle.hsgd(p, initial(r), rounds=2, edge_map=edge_map, handoff=handoff)
     assert gap(r, want) <= TOL
     other = "carry" if handoff == "fresh" else "fresh"
+    assert gap(r, oracle.hsgd(p, initial(r), rounds=2, edge_map=edge_map,
+                              handoff=other)) > 1e-4
+
+
+#: Three levels (edges 0-1 under region 0, 2-3 under region 1): client 0 moves to region 1
+#: inside region 0's period (edge round 3 of the 2-round region period), client 5 to region 0
+#: at a region boundary, client 7 within region 1.
+TRACE_REGIONS = "edge_round,client,edge\n3,0,2\n4,5,1\n6,7,2\n"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("handoff", ["fresh", "carry"])
+def test_mobility_across_regions(data, engine, handoff):
+    check_mobility_across_regions(data, engine, handoff)
+
+
+def check_mobility_across_regions(data: dict, engine: str, handoff: str, *flags: str) -> None:
+    """Clients that move between regions: each level averages the members it has when it
+    aggregates (docs/hsgd.md, "Mobility"), whatever the engine does to get there (the
+    sharded one cuts jobs at the moves, as region servers do:
+    tests/test_vectorized_ray_levels.py)."""
+    trace = data["folder"] / "trace-regions.csv"
+    trace.write_text(TRACE_REGIONS)
+    r = run(data, engine, "--groups", "4,2", "--grouping", "contiguous", "--periods", "1,2,4",
+            "--mobility-trace", str(trace), "--handoff", handoff, *flags)
+    p = problem(data, r, (1, 2, 4))
+    edge_map = trace_map(r["groups"]["client_to_edge"], TRACE_REGIONS)
+    want = oracle.hsgd(p, initial(r), rounds=2, edge_map=edge_map, handoff=handoff)
+    assert gap(r, want) <= TOL
+    assert moved(r, want) > 1e-2
+    assert gap(r, oracle.hsgd(p, initial(r), rounds=2)) > 1e-4  # the moves matter
+    other = "carry" if handoff == "fresh" else "fresh"  # and so does the handoff
     assert gap(r, oracle.hsgd(p, initial(r), rounds=2, edge_map=edge_map,
                               handoff=other)) > 1e-4
 

@@ -6,10 +6,13 @@ edge rounds and aggregations run inside its worker. On the session's two-node Ra
 regions (so between workers); regrouping is refused.
 """
 
+import pytest
+
 from fedhier.config import RunConfig
 from fedhier.engines.vectorized_ray import check_sharded
 from tests.helpers import assert_refused
 from tests.test_deploy_mobility import without_handoffs
+from tests.test_oracle import check_mobility_across_regions, tiny_data
 from tests.test_vectorized import assert_same_runs
 from tests.test_vectorized_ray import run_side_by_side
 from tests.test_vectorized_ray_moves import moves_of
@@ -70,3 +73,16 @@ def test_a_region_rule_measured_from_the_regions_model_is_refused_with_moving_cl
                    "rule that does not measure from the region's own model (not clip): a "
                    "region's job that starts inside its period does not carry its last "
                    "aggregate")
+
+
+@pytest.fixture(scope="module")
+def oracle_data(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return tiny_data(tmp_path_factory.mktemp("oracle"))
+
+
+@pytest.mark.parametrize("handoff", ["fresh", "carry"])
+def test_moves_across_regions_match_the_oracle(ray_cluster, oracle_data, handoff):
+    """The independent oracle (tests/oracle_hsgd.py), not another engine, on clients that
+    move between regions, so between workers, inside and at a region's period."""
+    check_mobility_across_regions(oracle_data, "vectorized-ray", handoff, "--ray-address",
+                                  ray_cluster)
