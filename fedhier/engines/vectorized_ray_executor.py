@@ -132,11 +132,8 @@ class RayShardExecutor:
         """Every edge's job, each shard's in one call to its actor; the reports of all."""
         import ray
 
-        if not self.actors:
-            self.start(jobs[0].edge_of_client, len(jobs))
-        assert self.placement is not None
+        assert self.node_placement is not None, "the shards start at the first cloud round"
         by_worker: list[list[EdgeJob]] = [[] for _ in self.actors]
-        assert self.node_placement is not None
         for job in shared_start_models(jobs):
             by_worker[int(self.node_placement[job.edge])].append(job)
         pending = [actor.run.remote(mine)
