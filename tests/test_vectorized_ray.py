@@ -139,6 +139,14 @@ def test_an_interrupted_run_resumes_bit_identically(ray_cluster, tmp_path, monke
             "--batch-size", "8", "--seed", "11", "--participation", "0.75",
             "--fail-rate", "0.2", "--engine", "vectorized-ray", "--ray-address",
             ray_cluster, "--no-progress"]
+    resume_after_round_2(args, tmp_path, monkeypatch)
+
+
+def resume_after_round_2(args: list[str], tmp_path: Path, monkeypatch,
+                         ignore: tuple[str, ...] = ("wall_seconds",)) -> list[dict]:
+    """``fedhier`` ``args`` run whole (``tmp_path / "whole"``), and interrupted in round 2
+    then resumed (``tmp_path / "stopped"``): every record equal but the keys ``ignore``;
+    the resumed run's records."""
     assert main([*args, "--out", str(tmp_path / "whole")]) == 0
     stopped = tmp_path / "stopped"
     assert run_interrupted_at(2, [*args, "--out", str(stopped)], monkeypatch) == 130
@@ -146,5 +154,6 @@ def test_an_interrupted_run_resumes_bit_identically(ray_cluster, tmp_path, monke
     whole, resumed = metrics(tmp_path / "whole"), metrics(stopped)
     assert [r["round"] for r in resumed] == [0, 1, 2, 3]
     for a, b in zip(whole, resumed, strict=True):
-        assert {k: v for k, v in a.items() if k != "wall_seconds"} == {
-            k: v for k, v in b.items() if k != "wall_seconds"}
+        assert {k: v for k, v in a.items() if k not in ignore} == {
+            k: v for k, v in b.items() if k not in ignore}
+    return resumed

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.cli import main
 from fedhier.engines.vectorized_ray_moves import adopt, release
 from fedhier.engines.vectorized_ray_shard import ShardExecutor
 from fedhier.hsgd import EdgeRoundWork
@@ -21,9 +20,13 @@ from fedhier.run_setup import initial_model, prepare
 from fedhier.train import params_of
 from tests.helpers import metrics
 from tests.test_deploy_mobility import without_handoffs
-from tests.test_faults import run_interrupted_at
 from tests.test_vectorized import assert_same_runs
-from tests.test_vectorized_ray import CFG, assert_equal_runs, run_side_by_side
+from tests.test_vectorized_ray import (
+    CFG,
+    assert_equal_runs,
+    resume_after_round_2,
+    run_side_by_side,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -146,17 +149,10 @@ def test_an_interrupted_mobile_run_resumes_bit_identically(ray_cluster, tmp_path
             *(["--mobility-rate", "0.5"] if moves == "random"
               else ["--mobility-trace", str(trace)]),
             "--engine", "vectorized-ray", "--ray-address", ray_cluster, "--no-progress"]
-    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
-    stopped = tmp_path / "stopped"
-    assert run_interrupted_at(2, [*args, "--out", str(stopped)], monkeypatch) == 130
-    assert main(["run", "--resume", str(stopped), "--no-progress"]) == 0
-    whole, resumed = metrics(tmp_path / "whole"), metrics(stopped)
-    assert [r["round"] for r in resumed] == [0, 1, 2, 3]
+    resumed = resume_after_round_2(args, tmp_path, monkeypatch,
+                                   ("wall_seconds", "handoffs"))  # handoffs: measured seconds
     assert any(r.get("moves") for r in resumed[2:])
-    ignore = ("wall_seconds", "handoffs")  # handoffs: measured seconds
-    for a, b in zip(whole, resumed, strict=True):
-        assert {k: v for k, v in a.items() if k not in ignore} == {
-            k: v for k, v in b.items() if k not in ignore}
+    stopped = tmp_path / "stopped"
     sharding = [json.loads((path / "sharding.json").read_text())
                 for path in (tmp_path / "whole", stopped)]
     assert sharding[0]["worker_moves"] == sharding[1]["worker_moves"]
