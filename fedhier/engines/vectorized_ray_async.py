@@ -8,7 +8,7 @@ with two parts of its own:
 * **the executor** (:class:`RayShardAsyncExecutor`, an
   :class:`~fedhier.edge_tier_async.AsyncEdgeTierExecutor`): ``submit`` sends each worker the
   jobs of its edges among those starting, as one Ray call (the edges of a worker that are
-  still in flight are not in it: :func:`~fedhier.engines.vectorized_ray_shard.run_some_edges`
+  still in flight are not in it: :func:`~fedhier.engines.vectorized_ray_subtree.run_jobs`
   trains the call's edges' clients only), and keeps the ObjectRefs; ``receive`` takes the
   reports of the earliest submission holding one of the edges asked for. Edges of one worker
   start at different cloud rounds (from different global models), so each start is a call of
@@ -97,7 +97,7 @@ class RayShardAsyncExecutor(RayShardExecutor):
         calls: dict[tuple[int, int], list[EdgeJob]] = {}
         for job in shared_start_models(jobs):
             calls.setdefault((int(self.placement[job.edge]), job.cloud_round), []).append(job)
-        refs = [self.actors[worker].run_some.remote(mine)
+        refs = [self.actors[worker].run.remote(mine)
                 for (worker, _), mine in sorted(calls.items())]
         size = self.whole.model_bytes(jobs[0].params)
         self.bytes_between += size * sum(models_down(mine) for mine in calls.values())

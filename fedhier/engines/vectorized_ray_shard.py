@@ -202,16 +202,3 @@ def edge_weights(weights: np.ndarray, edge_of_client: np.ndarray,
     hi = np.searchsorted(sorted_edges, edges, side="right")
     by_edge = weights[order]
     return [float(by_edge[a:b].sum()) for a, b in zip(lo.tolist(), hi.tolist(), strict=True)]
-
-
-def run_some_edges(settings: HSGDSettings, executor: ShardExecutor,
-                   jobs: Sequence[EdgeJob]) -> list[EdgeReport]:
-    """The jobs of some of a shard's edges (same cloud round): :func:`run_shard_jobs` on the
-    shard's clients of those edges only (the others are in jobs of their own, in flight)."""
-    edge_of = np.asarray(jobs[0].edge_of_client, dtype=np.int64)[executor.clients]
-    mine = np.isin(edge_of, [job.edge for job in jobs])
-    if not mine.all():
-        positions = np.flatnonzero(mine).astype(np.int64)
-        executor = ShardExecutor(executor.chunk(positions),  # for one cloud round, no row copied
-                                 executor.clients[positions], executor.num_clients)
-    return run_shard_jobs(settings, executor, jobs)

@@ -53,16 +53,12 @@ class ShardWorker:
         self.run_seconds = self.run_cpu_seconds = 0.0
 
     def run(self, jobs: Sequence[EdgeJob]) -> list[EdgeReport]:
-        """Its edges' (or whole subtrees') jobs of one cloud round (:func:`run_jobs`)."""
+        """Some or all of its edges' (or whole subtrees') jobs of one cloud round
+        (:func:`run_jobs`: only the clients of those edges train; asynchronous edges send
+        the edges that start together)."""
         from fedhier.engines.vectorized_ray_subtree import run_jobs
 
         return self._timed(run_jobs, jobs)
-
-    def run_some(self, jobs: Sequence[EdgeJob]) -> list[EdgeReport]:
-        """Some of its edges' jobs (asynchronous edges: :func:`.run_some_edges`)."""
-        from fedhier.engines.vectorized_ray_shard import run_some_edges
-
-        return self._timed(run_some_edges, jobs)
 
     def _timed(self, run: Callable[..., list[EdgeReport]],
                jobs: Sequence[EdgeJob]) -> list[EdgeReport]:
