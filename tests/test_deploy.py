@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from cryptography import x509
@@ -275,6 +276,83 @@ def test_killed_supernode_is_left_out_and_the_run_completes(tmp_path):
     assert json.loads((out / "groups.json").read_text())["client_to_edge"] == [0, 0]
     print(f"killed SuperNode: run finished {time.time() - killed['at']:.1f} s after the kill")
     assert leftovers(range(port, port + cfg.clients + 1)) == ""
+
+
+@pytest.mark.slow
+def test_a_client_runtime_that_exits_is_restarted_and_the_run_is_unchanged(tmp_path):
+    """Client 1's long-lived ClientApp process (fedhier's own app) is killed before the run:
+    the deployment starts it again at its first look (one line says so), its SuperNode kept
+    the client's tasks, and the run equals inprocess (1e-5). Without the restart the run
+    would wait for an answer that never comes (here: the 300 s timeout)."""
+    cfg = TINY.replace(clients=2, groups=(1,), grouping="contiguous")
+    run_inprocess(cfg, RunFolder.create(tmp_path / "inprocess"), progress=False)
+    port = deploy.free_port_block(cfg.clients + 1)
+    lines: list[str] = []
+    out = tmp_path / "run"
+    with deploy.LocalDeployment(nodes=cfg.clients, work=tmp_path / "fed", base_port=port,
+                                secure=False, echo=lines.append, client_runtime=True,
+                                edges=deploy.contiguous_edges(cfg.clients, 1)) as fed:
+        killed = fed.runtimes[1]
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.popen.wait(timeout=30)
+        fed.run_app(cfg, out, timeout=300)
+        restarted = fed.runtimes[1]
+    assert restarted is not killed and fed.runtime_restarts == {1: 1}
+    assert "the ClientApp process of client 1 stopped (exit code -9); restarting it" in lines
+    assert "client 1: answered train" in restarted.log_text()
+    assert_same_run(tmp_path / "inprocess", out, cfg.rounds)
+    assert leftovers(range(port, port + cfg.clients + 1)) == ""
+
+
+def test_no_task_heartbeat_outlives_the_task_token(monkeypatch):
+    """The ClientApp runtime stops a task's heartbeat before it pushes the task's output
+    (which ends the task's token): a heartbeat after it is refused with HTTP 401, and
+    Flower's HTTP retry answers that with SIGINT to the runtime, which then served no later
+    task (CI hung so: a client's evaluate waited for a runtime that had exited)."""
+    from fedhier.engines.deployment import task_runtime
+
+    events: list[str] = []
+
+    class NoMoreTasksError(Exception):
+        pass
+
+    class Heartbeat:
+        def __init__(self, fn):
+            self.running = False
+
+        def start(self):
+            self.running = True
+            events.append("heartbeat on")
+
+        @property
+        def is_running(self):
+            return self.running
+
+        def stop(self):
+            assert self.running
+            self.running = False
+            events.append("heartbeat off")
+
+    tasks = iter([("task", "token")])
+
+    def acquire(*_args):
+        try:
+            return next(tasks)
+        except StopIteration:
+            raise NoMoreTasksError from None
+
+    msg = SimpleNamespace(metadata=SimpleNamespace(message_id="m", message_type="train"),
+                          content=SimpleNamespace(config_records={}))
+    monkeypatch.setattr(task_runtime, "acquire", acquire)
+    monkeypatch.setattr(task_runtime, "runtime_client", lambda *a, **k: object())
+    monkeypatch.setattr(task_runtime, "HeartbeatSender", Heartbeat)
+    monkeypatch.setattr(task_runtime, "pull_task_input", lambda c: (msg, "ctx", None, None))
+    monkeypatch.setattr(task_runtime, "push_message", lambda *a: events.append("reply"))
+    monkeypatch.setattr(task_runtime, "push_task_output",
+                        lambda *a: events.append("task output (token ends)"))
+    with pytest.raises(NoMoreTasksError):
+        task_runtime.serve_tasks("127.0.0.1:1", None, lambda m, c: "reply", "client 0")
+    assert events == ["heartbeat on", "reply", "heartbeat off", "task output (token ends)"]
 
 
 @pytest.mark.slow

@@ -41,7 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     secret = args.superexec_secret.read_bytes() if args.superexec_secret else None
     try:
         serve_tasks(args.node, secret, app, args.name)
-    except (KeyboardInterrupt, SystemExit):
+    except KeyboardInterrupt:  # Ctrl-C, or Flower's HTTP client refused (it sends SIGINT)
+        print(f"{args.name}: interrupted (SIGINT); exiting", file=sys.stderr, flush=True)
+        return 0
+    except SystemExit:
         return 0
     except Exception as exc:  # noqa: BLE001 - one line for the deploy log
         print(f"{args.name}: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

@@ -36,14 +36,12 @@ from fedhier.config import RunConfig
 from fedhier.edge_tier import server_names
 from fedhier.engines.deployment.connection import CONNECTION
 from fedhier.engines.deployment.errors import DeployError
-from fedhier.engines.deployment.local import LocalDeployment
+from fedhier.engines.deployment.local import MAX_RESTARTS, LocalDeployment
 from fedhier.engines.deployment.ports import HOST, check_ports, ports_needed
 from fedhier.engines.deployment.processes import Managed
 from fedhier.engines.deployment.reattach import REATTACH_ENV, ReattachDriver
 from fedhier.errors import ConfigError
 
-#: How often one server process is restarted before the deployment gives up.
-MAX_RESTARTS = 3
 #: What a SuperNode's log says once it is online at its SuperLink.
 ONLINE = "SuperNode ID:"
 
@@ -251,7 +249,7 @@ class EdgeTierDeployment(LocalDeployment):
                      else [])
         managed = self.start_supernode(client, self.keys[client] if self.supernode_auth
                                        else None, superlink_port=port, track=False,
-                                       port=self.superlink_port + 1 + client,
+                                       port=self.client_node_port(client),
                                        extra_args=isolation,
                                        env=self._wired(f"supernode-{client}", "client-edge",
                                                        port))

@@ -33,6 +33,9 @@ from fedhier.engines.deployment.wire import wire_env
 from fedhier.errors import ConfigError
 
 DEFAULT_BASE_PORT = 9300
+#: How often one process (a server, a client's ClientApp runtime) is restarted before the
+#: deployment gives up.
+MAX_RESTARTS = 3
 REPO_ROOT = Path(__file__).resolve().parents[3]  # the fedhier source tree (a Flower app)
 
 
@@ -95,6 +98,10 @@ class LocalDeployment:
     ca_cert: Path | None = None
     certs: Any = None  # certs.Certificates in secure mode
     node_ids: list[int] = field(default_factory=list)
+    #: Client i's long-lived ClientApp process (with ``client_runtime``), and how often
+    #: each was restarted after it exited mid-run.
+    runtimes: dict[int, Managed] = field(default_factory=dict)
+    runtime_restarts: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -114,6 +121,10 @@ class LocalDeployment:
     @property
     def superlink_port(self) -> int:
         return self.base_port
+
+    def client_node_port(self, i: int) -> int:
+        """Client SuperNode ``i``'s runtime API port (its ClientApp process connects to it)."""
+        return self.superlink_port + 1 + i
 
     def home(self, name: str) -> Path:
         path = self.work / "flwr-home" / name
@@ -302,7 +313,7 @@ class LocalDeployment:
         if port is not None:
             pass
         elif track:
-            port = self.superlink_port + 1 + i
+            port = self.client_node_port(i)
         else:  # above the federation's ports, never the same twice
             port = free_port_block(1, start=max(self._next_extra_port,
                                                 self.superlink_port + self.nodes + 1))
@@ -347,7 +358,30 @@ class LocalDeployment:
         secret = self.secret_args()
         if secret:
             cmd += ["--superexec-secret", secret[1]]
-        return self.procs.start(name, cmd, self.env(name), self.log(name), self.work)
+        self.runtimes[i] = self.procs.start(name, cmd, self.env(name), self.log(name),
+                                            self.work)
+        return self.runtimes[i]
+
+    def restart_stopped_runtimes(self) -> list[int]:
+        """Start again each client's ClientApp runtime that exited while the run goes on (at
+        most ``MAX_RESTARTS`` times each): its SuperNode keeps the client's tasks and kept
+        state, so the new process answers the next task as the old one would have. Returns
+        those clients."""
+        restarted = []
+        for i, managed in sorted(self.runtimes.items()):
+            code = managed.popen.poll()
+            if code is None:
+                continue
+            if self.runtime_restarts.get(i, 0) >= MAX_RESTARTS:
+                raise DeployError(f"the ClientApp process of client {i} stopped "
+                                  f"{MAX_RESTARTS + 1} times (last exit code {code}); not "
+                                  f"restarted again; its log: logs/{managed.log.name}")
+            self.runtime_restarts[i] = self.runtime_restarts.get(i, 0) + 1
+            self.echo(f"the ClientApp process of client {i} stopped (exit code {code}); "
+                      "restarting it")
+            self.start_client_runtime(i, self.client_node_port(i))
+            restarted.append(i)
+        return restarted
 
     def wait_supernodes_online(self) -> None:
         """Wait until every SuperNode has activated with the SuperLink (its log says so)."""
@@ -411,6 +445,7 @@ class LocalDeployment:
             if time.time() > deadline:
                 raise DeployTimeoutError(f"the run did not finish within {timeout:.0f} s "
                                     f"(--timeout); log: {run.log}")
+            self.restart_stopped_runtimes()
             if on_tick is not None:
                 on_tick(self)
             self.procs.snapshot()

@@ -117,13 +117,25 @@ def serve_tasks(node_address: str, secret: bytes | None,
                 reply = Message(error, reply_to=msg)
                 print(f"{name}: {kind} failed: {exc}", flush=True)
             push_message(client, reply, context)
+            # The task's token ends with its output: a heartbeat sent after it is refused
+            # (HTTP 401), and Flower's HTTP retry answers a 401 by sending SIGINT to this
+            # process, which would end the runtime between two tasks (the next task then
+            # waits for a runtime that is gone). So no heartbeat outlives the token.
+            stop_heartbeat(heartbeat)
             push_task_output(client, context, SubStatus.COMPLETED, "")
             poke(REPLY)  # the SuperNode sends it now
             trace("answered", [msg.metadata.message_id])
             poll.busy()
             print(f"{name}: answered {kind} in {time.time() - started:.1f} s", flush=True)
         finally:
-            heartbeat.stop()
+            stop_heartbeat(heartbeat)
+
+
+def stop_heartbeat(heartbeat: HeartbeatSender) -> None:
+    """Stop ``heartbeat`` and wait for a heartbeat in flight (once; a sender whose thread
+    already ended is left as it is)."""
+    if heartbeat.is_running:
+        heartbeat.stop()
 
 
 def _exit(signum: int, frame: FrameType | None) -> None:
