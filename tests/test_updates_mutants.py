@@ -2,6 +2,7 @@
 the screening of failed and non-finite updates, and the survivors' loss. The tests written
 against its mutation survivors (docs/testing.md, "Mutation")."""
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -152,3 +153,23 @@ def test_the_part_makes_its_tensors_on_the_models_device():
     assert models["w"].device.type == "cpu"
     assert models["w"].tolist() == [[2.0, 3.0], [2.0, 2.0], [19.0, -1.0]]
     assert alive.tolist() == [True, False, False]
+
+
+def test_screen_names_a_chunks_clients_by_their_ids_in_the_whole_federation(caplog):
+    """Engine vectorized-ray runs a chunk of whole edges as a federation of its own
+    (ChunkTree: clients 4, 5 of edge 2 become 0, 1): the dropped client is named 5, its id
+    in the whole federation, as the one-process engine names it, not 1."""
+    from fedhier.engines.vectorized_chunks import ChunkTree
+
+    whole = work(clients=(0, 1, 4, 5), edge_of=(0, 0, 1, 1, 2, 2))
+    chunk = ChunkTree.of(np.array([4, 5]), whole.edge_of_client, [whole])
+    part = chunk.work(dataclasses.replace(whole, clients=np.array([4, 5], dtype=I64),
+                                          steps=whole.steps[2:]))
+    assert part.clients.tolist() == [0, 1] and part.edge_of_client.tolist() == [0, 0]
+    bad = TrainResult(models={"w": torch.tensor([[1.0], [np.nan]])},
+                      losses=np.array([0.1, 0.2]), ok=np.array([True, True]))
+    with caplog.at_level(logging.WARNING, logger="fedhier"):
+        alive = screen(part, bad, "skip-client", 4)
+    assert alive.tolist() == [True, False]
+    assert [r.getMessage() for r in caplog.records] == [
+        "dropping the non-finite update of client(s) [5] in edge round 7"]

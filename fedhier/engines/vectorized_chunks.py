@@ -190,7 +190,8 @@ class ChunkTree:
             rows = order[np.searchsorted(self.sources, start[self.ids], sorter=order)]
             start = rows.astype(np.int64)
         return dataclasses.replace(work, clients=np.searchsorted(self.ids, work.clients),
-                                   edge_of_client=self.edge_of, start_edge_of_client=start)
+                                   edge_of_client=self.edge_of, start_edge_of_client=start,
+                                   ids=self.ids)
 
     def plan(self, plan: EdgeRoundPlan) -> EdgeRoundPlan:
         """The chunk's clients' part of ``plan`` (steps and FedNova scales [c])."""

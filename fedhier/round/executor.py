@@ -40,6 +40,9 @@ class EdgeRoundWork:
             periods: their edge did not aggregate after their last edge round); client
             ``carried[r]`` starts from row E + r of the start models
             (:meth:`HierarchicalSGD.start_models`). None = every client starts from an edge.
+        ids: int64 [n], each client's id in the whole federation when this work is in a
+            numbering of its own (a chunk of engine ``vectorized-ray`` run as a federation
+            of its own), for messages that name clients; None = the same numbering.
     """
 
     edge_round: int
@@ -50,6 +53,11 @@ class EdgeRoundWork:
     edge_of_client: np.ndarray
     start_edge_of_client: np.ndarray | None = None
     carried: np.ndarray | None = None
+    ids: np.ndarray | None = None
+
+    def named(self, clients: np.ndarray) -> list[int]:
+        """The whole federation's ids of ``clients`` (ids in this work's numbering)."""
+        return (clients if self.ids is None else self.ids[clients]).tolist()
 
     @property
     def start_edges(self) -> np.ndarray:

@@ -79,7 +79,7 @@ def screen(work: EdgeRoundWork, result: TrainResult, on_nan: str,
             client, int(work.edge_of_client[client]), work.edge_round,
             edge_rounds_per_cloud_round))
     log.warning("dropping the non-finite update of client(s) %s in edge round %d",
-                work.clients[bad].tolist(), work.edge_round)
+                work.named(work.clients[bad]), work.edge_round)
     alive[bad] = False
     return alive
 
