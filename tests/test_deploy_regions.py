@@ -80,3 +80,78 @@ def test_servers_at_every_level_equal_the_one_process_run(change, tmp_path):
                    engine="servers (in-process)", progress=False)
     assert_same_runs(tmp_path / "ref", tmp_path / "split", TOL)
     assert metrics(tmp_path / "split")[-1]["round"] == cfg.rounds
+
+
+def test_a_malformed_report_is_counted_as_a_lost_job_and_named(tmp_path, monkeypatch, caplog):
+    """A server whose reply to its job is not a report (region 1 in cloud round 1: its model
+    one column short; edge 1 under region 0 in its first job of round 2: a count missing)
+    is counted as a server that missed that job, by the same exact counts as a lost job
+    (tests/test_deploy_faults.py), with one warning naming it and what is wrong; the run
+    completes instead of ending in a KeyError or a shape error in the average."""
+    import logging
+
+    from fedhier_clients.packed_model import get_model, model_record
+    from fedhier_strategies.edge.messages import FIRST_ROUND
+
+    handle = EdgeServer.handle
+
+    def hostile(self: EdgeServer, msg):
+        content = handle(self, msg)
+        config = msg.content["config"]
+        key = (self.level, self.edge, int(config.get("server-round", 0)),
+               int(config.get(FIRST_ROUND, 0)))
+        if msg.metadata.message_type == "train" and key == (2, 1, 1, 1):
+            model = get_model(content, "arrays")
+            content["arrays"] = model_record({k: v[..., :-1] for k, v in model.items()},
+                                             packed=True)
+        if msg.metadata.message_type == "train" and key == (1, 1, 2, 5):
+            del content["metrics"]["failed-clients"]
+        return content
+
+    monkeypatch.setattr(EdgeServer, "handle", hostile)
+    cfg = BASE.replace(edge_servers=True)
+    with caplog.at_level(logging.WARNING, logger="fedhier"):
+        run_federation(servers_grid(cfg), cfg, RunFolder.create(tmp_path / "r", cfg),
+                       engine="servers (in-process)", progress=False)
+    rows = metrics(tmp_path / "r")
+    assert rows[1]["unreached_regions"] == [1] and "unreached_edges" not in rows[1]
+    assert (rows[1]["failed_clients"], rows[1]["failed_edges"]) == (4 * 4, 2 * 4)
+    assert rows[2]["unreached_edges"] == [1] and "unreached_regions" not in rows[2]
+    assert (rows[2]["failed_clients"], rows[2]["failed_edges"]) == (2 * 2, 1 * 2)
+    malformed = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+    assert len(malformed) == 2, malformed
+    assert malformed[0].startswith("region 1 sent a malformed reply to its job (arrays[")
+    assert "not a float tensor of shape" in malformed[0]
+    assert malformed[1] == ("edge 1 sent a malformed reply to its job "
+                            "(KeyError: 'failed-clients')")
+
+
+def test_report_from_reply_checks_a_segments_edge_models():
+    """A segment's report (its edges' own models): models without the edges they belong
+    to, or rows that are not one per edge, are malformed, in one line each."""
+    import torch
+
+    from fedhier.edge_tier import EdgeReport
+    from fedhier_clients.packed_model import model_record
+    from fedhier_strategies.edge.messages import (
+        EDGE_MODELS,
+        MalformedReplyError,
+        report_content,
+        report_from_reply,
+    )
+
+    like = {"w": torch.zeros(3, 2), "b": torch.zeros(3)}
+    models = {"w": torch.ones(2, 3, 2), "b": torch.ones(2, 3)}
+    report = EdgeReport(0, None, np.zeros((2, 2)), seconds=np.zeros(2),
+                        edges=np.array([0, 1]), edge_models=models)
+    content = report_content(report)
+    ok = report_from_reply(Message(content, dst_node_id=1, message_type="train"), 0, like)
+    assert ok.edges.tolist() == [0, 1] and torch.equal(ok.edge_models["w"], models["w"])
+    del content["metrics"]["edges"]
+    with pytest.raises(MalformedReplyError, match=r"^KeyError: 'edge-models without edges'$"):
+        report_from_reply(Message(content, dst_node_id=1, message_type="train"), 0, like)
+    content = report_content(report)
+    content[EDGE_MODELS] = model_record({k: v[:1] for k, v in models.items()}, packed=True)
+    with pytest.raises(MalformedReplyError, match=r"edge-models\['.'\] is torch.float32 "
+                       r"\(1, 3(, 2)?\), not a float tensor of shape \(2, 3(, 2)?\)$"):
+        report_from_reply(Message(content, dst_node_id=1, message_type="train"), 0, like)

@@ -18,7 +18,7 @@ import numpy as np
 from fedhier.edge_tier import EdgeJob, EdgeReport
 from fedhier.hsgd import ClientEvaluation, Params
 from fedhier_strategies.edge.cloud_executor import EdgeServersExecutor, error_reason
-from fedhier_strategies.edge.messages import report_from_reply
+from fedhier_strategies.edge.messages import MalformedReplyError, report_from_reply
 
 log = logging.getLogger("fedhier")
 #: Seconds between two pulls for replies while waiting (at most; PromptGrid's pace if less).
@@ -32,9 +32,12 @@ class AsyncEdgeServersExecutor(EdgeServersExecutor):
         super().__init__(*args, **kwargs)
         self.in_flight: dict[str, tuple[int, float]] = {}  # message id -> (edge, pushed at)
         self.arrived: dict[int, EdgeReport] = {}  # edge -> its report, in arrival order
+        self.like: Params | None = None  # a job's model: what a report's models look like
 
     def submit(self, jobs: list[EdgeJob]) -> None:
         messages = self.job_messages(jobs)
+        if jobs:
+            self.like = jobs[0].params
         now = time.monotonic()
         ids = list(self.grid.push_messages(messages))
         for message_id, job in zip(ids, jobs, strict=True):
@@ -52,7 +55,11 @@ class AsyncEdgeServersExecutor(EdgeServersExecutor):
                 log.warning("edge %d failed its job: %s", edge, error_reason(reply))
                 reports[edge] = EdgeReport(edge, None, np.zeros((0, 2)), reached=False)
             else:
-                reports[edge] = report_from_reply(reply, edge)
+                try:
+                    reports[edge] = report_from_reply(reply, edge, like=self.like)
+                except MalformedReplyError as exc:
+                    log.warning("edge %d sent a malformed reply to its job (%s)", edge, exc)
+                    reports[edge] = EdgeReport(edge, None, np.zeros((0, 2)), reached=False)
         for edge in sorted(reports):
             self.arrived[edge] = reports[edge]
 

@@ -28,6 +28,7 @@ from fedhier_strategies.edge.messages import (
     PARTITION_IDS,
     PATH,
     ClientStates,
+    MalformedReplyError,
     job_content,
     report_from_reply,
     state_content,
@@ -178,7 +179,10 @@ class EdgeServersExecutor(GridExecutor):
             if reply.has_error():
                 log.warning("%s %d failed its job: %s", child, edge, error_reason(reply))
                 continue
-            reports[edge] = report_from_reply(reply, edge)
+            try:
+                reports[edge] = report_from_reply(reply, edge, like=jobs[0].params)
+            except MalformedReplyError as exc:
+                log.warning("%s %d sent a malformed reply to its job (%s)", child, edge, exc)
         for job in jobs:
             if job.edge not in reports:
                 log.warning("%s %d did not answer in cloud round %d: its clients miss "

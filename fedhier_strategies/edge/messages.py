@@ -46,6 +46,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedhier.edge_tier import EdgeJob, EdgeReport
+from fedhier.optim import Params
 from fedhier_clients.packed_model import get_model, has_model, model_record
 
 EDGE_ID = "edge-id"
@@ -161,14 +162,52 @@ def report_content(report: EdgeReport) -> RecordDict:
     return content
 
 
-def report_from_reply(reply: Message, edge: int) -> EdgeReport:
-    """The :class:`EdgeReport` in a server's reply to its job."""
+class MalformedReplyError(ValueError):
+    """A server's reply to its job that is not a report (a key missing, a value of the wrong
+    type, models of another shape): its parent counts the job as lost."""
+
+
+def report_from_reply(reply: Message, edge: int, like: Params | None = None) -> EdgeReport:
+    """The :class:`EdgeReport` in a server's reply to its job; its models checked against
+    ``like`` (the job's model: the same names and shapes) when given.
+
+    Raises:
+        MalformedReplyError: the reply is not a well-formed report (one line: what is wrong).
+    """
+    try:
+        report = _report(reply, edge)
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+        raise MalformedReplyError(f"{type(exc).__name__}: {exc}") from None
+    if len(report.edges) != len(set(report.edges.tolist())):
+        raise MalformedReplyError(f"edges {report.edges.tolist()} repeat an edge")
+    if like is not None:
+        if report.model is not None:
+            _check_shapes("arrays", report.model, like, ())
+        if report.edge_models:
+            _check_shapes(EDGE_MODELS, report.edge_models, like, (len(report.edges),))
+    return report
+
+
+def _check_shapes(name: str, got: Params, like: Params, rows: tuple[int, ...]) -> None:
+    if set(got) != set(like):
+        raise MalformedReplyError(f"{name} has tensors {sorted(got)}, the model "
+                                  f"{sorted(like)}")
+    for key, value in got.items():
+        want = (*rows, *like[key].shape)
+        if tuple(value.shape) != want or not value.is_floating_point():
+            raise MalformedReplyError(f"{name}[{key!r}] is {value.dtype} {tuple(value.shape)}, "
+                                      f"not a float tensor of shape {want}")
+
+
+def _report(reply: Message, edge: int) -> EdgeReport:
     m = reply.content["metrics"]
     losses = np.stack([np.asarray(m["loss-means"], dtype=np.float64),
                        np.asarray(m["loss-weights"], dtype=np.float64)], axis=1)
     model = get_model(reply.content, "arrays") if has_model(reply.content, "arrays") else None
     own: dict = {}
     if has_model(reply.content, EDGE_MODELS):
+        if "edges" not in m:
+            raise KeyError("edge-models without edges")
         own = dict(edges=np.asarray(m["edges"], dtype=np.int64),
                    edge_models=get_model(reply.content, EDGE_MODELS))
     return EdgeReport(edge=edge, model=model, losses=losses,
