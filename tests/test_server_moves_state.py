@@ -48,6 +48,8 @@ def run_and_compare(cfg: RunConfig, root: Path, monkeypatch) -> list[list[dict]]
     run_moving(cfg, root / "split", monkeypatch)
     handoffs = without_handoffs(root / "split")
     assert_same_runs(root / "ref", root / "split", TOL)
+    if cfg.regroup_every:  # re-attached at cloud-round starts, no "moves" records
+        return handoffs
     moves = [m for r in metrics(root / "ref") for m in r.get("moves", [])]
     recorded = [[h["edge_round"], h["client"], h["from"], h["to"]] for r in handoffs
                 for h in r]
@@ -77,6 +79,14 @@ def test_kept_state_moves_with_its_client_between_edge_servers(handoff, tmp_path
     monkeypatch.setattr(edge_moves, "moved_states", lambda executor, clients: {})
     run_moving(cfg, tmp_path / "dropped", monkeypatch)
     assert largest_difference(tmp_path / "ref", tmp_path / "dropped") > 1e-4
+
+
+def test_kept_state_moves_with_a_regrouping(tmp_path, monkeypatch):
+    """A regrouping every cloud round re-attaches clients at its start: their state comes
+    along (two levels; regions refuse a regrouping)."""
+    cfg = TWO_LEVELS.replace(mobility_rate=0.0, regroup_every=1, grouping="random", **KEEP)
+    handoffs = run_and_compare(cfg, tmp_path, monkeypatch)
+    assert any(h["state_bytes"] for r in handoffs for h in r)
 
 
 def test_kept_state_moves_through_region_servers(tmp_path, monkeypatch):
