@@ -92,7 +92,7 @@ def test_kept_state_moves_with_a_regrouping(tmp_path, monkeypatch):
 def test_kept_state_moves_through_region_servers(tmp_path, monkeypatch):
     """``--groups 4,2 --periods 1,2,4``: a mover's state passes through the region servers
     (the cloud's job to the new edge's region, the region's job to the edge), across
-    regions and inside region periods too."""
+    regions and inside region periods too; dropped at the moves, the run differs."""
     cfg = REGIONS.replace(periods=(1, 2, 4), handoff="carry", **KEEP)
     handoffs = run_and_compare(cfg, tmp_path, monkeypatch)
     moves = [[h["edge_round"], h["from"], h["to"], h["state_bytes"]] for r in handoffs
@@ -100,6 +100,9 @@ def test_kept_state_moves_through_region_servers(tmp_path, monkeypatch):
     region = np.array([0, 0, 1, 1])
     assert any(region[f] != region[t] and b for _, f, t, b in moves)  # state across regions
     assert any((r - 1) % 2 and b for r, _, _, b in moves)  # inside a region period
+    monkeypatch.setattr(edge_moves, "moved_states", lambda executor, clients: {})
+    run_moving(cfg, tmp_path / "dropped", monkeypatch)  # without it: another run
+    assert largest_difference(tmp_path / "ref", tmp_path / "dropped") > 1e-4
 
 
 def test_a_resumed_run_moves_the_restored_state(tmp_path, monkeypatch):
