@@ -43,6 +43,7 @@ import torch
 from fedhier.aggregate import aggregator, presence_weights
 from fedhier.communication import BatchCommunication, Communication
 from fedhier.edge_moves import (
+    ClientStates,
     HandoffJobs,
     absorb_reports,
     apply_job_handoff,
@@ -145,7 +146,7 @@ class EdgeJob:
     start_edge_of_client: np.ndarray | None = None
     carried: Params = field(default_factory=dict)
     carried_edges: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    states: dict[int, dict[str, dict[str, torch.Tensor]]] = field(default_factory=dict)
+    states: ClientStates = field(default_factory=dict)
 
 
 @dataclass

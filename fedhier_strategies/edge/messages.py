@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from fedhier.edge_moves import ClientStates
 from fedhier.edge_tier import EdgeJob, EdgeReport
 from fedhier.optim import Params
 from fedhier_clients.packed_model import get_model, has_model, model_record
@@ -75,8 +76,6 @@ STATE_PREFIX = "state/"
 #: A ``query.state`` message's ConfigRecord naming the clients to ask (``clients``).
 STATE_CLIENTS = "state-clients"
 
-#: Clients' kept state: client -> record name -> tensor name -> tensor.
-ClientStates = dict[int, dict[str, dict[str, torch.Tensor]]]
 
 
 def state_query(clients: list[int] | None) -> RecordDict:
