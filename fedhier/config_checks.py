@@ -85,10 +85,6 @@ def check_edge_servers(cfg: RunConfig) -> None:
     """What edge servers as processes do not run (yet), in one line."""
     if len(cfg.periods) > 2 and cfg.clients_move():
         check_moves_under_regions(cfg)
-    if cfg.clients_move() and cfg.keeps_client_state():
-        raise ConfigError("edge servers with moving clients need --optimizer-state reset: a "
-                          "client re-attached to another edge starts in that edge's run, "
-                          "without its kept state")
     if cfg.edge_periods and (cfg.mobility_rate > 0 or cfg.mobility_trace):
         raise ConfigError("edge servers with per-edge periods need static clients (no "
                           "mobility): a job split at a move would restart an edge's period")

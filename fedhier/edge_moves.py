@@ -10,10 +10,15 @@ cloud round into **segments** at the edge rounds where a client moves
    cloud keeps it as that edge's model;
 2. every moved client is **re-attached** to its new edge (:class:`Reattacher`: on real
    processes its SuperNode restarts with the new edge's SuperLink address), and the cloud
-   waits until it is online there;
+   waits until it is online there; with kept optimizer state (``--optimizer-state keep``)
+   the cloud first takes the moved clients' state from their old edges
+   (:func:`moved_states`): the restarted SuperNode starts the new edge's run without it;
 3. the next segment's jobs start each edge from its own model and carry the **handoff**: a
    ``carry`` client starts from its old edge's model, which the job to its new edge carries
-   (``EdgeJob.start_edge_of_client``, ``carried``); ``fresh``: the new edge's model.
+   (``EdgeJob.start_edge_of_client``, ``carried``); ``fresh``: the new edge's model. Under
+   both, the job to a moved client's new edge carries its kept state (``EdgeJob.states``),
+   which the edge restores to the client before it trains: as in every engine, a client's
+   momentum is its own and travels with it.
 
 An edge applies a job's handoff with :func:`apply_job_handoff` and runs with a static
 membership (:func:`job_settings`): the job's client -> edge map is the one in force. Without
@@ -30,9 +35,9 @@ periods, so a node's job may start or end inside a period of its own level:
   (``EdgeReport.edge_models``: the simulation aggregates nothing there), which the parent
   writes into its edge models (:func:`absorb_reports`); a job that starts inside its node's
   period carries those models back (``carried``, :func:`with_own_edges`);
-* a region passes its job's ``carry`` handoff on to the jobs of its edges' first exchange
-  (:class:`HandoffJobs` with ``first_round``); the moved client's old edge may sit in another
-  region: its model travels in the job (``carried``).
+* a region passes its job's ``carry`` handoff and moved clients' kept state on to the jobs
+  of its edges' first exchange (:class:`HandoffJobs` with ``first_round``); the moved
+  client's old edge may sit in another region: its model travels in the job (``carried``).
 
 A region's aggregate at a period's end is then the simulation's: the weighted mean of the
 survivors its edges hold under the map in force in that edge round. A regrouping re-draws the
@@ -57,6 +62,9 @@ from fedhier.hsgd import HierarchicalSGD, HSGDSettings, Params
 from fedhier.mobility import Mobility
 from fedhier.round.membership import Handoff, Membership, RoundPace
 from fedhier.topology import Hierarchy
+
+#: Clients' kept optimizer state: client -> record name -> tensor name -> tensor.
+ClientStates = dict[int, dict[str, dict[str, torch.Tensor]]]
 
 
 class Reattacher(Protocol):
@@ -142,30 +150,37 @@ def segments(algorithm: HierarchicalSGD, rounds: range) -> list[Segment]:
 
 class HandoffJobs:
     """The executor of one segment: each job to a server (an edge, a region, ...) carries
-    the old edges' models of the clients that move under it with a ``carry`` handoff.
-    ``first_round``: only the jobs that start at that edge round (a region's first exchange
-    of its job; None: every job, the cloud's one exchange per segment)."""
+    the old edges' models of the clients that move under it with a ``carry`` handoff, and
+    the kept state (``states``: client -> records, :func:`moved_states`) of the clients that
+    moved under it. ``first_round``: only the jobs that start at that edge round (a
+    region's first exchange of its job; None: every job, the cloud's one exchange per
+    segment)."""
 
     def __init__(self, executor: Any, start_edges: np.ndarray | None, edge_models: Params,
-                 edge_of_client: np.ndarray, first_round: int | None = None) -> None:
+                 edge_of_client: np.ndarray, first_round: int | None = None,
+                 states: ClientStates | None = None) -> None:
         self.executor = executor
         self.start_edges = start_edges
         self.edge_models = edge_models
         self.edge_of_client = edge_of_client
         self.first_round = first_round
+        self.states = states or {}
 
     def run_edge_jobs(self, jobs: list[Any]) -> list[Any]:
-        if self.start_edges is not None:
-            jobs = [self._with_handoff(job) if self.first_round in (None, job.first_round)
-                    else job for job in jobs]
+        jobs = [self._with_moves(job) if self.first_round in (None, job.first_round)
+                else job for job in jobs]
         return self.executor.run_edge_jobs(jobs)  # type: ignore[no-any-return]
 
-    def _with_handoff(self, job: Any) -> Any:
-        assert self.start_edges is not None
+    def _with_moves(self, job: Any) -> Any:
         node_of_client = self.edge_of_client
         for parent in job.parents[:job.level - 1]:  # a region's job: its clients
             node_of_client = np.asarray(parent)[node_of_client]
         mine = node_of_client == job.edge
+        states = {c: s for c, s in self.states.items() if mine[c]}
+        if states:
+            job = dataclasses.replace(job, states=states)
+        if self.start_edges is None:
+            return job
         olds = np.unique(self.start_edges[mine & (self.start_edges != self.edge_of_client)])
         if not len(olds):
             return job
@@ -234,27 +249,54 @@ def absorb_reports(algorithm: HierarchicalSGD, reports: list[Any], under: np.nda
                     report.model[k].to(v.device, v.dtype)
 
 
+def moved_states(executor: Any, clients: list[int]) -> ClientStates:
+    """The kept optimizer state of ``clients`` (client -> record -> tensor name -> tensor),
+    asked of the servers they are connected to now (``query.state``, filtered), before
+    they re-attach: a SuperNode restarted at another edge's SuperLink starts that edge's
+    run without it. {} when the clients keep none (nothing asked)."""
+    if not clients or not getattr(executor, "keeps_client_state", False):
+        return {}
+    return executor.client_state(clients)  # type: ignore[no-any-return]
+
+
+def state_bytes(records: dict[str, dict[str, torch.Tensor]]) -> int:
+    """Bytes of one client's kept state (its tensors' data)."""
+    return sum(int(t.numel() * t.element_size()) for r in records.values() for t in r.values())
+
+
 def reattach(executor: Any, hierarchy: Hierarchy, edge_round: int, handoff: Handoff | None,
-             model_bytes: int) -> list[dict[str, Any]]:
-    """Re-attach every client that is not connected to its edge in ``hierarchy``; one
-    record per client: edge round, client, from, to, seconds to re-attach, bytes its
-    handoff moved (a ``carry`` model from its old edge, else 0)."""
+             model_bytes: int) -> tuple[list[dict[str, Any]], ClientStates]:
+    """Re-attach every client that is not connected to its edge in ``hierarchy``, with its
+    kept state taken from its old edge first (:func:`moved_states`: the new edge's job
+    brings it back, as in every engine a client's momentum travels with it); one record per
+    client: edge round, client, from, to, seconds to re-attach, bytes its handoff moved (a
+    ``carry`` model from its old edge, else 0), and with kept state ``state_bytes`` (its
+    state's tensors); and the moved clients' states."""
     where = np.array(executor.edge_of_client, dtype=np.int64)  # a copy: reattach moves it
     target = hierarchy.edge_of_client()
     moved = np.flatnonzero(where != target)
     if not len(moved):
-        return []
+        return [], {}
     if not hasattr(executor, "reattach"):
         raise ConfigError("clients move between edge servers but nothing re-attaches them "
                           "(fedhier deploy local --edges does)")
+    states = moved_states(executor, moved.tolist())
     t0 = time.perf_counter()
     seconds = executor.reattach({int(c): int(target[c]) for c in moved})
     wall = time.perf_counter() - t0
     carried = (np.zeros(len(target), dtype=bool) if handoff is None or
                handoff.start_edges is None else handoff.start_edges != target)
-    return [{"edge_round": edge_round, "client": int(c), "from": int(where[c]),
-             "to": int(target[c]), "seconds": round(float(seconds.get(int(c), wall)), 4),
-             "bytes": model_bytes if carried[c] else 0} for c in moved]
+    keeps = getattr(executor, "keeps_client_state", False)
+    records = []
+    for c in moved.tolist():
+        record: dict[str, Any] = {
+            "edge_round": edge_round, "client": c, "from": int(where[c]),
+            "to": int(target[c]), "seconds": round(float(seconds.get(c, wall)), 4),
+            "bytes": model_bytes if carried[c] else 0}
+        if keeps:
+            record["state_bytes"] = state_bytes(states.get(c, {}))
+        records.append(record)
+    return records, states
 
 
 def run_segments(algorithm: HierarchicalSGD, executor: Any, run_children: Callable[..., Any],
@@ -271,11 +313,12 @@ def run_segments(algorithm: HierarchicalSGD, executor: Any, run_children: Callab
     pieces = segments(algorithm, rounds)
     for part in pieces:
         algorithm.hierarchy = part.hierarchy
-        handoffs += reattach(executor, part.hierarchy, part.rounds.start, part.handoff,
-                             algorithm.model_bytes)
+        records, states = reattach(executor, part.hierarchy, part.rounds.start,
+                                   part.handoff, algorithm.model_bytes)
+        handoffs += records
         start_edges = None if part.handoff is None else part.handoff.start_edges
         jobs = HandoffJobs(executor, start_edges, algorithm.edge_models,
-                           part.hierarchy.edge_of_client())
+                           part.hierarchy.edge_of_client(), states=states)
         # a segment that ends inside the cloud round leaves each edge at its own model
         # (run_children writes it into the edge models: absorb_reports)
         parts.append(run_children(algorithm, jobs, level, 0, cloud_round, part.rounds))

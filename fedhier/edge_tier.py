@@ -25,7 +25,8 @@ state between jobs: each job carries the tree and the clients' row counts, so a 
 process simply takes the next job. Per-edge periods run inside the jobs (each I_i divides the
 period above the edges, so a job holds whole periods of every edge; the cloud counts each
 edge's aggregations, :func:`schedule_keys`); clients' kept optimizer state stays with the
-clients. Clients that move re-attach between job segments (:mod:`fedhier.edge_moves`),
+clients. Clients that move re-attach between job segments (:mod:`fedhier.edge_moves`; their
+kept state comes to the new edge in its job and is restored before they train),
 asynchronous edges are :mod:`fedhier.edge_tier_async`; what the tier refuses is checked by
 :func:`fedhier.config_checks.check_edge_servers`.
 """
@@ -42,6 +43,7 @@ import torch
 from fedhier.aggregate import aggregator, presence_weights
 from fedhier.communication import BatchCommunication, Communication
 from fedhier.edge_moves import (
+    ClientStates,
     HandoffJobs,
     absorb_reports,
     apply_job_handoff,
@@ -125,7 +127,10 @@ class EdgeJob:
         job's edge rounds (1-based; 0, 0: all of the cloud round's);
         start_edge_of_client: int64 [n], a ``carry`` handoff at the job's first edge round
         (each client's start model's edge; None: none), carried: name -> [m, *shape] the
-        models of the m edges ``carried_edges`` it names (:mod:`fedhier.edge_moves`).
+        models of the m edges ``carried_edges`` it names (:mod:`fedhier.edge_moves`);
+        states: the kept optimizer state (client -> record -> tensor name -> tensor) of the
+        clients that moved into the node's subtree at the job's first edge round, taken
+        from their old edges (:func:`fedhier.edge_moves.moved_states`; {}: none).
     """
 
     edge: int
@@ -141,6 +146,7 @@ class EdgeJob:
     start_edge_of_client: np.ndarray | None = None
     carried: Params = field(default_factory=dict)
     carried_edges: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    states: ClientStates = field(default_factory=dict)
 
 
 @dataclass
@@ -243,6 +249,8 @@ def run_edge_job(settings: HSGDSettings, executor: Executor, job: EdgeJob) -> Ed
     weight = float(algorithm.weights[np.isin(hierarchy.edge_of_client(), edges)].sum())
     own: dict[str, Any] = {}
     if job.level == 1:
+        if job.states:  # clients that moved here: their kept state, before they train
+            executor.restore_client_state(job.states)
         outcome = train_edges(algorithm, executor, edges, job.cloud_round, rounds,
                               hold_level=2)
         averaged = edge_aggregates(algorithm, outcome.held)
@@ -252,10 +260,11 @@ def run_edge_job(settings: HSGDSettings, executor: Executor, job: EdgeJob) -> Ed
         losses, failed, failed_edge_count = (outcome.losses, outcome.failed_clients,
                                              outcome.failed_edges)
     else:
-        if job.start_edge_of_client is not None:  # a carry handoff: its edges' first jobs
+        if job.start_edge_of_client is not None or job.states:
+            # a carry handoff, moved clients' kept state: its edges' first jobs
             executor = HandoffJobs(executor, job.start_edge_of_client,  # type: ignore[assignment]
                                    algorithm.edge_models, hierarchy.edge_of_client(),
-                                   first_round=rounds.start)
+                                   first_round=rounds.start, states=job.states)
         below = run_children(algorithm, executor, job.level, job.edge, job.cloud_round,
                              rounds)
         model = None

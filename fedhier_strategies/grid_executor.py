@@ -393,15 +393,19 @@ class GridExecutor:
         """Bytes of one model as an ArrayRecord (what Flower sends)."""
         return int(to_record(params).count_bytes())
 
-    def client_state(self) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
+    def client_state(self, clients: Iterable[int] | None = None
+                     ) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
         """Every client's kept state (``query.state``), by client: name -> tensors; {} when
-        the clients keep none. A client that does not answer is left out (it would resume
-        with fresh state) and named in a warning."""
+        the clients keep none. ``clients``: only those of them this grid reaches (default:
+        all). A client that does not answer is left out (it would resume with fresh state)
+        and named in a warning."""
         if not self.keeps_client_state:
             return {}
+        wanted = None if clients is None else {int(c) for c in clients}
         content = RecordDict({self.configrecord_key: self.train_config})
         messages = [Message(content, message_type=f"{MessageType.QUERY}.state",
-                            dst_node_id=node) for node in self.node_ids.values()]
+                            dst_node_id=node) for client, node in self.node_ids.items()
+                    if wanted is None or client in wanted]
         states: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
         for reply in self.grid.send_and_receive(messages, timeout=self.timeout):
             if reply.has_error():
@@ -409,9 +413,10 @@ class GridExecutor:
             states[self.client_of_node[reply.metadata.src_node_id]] = {
                 key: dict(record.to_torch_state_dict())
                 for key, record in reply.content.array_records.items()}
-        if len(states) != len(self.node_ids):
-            missing = sorted(set(self.node_ids) - set(states))
-            log.warning("checkpoint: clients %s did not send their kept state", missing[:10])
+        if len(states) != len(messages):
+            asked = {self.client_of_node[m.metadata.dst_node_id] for m in messages}
+            missing = sorted(asked - set(states))
+            log.warning("clients %s did not send their kept state", missing[:10])
         return states
 
     def restore_client_state(self, state: dict[int, dict[str, dict[str, Any]]]) -> None:

@@ -114,8 +114,6 @@ def test_contiguous_edges_match_the_contiguous_grouping():
     (["--nodes", "4", "--edges", "2", "--groups", "2", "--app", "/"], "drop --app"),
     (["--nodes", "4", "--edges", "5"], "--edges must be between 1 and --nodes 4"),
     (["--nodes", "4", "--edges", "2", "--groups", "3"], "contradicts --edges 2"),
-    (["--nodes", "4", "--edges", "2", "--groups", "2", "--momentum", "0.9",
-      "--optimizer-state", "keep", "--mobility-rate", "0.5"], "optimizer-state reset"),
     (["--resume", "/nonexistent/run"], "its own configuration; drop --out"),
     (["--resume", "/nonexistent/run", "--rounds", "3"], "drop --rounds"),
     (["--nodes", "2", "--insecure", "--certs", "."], "contradict"),

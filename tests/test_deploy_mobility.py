@@ -184,14 +184,12 @@ def test_a_mobile_deployment_equals_the_simulated_mobile_run(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(mobility_rate=0.5, momentum=0.9, optimizer_state="keep"), "optimizer-state reset"),
-    (dict(regroup_every=1, momentum=0.9, optimizer_state="keep"), "optimizer-state reset"),
     (dict(mobility_rate=0.5, edge_periods="1,2", local_period=1, global_period=4),
      "per-edge periods need static clients"),
 ])
 def test_what_moving_clients_on_servers_cannot_keep_is_refused_in_one_line(change, message):
-    """A re-attached client starts in its new edge's run (no kept state there); a job split
-    at a move would restart an edge's own period."""
+    """A job split at a move would restart an edge's own period. (Kept optimizer state
+    moves with its client: tests/test_server_moves_state.py.)"""
     with pytest.raises(ConfigError, match=message):
         RunConfig(dataset="digits", clients=4, groups=(2,), edge_servers=True,
                   **change).validate()

@@ -32,6 +32,7 @@ from fedhier_strategies.edge.messages import (
     job_content,
     report_from_reply,
     state_content,
+    state_query,
     states_of,
 )
 from fedhier_strategies.grid_executor import GridExecutor
@@ -192,11 +193,14 @@ class EdgeServersExecutor(GridExecutor):
 
     # ---------------------------------------------------------------- evaluation, queries
     def _per_edge(self, message_type: str, params: Params,
-                  cloud_round: int | None = None) -> Iterable[Message]:
+                  cloud_round: int | None = None,
+                  extra: RecordDict | None = None) -> Iterable[Message]:
         config = self.evaluate_config.copy()
         if cloud_round is not None:
             config["server-round"] = cloud_round
         content = RecordDict({"arrays": model_record(params, packed=True), "config": config})
+        for key, record in (extra or RecordDict()).items():
+            content[key] = record
         messages = [Message(content, message_type=message_type, dst_node_id=node)
                     for node in self.node_of_edge.values()]
         return [r for r in self.grid.send_and_receive(messages, timeout=self.timeout)
@@ -229,21 +233,23 @@ class EdgeServersExecutor(GridExecutor):
             return None
         return torch.stack([grads[c] for c in self.served])
 
-    def client_state(self) -> ClientStates:
+    def client_state(self, clients: Iterable[int] | None = None) -> ClientStates:
         """The served clients' kept state (``query.state`` through their servers), by
-        client; {} when they keep none (nothing asked). A server that does not answer
-        leaves its clients out (they would resume with fresh state), named in a warning."""
+        client; {} when they keep none (nothing asked). ``clients``: only those (moving
+        clients, :func:`fedhier.edge_moves.moved_states`; each server answers for the ones
+        it serves; default: all). A server that does not answer leaves its clients out
+        (they would go on with fresh state), named in a warning."""
         states: ClientStates = {}
         if not self.keeps_client_state:
             return states
         answered = set()
-        for reply in self._per_edge(f"{MessageType.QUERY}.state", {}):
+        query = state_query(None if clients is None else sorted(int(c) for c in clients))
+        for reply in self._per_edge(f"{MessageType.QUERY}.state", {}, extra=query):
             answered.add(reply.metadata.src_node_id)
             states.update(states_of(reply.content))
         missing = sorted(e for e, node in self.node_of_edge.items() if node not in answered)
         if missing:
-            log.warning("checkpoint: servers %s did not send their clients' kept state",
-                        missing[:10])
+            log.warning("servers %s did not send their clients' kept state", missing[:10])
         return states
 
     def restore_client_state(self, state: ClientStates) -> None:

@@ -17,7 +17,9 @@ server its clients through its own SuperLink under the client message contract
                        ``first-edge-round``, ``num-edge-rounds``; with a ``carry``
                        handoff also ``start-edge-of-client``, and with it or a region's job
                        that starts inside its period ``carried-edges`` in the job record and
-                       ArrayRecord ``carried`` (those edges' models).
+                       ArrayRecord ``carried`` (those edges' models); clients that moved
+                       into the server's subtree with kept state: their state, one
+                       ArrayRecord ``state/<client>/<name>`` each (as ``query.state``).
                        Reply: ``arrays`` (the edge's aggregate; absent when no client survived)
                        and ``metrics`` (see :func:`report_from_reply`); a region's job that
                        ends inside its parent's period: ArrayRecord ``edge-models`` (its
@@ -26,10 +28,12 @@ server its clients through its own SuperLink under the client message contract
                        ``accuracy``, ``holdout-accuracy`` (NaN: none), ``num-examples``
 ``query.gradient``     ``arrays``; reply ArrayRecord ``gradient`` (``g``: [k, P] in
                        ``partition-ids`` order)
-``query.state``        for a checkpoint, the kept state of the clients under the server (their
-                       ``context.state``: momentum with ``optimizer-state = keep``); reply one
-                       ArrayRecord ``state/<client>/<name>`` per client and record (none when
-                       the clients keep nothing)
+``query.state``        for a checkpoint (or moving clients: ConfigRecord ``state-clients``,
+                       ``clients``, names the ones to ask), the kept state of the clients under
+                       the server (their ``context.state``: momentum with
+                       ``optimizer-state = keep``); reply one ArrayRecord
+                       ``state/<client>/<name>`` per client and record (none when the clients
+                       keep nothing)
 ``query.restore``      a resumed run's kept state back to the clients, in the same records
                        (the server's clients only); reply ``metrics``: ``edge-id``
 =====================  ==========================================================================
@@ -45,6 +49,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from fedhier.edge_moves import ClientStates
 from fedhier.edge_tier import EdgeJob, EdgeReport
 from fedhier.optim import Params
 from fedhier_clients.packed_model import get_model, has_model, model_record
@@ -68,8 +73,24 @@ EDGE_KEYS = (EDGE_ID, LEVEL, FIRST_ROUND, NUM_ROUNDS)
 #: The prefix of a client's kept-state record: ``state/<client>/<name>``.
 STATE_PREFIX = "state/"
 
-#: Clients' kept state: client -> record name -> tensor name -> tensor.
-ClientStates = dict[int, dict[str, dict[str, torch.Tensor]]]
+#: A ``query.state`` message's ConfigRecord naming the clients to ask (``clients``).
+STATE_CLIENTS = "state-clients"
+
+
+
+def state_query(clients: list[int] | None) -> RecordDict:
+    """The records of a ``query.state`` message besides its config: the clients to ask
+    (None: all the server's)."""
+    if clients is None:
+        return RecordDict()
+    return RecordDict({STATE_CLIENTS: ConfigRecord({"clients": [int(c) for c in clients]})})
+
+
+def state_clients(content: RecordDict) -> list[int] | None:
+    """The clients a ``query.state`` message asks for (None: all)."""
+    if STATE_CLIENTS not in content.config_records:
+        return None
+    return [int(c) for c in content.config_records[STATE_CLIENTS]["clients"]]  # type: ignore[union-attr]
 
 
 def state_content(states: ClientStates) -> RecordDict:
@@ -112,6 +133,8 @@ def job_content(job: EdgeJob, run_config: ConfigRecord) -> RecordDict:
                           "config": config})
     if len(job.carried_edges):
         content[CARRIED] = model_record(job.carried, packed=True)
+    for key, record in state_content(job.states).items():  # moved clients' kept state
+        content[key] = record
     return content
 
 
@@ -136,7 +159,7 @@ def job_from_message(msg: Message) -> EdgeJob:
                    parents=parents,
                    first_round=int(config.get(FIRST_ROUND, 0)),  # type: ignore[arg-type]
                    num_rounds=int(config.get(NUM_ROUNDS, 0)),  # type: ignore[arg-type]
-                   **handoff)
+                   states=states_of(msg.content), **handoff)
 
 
 def report_content(report: EdgeReport) -> RecordDict:

@@ -8,8 +8,9 @@ ids, a server above the edges its child servers with an
 :class:`~fedhier_strategies.edge.cloud_executor.EdgeServersExecutor`. It holds no training
 state between messages (:mod:`fedhier.edge_tier`), so a restarted server takes the next job
 as if nothing happened; clients' kept optimizer state stays with the clients (their runtime's
-``context.state``), the server only forwards its parent's checkpoint queries for it
-(``query.state``, ``query.restore``). The process around it (claiming tasks
+``context.state``), the server only forwards its parent's queries for it (``query.state``,
+``query.restore``: checkpoints, and moving clients' state, which comes back to a client's new
+edge in its job and is restored before it trains). The process around it (claiming tasks
 from Flower's runtime APIs) is :mod:`fedhier.engines.deployment.edge_process`; tests run it in
 one process on :class:`~fedhier.engines.inprocess_grid.InProcessGrid` s.
 """
@@ -38,6 +39,7 @@ from fedhier_strategies.edge.messages import (
     PATH,
     job_from_message,
     report_content,
+    state_clients,
     state_content,
     states_of,
 )
@@ -134,7 +136,7 @@ class EdgeServer:
                 self.clients = follow_subtree(executor, job, self.edge)
             return report_content(run_edge_job(settings_for(cfg), executor, job))
         if kind == f"{MessageType.QUERY}.state":  # the clients keep it: ask them
-            return state_content(executor.client_state())
+            return state_content(executor.client_state(state_clients(msg.content)))
         if kind == f"{MessageType.QUERY}.restore":
             executor.restore_client_state(states_of(msg.content))
             return RecordDict({"metrics": MetricRecord({EDGE_ID: self.edge})})
