@@ -7,8 +7,11 @@ engine's :class:`~fedhier.engines.vectorized.BatchedExecutor`, wrapped in a
 runs the edge jobs of its edges (:func:`run_shard_jobs`: the G / I edge rounds run by run of
 whole edges, :func:`fedhier.engines.vectorized_chunks.train_edge_chunks`, each edge's level-1
 aggregate at the end of its run) and answers with one model per edge:
-the edge half of :mod:`fedhier.edge_tier`, for many edges at once. No Ray import here (the
-actor is :mod:`fedhier.engines.vectorized_ray_worker`).
+the edge half of :mod:`fedhier.edge_tier`, for many edges at once. With kept optimizer state
+(``optimizer_state=keep``) the shard holds its clients' momentum buffers ``[m, *shape]``
+(its inner executor's ``momentum``), which each run of whole edges reads and writes back
+(:meth:`ShardExecutor.keep_chunk_state`). No Ray import here (the actor is
+:mod:`fedhier.engines.vectorized_ray_worker`).
 """
 
 from __future__ import annotations
