@@ -4,8 +4,9 @@ chunk of whole edges (fedhier.engines.vectorized_ray_shard.ShardExecutor.keep_ch
 client that moves to another worker takes its buffers along (fedhier.engines.
 vectorized_ray_moves.ClientMove), and checkpoints gather them by client id. The runs equal
 ``vectorized`` within the sharded engine's 1e-6 (counters exact) and ``inprocess`` within
-1e-5, on the two-node Ray cluster of tests/test_vectorized_ray.py; the state matters (the
-same run with ``optimizer_state=reset`` differs by more than 1e-4).
+1e-5, on the two-node Ray cluster of tests/test_vectorized_ray.py, on two levels and on
+three (whole regions per worker) and with per-edge periods; the state matters (the same run
+with ``optimizer_state=reset`` differs by more than 1e-4).
 """
 
 import numpy as np
@@ -151,3 +152,19 @@ def test_moving_clients_take_their_kept_momentum_across_workers(ray_cluster, tmp
     assert largest_difference(tmp_path / "one", tmp_path / "ray") <= 1e-6
     assert moves_of(tmp_path / "ray") == moves_of(tmp_path / "one")
     assert sharding["worker_moves"]  # some clients changed workers
+
+
+@pytest.mark.parametrize("case", ["regions-carry", "edge-periods"])
+def test_kept_momentum_in_regions_and_with_per_edge_periods(ray_cluster, tmp_path, case):
+    """Three levels (whole regions per worker) with ``carry`` moves between regions, so
+    between workers; and per-edge periods with a regrouping every cloud round (a worker's
+    one executor trains its clients round by round): both equal ``vectorized``."""
+    from tests.test_vectorized_ray_levels import CFG as REGIONS
+
+    cfg = (REGIONS.replace(mobility_rate=0.5, handoff="carry") if case == "regions-carry"
+           else CFG.replace(local_period=1, edge_periods="1,2,4,2", grouping="random",
+                            regroup_every=1, client_chunk=2))
+    sharding = run_side_by_side(cfg.replace(ray_address=ray_cluster, **KEEP), tmp_path)
+    without_handoffs(tmp_path / "ray")
+    assert_same_runs(tmp_path / "one", tmp_path / "ray", 1e-6)
+    assert sharding["worker_moves"] and sharding["client_state_bytes"] > 0
