@@ -106,8 +106,6 @@ def test_edges_are_placed_whole_in_runs_of_about_equal_clients():
     ({"edge_periods": "1,2,1,2", "local_period": 1, "mobility_rate": 0.2},
      "engine vectorized-ray with per-edge periods needs static clients (no mobility): a job "
      "split at a move would restart an edge's period"),
-    ({"momentum": 0.9, "optimizer_state": "keep"}, "engine vectorized-ray keeps no optimizer "
-     "state between edge rounds: use optimizer_state=reset (or engine vectorized)"),
 ])
 def test_what_is_not_sharded_is_refused_in_one_line(change, message):
     assert_refused(lambda: check_sharded(CFG.replace(**change)), message)

@@ -98,6 +98,9 @@ def test_a_submission_reports_its_batch_losses_once():
     ({"edge_periods": "1,2,1,2", "local_period": 1}, "engine vectorized-ray with "
      "async_buffer needs one local period for every edge (no edge_periods): the simulation "
      "runs both together"),
+    ({"momentum": 0.9, "optimizer_state": "keep"}, "engine vectorized-ray with async_buffer "
+     "needs optimizer_state=reset: a checkpoint's jobs in flight run again on --resume, from "
+     "kept state that already holds their training"),
 ])
 def test_what_async_edges_do_not_shard_is_refused_in_one_line(change, message):
     assert_refused(lambda: check_sharded(CFG.replace(**change)), message)

@@ -7,7 +7,10 @@ whole edges of about ``client_chunk`` clients (:func:`edge_chunks`), and each ru
 the edge rounds of the cloud round before the next starts (:func:`train_edge_chunks`): a
 chunk's models, mini-batch indices and momentum-free optimizer state are freed when it ends,
 and what it leaves is one aggregate per edge. Per client the shard then keeps its rows, its
-weight and its place in the schedule (int64 ids), not a model.
+weight and its place in the schedule (int64 ids), not a model; with kept optimizer state
+(``optimizer_state=keep``) also its momentum buffers, one model, which a chunk reads from the
+shard's at its start and writes back at its end (``ChunkedShard.keep_chunk_state``), by the
+shard's positions of its clients.
 
 Why the numbers do not change: within a cloud round nothing crosses edges until the cloud
 aggregates (two levels, synchronous, static edges: :func:`fedhier.engines.vectorized_ray.
@@ -54,6 +57,10 @@ class ChunkedShard(Protocol):
     clients: np.ndarray
 
     def chunk(self, positions: np.ndarray) -> BatchedExecutor: ...
+
+    def keep_chunk_state(self, positions: np.ndarray, chunk: BatchedExecutor) -> None:
+        """Write the kept optimizer state ``chunk`` (:meth:`chunk` of ``positions``) left
+        back into the shard's, in its numbering."""
 
 
 def edge_chunks(edge_of_member: np.ndarray, size: int) -> list[np.ndarray]:
@@ -336,6 +343,7 @@ def train_edge_chunks(algorithm: HierarchicalSGD, executor: ChunkedShard, rounds
                 losses.add(k, outcome["train_loss"], outcome["loss_weight"])
             held = outcome.get("held")
         tree.write_back(part, algorithm)
+        executor.keep_chunk_state(positions, trainer)  # momentum buffers (keep), by client
         averaged = edge_aggregates(part, held)
         if averaged is not None:
             for i, edge in enumerate(tree.edges[averaged[1]].tolist()):

@@ -15,7 +15,10 @@ Numbers: every edge round that ends at the edges is bit for bit the one-process 
 (an edge's clients are all in one shard, summed in client order); the cloud averages the
 edges' averages instead of all clients at once, as edge servers do, so the global model
 differs from the one-process engine's by float rounding (docs/engines.md, "Sharded over a
-Ray cluster"). No kept optimizer state (checked by :func:`check_sharded`); deeper trees
+Ray cluster"). Kept optimizer state (``optimizer_state=keep``) stays on the worker that
+holds the client (:meth:`~.vectorized_ray_shard.ShardExecutor.keep_chunk_state`), moves with
+it (:class:`~.vectorized_ray_moves.ClientMove`) and is gathered by client id for checkpoints
+(:meth:`RayShardExecutor.client_state`); deeper trees
 place whole regions on the workers (:mod:`.vectorized_ray_subtree`). Clients move
 (mobility, regrouping) as between edge servers
 (:mod:`fedhier.edge_moves`): the edges stay on their workers and a client whose new edge is
@@ -64,9 +67,6 @@ def check_sharded(cfg: RunConfig) -> None:
         except ConfigError as error:
             raise ConfigError(f"engine vectorized-ray: {error}") from None
     check_sharded_async(cfg)
-    if cfg.keeps_client_state():
-        raise ConfigError("engine vectorized-ray keeps no optimizer state between edge "
-                          "rounds: use optimizer_state=reset (or engine vectorized)")
 
 
 def run_vectorized_ray(cfg: RunConfig, folder: RunFolder, progress: bool = True, *,

@@ -28,7 +28,7 @@ with two parts of its own:
 
 Numbers: the simulation's (``--engine vectorized --async-buffer K``) up to the float
 rounding of averaging the edges' averages (1e-6; tests/test_vectorized_ray_async.py). Two
-levels, static clients, one local period (:func:`check_sharded_async`).
+levels, static clients, one local period, no kept optimizer state (:func:`check_sharded_async`).
 """
 
 from __future__ import annotations
@@ -64,6 +64,10 @@ def check_sharded_async(cfg: RunConfig) -> None:
     if cfg.clients_move():
         raise ConfigError("engine vectorized-ray with async_buffer needs static clients (no "
                           "mobility, no regroup_every): jobs in flight keep their clients")
+    if cfg.keeps_client_state():
+        raise ConfigError("engine vectorized-ray with async_buffer needs optimizer_state="
+                          "reset: a checkpoint's jobs in flight run again on --resume, "
+                          "from kept state that already holds their training")
     try:
         check_async_edge_tier(cfg)
     except ConfigError as error:

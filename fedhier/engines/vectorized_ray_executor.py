@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +85,10 @@ class RayShardExecutor:
     #: [client, from worker, to worker] per client moved between workers, in order
     worker_moves: list[list[int]] = dataclasses.field(default_factory=list)
     node_placement: np.ndarray | None = None  # int64: each child of the cloud's worker
+    #: kept optimizer state restored from a checkpoint (name -> [n, *shape]), held until
+    #: the workers start and take their clients' rows (:meth:`restore_client_state`)
+    restored: Params = dataclasses.field(default_factory=dict)
+    client_state_bytes: int = 0  # kept state sent between the driver and the workers
 
     def profiles(self) -> ClientInfo:
         return self.whole.profiles()
@@ -101,8 +106,31 @@ class RayShardExecutor:
     def model_bytes(self, params: Params) -> int:
         return self.whole.model_bytes(params)
 
-    def client_state(self) -> Any:
-        return {}
+    def client_state(self) -> Params:
+        """Every client's kept momentum buffers (``optimizer_state=keep``), name ->
+        [n, *shape] by client id in the whole federation, gathered from the workers (each
+        holds its clients', :meth:`ShardWorker.client_state`); zeros for a client that never
+        kept any (it then steps as from a fresh buffer, to the bit); {} when no client keeps
+        state. Called once per cloud round (the checkpoint's snapshot): it costs one model
+        per client sent to the driver, and only with kept state."""
+        if not self.cfg.keeps_client_state():
+            return {}
+        if not self.actors:
+            return dict(self.restored)
+        import ray
+
+        answers = [(ids, state) for ids, state in
+                   ray.get([actor.client_state.remote() for actor in self.actors]) if state]
+        if not answers:
+            return {}
+        out = {k: torch.zeros(self.fed.num_clients, *v.shape[1:], dtype=v.dtype)
+               for k, v in answers[0][1].items()}
+        for ids, state in answers:
+            index = torch.as_tensor(np.array(ids, dtype=np.int64))
+            for key, value in state.items():
+                out[key].index_copy_(0, index, value.cpu())
+                self.client_state_bytes += value.numel() * value.element_size()
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to shard as the interrupted one did (plain ints and
@@ -125,8 +153,31 @@ class RayShardExecutor:
             self.worker_moves = [list(m) for m in state["worker_moves"]]
             self.bytes_between = int(state["bytes_between"])
 
-    def restore_client_state(self, state: Any) -> None:
-        """Nothing to restore (no kept optimizer state, :func:`check_sharded`)."""
+    def restore_client_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Give each worker its clients' rows of ``state`` (what :meth:`client_state`
+        returned: name -> [n, *shape] by client id); before the workers start, held until
+        :meth:`start`."""
+        self.restored = {k: v.cpu() for k, v in state.items()}
+        if self.actors:
+            self.send_restored()
+
+    def send_restored(self) -> None:
+        """Each worker its clients' rows of the restored state (the clients where the
+        placement and ``edge_of_client`` put them), then none held here."""
+        import ray
+
+        assert self.placement is not None and self.edge_of_client is not None
+        if not self.restored:
+            return
+        worker_of_client = self.placement[self.edge_of_client]
+        calls = []
+        for w, actor in enumerate(self.actors):
+            index = torch.as_tensor(np.flatnonzero(worker_of_client == w))
+            mine = {k: v.index_select(0, index) for k, v in self.restored.items()}
+            self.client_state_bytes += sum(v.numel() * v.element_size() for v in mine.values())
+            calls.append(actor.restore_client_state.remote(mine))
+        ray.get(calls)
+        self.restored = {}
 
     def run_edge_jobs(self, jobs: list[EdgeJob]) -> list[EdgeReport]:
         """Every edge's job, each shard's in one call to its actor; the reports of all."""
@@ -171,11 +222,13 @@ class RayShardExecutor:
         shards = [np.flatnonzero(worker_of_client == w).astype(np.int64)
                   for w in range(int(self.placement.max()) + 1)]
         self.actors = start_workers(self.cfg, self.fed, shards)
+        self.send_restored()  # a resumed run's kept optimizer state, by client id
 
     def stats(self) -> dict[str, Any]:
         """Per worker: clients, peak resident memory, node, seconds of training
         (:meth:`fedhier.engines.vectorized_ray_worker.ShardWorker.stats`); the driver's
-        peak and CPU seconds; the model bytes moved between the driver and the workers."""
+        peak and CPU seconds; the model bytes moved between the driver and the workers, and the
+        bytes of kept optimizer state the driver gathered for checkpoints or restored."""
         import ray
 
         workers = ray.get([actor.stats.remote() for actor in self.actors])
@@ -183,7 +236,8 @@ class RayShardExecutor:
         return {"workers": workers, "driver_peak_rss_bytes": driver,
                 "driver_cpu_seconds": time.process_time(),
                 "total_peak_rss_bytes": driver + sum(w["peak_rss_bytes"] for w in workers),
-                "bytes_between_workers": self.bytes_between}
+                "bytes_between_workers": self.bytes_between,
+                "client_state_bytes": self.client_state_bytes}
 
 
 class ShardedCloud(EdgeTierHierarchicalSGD):

@@ -43,16 +43,21 @@ class ClientMove:
     client: int
     rows: np.ndarray
     holdout: np.ndarray | None = None
+    #: its kept optimizer state (``optimizer_state=keep``): name -> momentum buffer
+    #: [*shape]; None: the shard it leaves keeps none (yet)
+    state: dict[str, torch.Tensor] | None = None
 
 
 def release(executor: ShardExecutor,
             clients: Sequence[int]) -> tuple[ShardExecutor, list[ClientMove]]:
     """``executor`` (a :class:`~fedhier.engines.vectorized_ray_shard.ShardExecutor`)
-    without ``clients`` (ids it holds), and their moves."""
-    fed = executor.inner.fed
+    without ``clients`` (ids it holds), and their moves (with their kept state)."""
+    fed, kept = executor.inner.fed, executor.inner.momentum
     positions = executor.local(np.sort(np.asarray(clients, dtype=np.int64)))
     moves = [ClientMove(int(executor.clients[p]), fed.partitions[p],
-                        fed.holdouts[p] if fed.holdouts else None) for p in positions.tolist()]
+                        fed.holdouts[p] if fed.holdouts else None,
+                        {k: v[p].clone() for k, v in kept.items()} if kept else None)
+             for p in positions.tolist()]
     keep = np.setdiff1d(np.arange(len(executor.clients)), positions).astype(np.int64)
     return reshaped(executor, keep, []), moves
 
@@ -74,7 +79,8 @@ def reshaped(executor: ShardExecutor, keep: np.ndarray,
     ids = np.concatenate([executor.clients[keep],
                           np.array([m.client for m in moves], dtype=np.int64)])
     if not len(ids):  # an empty shard trains nobody until it adopts someone
-        return ShardExecutor(inner, ids, executor.num_clients)
+        return ShardExecutor(dataclasses.replace(inner, momentum={}), ids,
+                             executor.num_clients)
     empty = np.zeros(0, dtype=np.int64)
     held = [fed.partitions[p] for p in keep.tolist()] + [m.rows for m in moves]
     holdouts = ([fed.holdouts[p] for p in keep.tolist()]
@@ -102,8 +108,32 @@ def reshaped(executor: ShardExecutor, keep: np.ndarray,
     shard = Federation(bundle=fed.bundle, partitions=[held[i] for i in order.tolist()],
                        holdouts=[holdouts[i] for i in order.tolist()] if holdouts else [])
     return ShardExecutor(dataclasses.replace(inner, fed=shard, data=data, client_ids=ids,
-                                             buffers={}, momentum={}, next_momentum={},
-                                             _rows={}), ids, executor.num_clients)
+                                             buffers={}, next_momentum={}, _rows={},
+                                             momentum=kept_state(inner.momentum, keep, moves,
+                                                                 index)),
+                         ids, executor.num_clients)
+
+
+def kept_state(momentum: dict[str, torch.Tensor], keep: np.ndarray,
+               moves: Sequence[ClientMove], order: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The kept momentum buffers of a reshaped shard (name -> [m, *shape]): the rows
+    ``keep`` of the old shard's ``momentum``, then each moved client's own (zeros for one
+    that kept none: a buffer of zeros steps as a fresh one, to the bit), in the new
+    shard's order (``order``, int64 [m], the new client k's place among those). {} when
+    neither side keeps any."""
+    states = [m.state for m in moves if m.state]
+    template = momentum or (states[0] if states else {})
+    if not template:
+        return {}
+    out = {}
+    for key, like in template.items():
+        shape = like.shape[1:] if momentum else like.shape
+        rows = [momentum[key].index_select(0, torch.as_tensor(keep, device=like.device))
+                if momentum else like.new_zeros(len(keep), *shape)]
+        rows += [(m.state[key] if m.state else like.new_zeros(shape)).unsqueeze(0)
+                 for m in moves]
+        out[key] = torch.cat(rows).index_select(0, order.to(like.device))
+    return out
 
 
 # ------------------------------------------------------------------------ the driver's side

@@ -7,16 +7,18 @@ engine's :class:`~fedhier.engines.vectorized.BatchedExecutor`, wrapped in a
 runs the edge jobs of its edges (:func:`run_shard_jobs`: the G / I edge rounds run by run of
 whole edges, :func:`fedhier.engines.vectorized_chunks.train_edge_chunks`, each edge's level-1
 aggregate at the end of its run) and answers with one model per edge:
-the edge half of :mod:`fedhier.edge_tier`, for many edges at once. No Ray import here (the
-actor is :mod:`fedhier.engines.vectorized_ray_worker`).
+the edge half of :mod:`fedhier.edge_tier`, for many edges at once. With kept optimizer state
+(``optimizer_state=keep``) the shard holds its clients' momentum buffers ``[m, *shape]``
+(its inner executor's ``momentum``), which each run of whole edges reads and writes back
+(:meth:`ShardExecutor.keep_chunk_state`). No Ray import here (the actor is
+:mod:`fedhier.engines.vectorized_ray_worker`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -121,7 +123,26 @@ class ShardExecutor:
         return ChunkExecutor(cfg=inner.cfg, model=inner.model,
                              fed=shard_federation(inner.fed, positions), data=rows,
                              train_fn=inner.train_fn, device=inner.device,
-                             optimizer=inner.optimizer, faults=inner.faults, client_ids=ids)
+                             optimizer=inner.optimizer, faults=inner.faults, client_ids=ids,
+                             momentum={k: v.index_select(0, index)
+                                       for k, v in inner.momentum.items()})
+
+    def keep_chunk_state(self, positions: np.ndarray, chunk: BatchedExecutor) -> None:
+        """The kept optimizer state (momentum buffers, ``optimizer_state=keep``) of the
+        clients at ``positions`` as ``chunk`` (:meth:`chunk` of them) left it, back into the
+        shard's ``[m, *shape]`` buffers (allocated at the first chunk that keeps any, zeros
+        for clients that never trained: ``momentum * 0 + g`` is ``g`` to the bit, what a
+        first step's fresh buffer holds). Nothing without kept state."""
+        if not chunk.momentum:
+            return
+        inner = self.inner
+        if not inner.momentum:
+            m = len(self.clients)
+            inner.momentum = {k: torch.zeros(m, *v.shape[1:], dtype=v.dtype, device=v.device)
+                              for k, v in chunk.momentum.items()}
+        index = torch.as_tensor(positions, device=inner.device)
+        for key, value in chunk.momentum.items():
+            inner.momentum[key].index_copy_(0, index, value)
 
     def local(self, clients: np.ndarray) -> np.ndarray:
         """int64: the shard's positions of the clients ``clients`` (ids, all in the shard)."""
@@ -152,11 +173,15 @@ class ShardExecutor:
     def model_bytes(self, params: Params) -> int:
         return self.inner.model_bytes(params)
 
-    def client_state(self) -> Any:
-        return {}
+    def client_state(self) -> Params:
+        """The shard's clients' kept momentum buffers, name -> [m, *shape] in the order of
+        ``clients`` ({} before any client kept state, or without kept state)."""
+        return dict(self.inner.momentum) if len(self.clients) else {}
 
-    def restore_client_state(self, state: Any) -> None:
-        """Nothing to restore: the engine refuses kept optimizer state."""
+    def restore_client_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Put back buffers :meth:`client_state` returned (name -> [m, *shape], copies: the
+        shard writes into its buffers in place, :meth:`keep_chunk_state`)."""
+        self.inner.momentum = {k: v.to(self.inner.device).clone() for k, v in state.items()}
 
 
 def run_shard_jobs(settings: HSGDSettings, executor: ShardExecutor,

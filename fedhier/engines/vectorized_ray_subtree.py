@@ -75,6 +75,9 @@ class RegionShard:
     def chunk(self, positions: np.ndarray) -> Any:
         return self.shard.chunk(self.positions[positions])
 
+    def keep_chunk_state(self, positions: np.ndarray, chunk: Any) -> None:
+        self.shard.keep_chunk_state(self.positions[positions], chunk)
+
     def train(self, work: EdgeRoundWork, edge_models: Params) -> TrainResult:
         return self.shard.train(work, edge_models)  # type: ignore[no-any-return]
 

@@ -85,6 +85,16 @@ class ShardWorker:
         self.executor = adopt(self.executor, moves)
         self.num_clients = len(self.executor.clients)
 
+    def client_state(self) -> tuple[np.ndarray, dict[str, Any]]:
+        """Its clients' ids (int64 [m], increasing) and their kept momentum buffers
+        (name -> [m, *shape]; {} when they keep none)."""
+        return self.executor.clients, self.executor.client_state()
+
+    def restore_client_state(self, state: dict[str, Any]) -> None:
+        """Take its clients' kept state (name -> [m, *shape], in the order of their ids)."""
+        if len(self.executor.clients) and state:
+            self.executor.restore_client_state(state)
+
     def stats(self) -> dict[str, Any]:
         """Its clients, peak resident memory (bytes), node and process id, and the wall and
         CPU seconds of its runs of jobs since its shard was loaded (CPU time does not grow
