@@ -118,20 +118,24 @@ def test_a_malformed_report_is_counted_as_a_lost_job_and_named(tmp_path, monkeyp
     assert (rows[1]["failed_clients"], rows[1]["failed_edges"]) == (4 * 4, 2 * 4)
     assert rows[2]["unreached_edges"] == [1] and "unreached_regions" not in rows[2]
     assert (rows[2]["failed_clients"], rows[2]["failed_edges"]) == (2 * 2, 1 * 2)
-    malformed = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
-    assert len(malformed) == 2, malformed
-    assert malformed[0].startswith("region 1 sent a malformed reply to its job (arrays[")
-    assert "not a float tensor of shape" in malformed[0]
-    assert malformed[1] == ("edge 1 sent a malformed reply to its job "
-                            "(KeyError: 'failed-clients')")
+    said = [r.getMessage() for r in caplog.records if "region 1" in r.getMessage()
+            or "edge 1 " in r.getMessage()]
+    assert len(said) == 2, said  # one line each (not also "did not answer")
+    assert said[0].startswith("region 1 sent a malformed reply to its job (arrays[")
+    assert said[0].endswith("): its clients miss the round")
+    assert "not a float tensor of shape" in said[0]
+    assert said[1] == ("edge 1 sent a malformed reply to its job "
+                       "(KeyError: 'failed-clients'): its clients miss the round")
 
 
-def test_report_from_reply_checks_a_segments_edge_models():
-    """A segment's report (its edges' own models): models without the edges they belong
-    to, or rows that are not one per edge, are malformed, in one line each."""
+def test_report_from_reply_checks_a_report_against_its_job():
+    """A region's segment report (its edges' own models) read back as sent; then each way a
+    reply can fail to fit its job is one line: edge models without their edges, rows that
+    are not one per edge, an edge outside the region, losses not one row per edge round,
+    clocks not one per edge."""
     import torch
 
-    from fedhier.edge_tier import EdgeReport
+    from fedhier.edge_tier import EdgeJob, EdgeReport
     from fedhier_clients.packed_model import model_record
     from fedhier_strategies.edge.messages import (
         EDGE_MODELS,
@@ -141,17 +145,41 @@ def test_report_from_reply_checks_a_segments_edge_models():
     )
 
     like = {"w": torch.zeros(3, 2), "b": torch.zeros(3)}
+    # region 0 of edges 0, 1 (edges 2, 3 under region 1); a job of 2 edge rounds
+    job = EdgeJob(0, 1, like, np.array([0, 1, 2, 3]), np.ones(4, dtype=np.int64), np.zeros(4),
+                  level=2, parents=(np.array([0, 0, 1, 1]),), first_round=1, num_rounds=2)
     models = {"w": torch.ones(2, 3, 2), "b": torch.ones(2, 3)}
-    report = EdgeReport(0, None, np.zeros((2, 2)), seconds=np.zeros(2),
+    report = EdgeReport(0, None, np.zeros((2, 2)), seconds=np.zeros(4),
                         edges=np.array([0, 1]), edge_models=models)
-    content = report_content(report)
-    ok = report_from_reply(Message(content, dst_node_id=1, message_type="train"), 0, like)
+
+    def read(content):
+        return report_from_reply(Message(content, dst_node_id=1, message_type="train"), job)
+
+    ok = read(report_content(report))
     assert ok.edges.tolist() == [0, 1] and torch.equal(ok.edge_models["w"], models["w"])
+    content = report_content(report)
     del content["metrics"]["edges"]
     with pytest.raises(MalformedReplyError, match=r"^KeyError: 'edge-models without edges'$"):
-        report_from_reply(Message(content, dst_node_id=1, message_type="train"), 0, like)
+        read(content)
     content = report_content(report)
     content[EDGE_MODELS] = model_record({k: v[:1] for k, v in models.items()}, packed=True)
     with pytest.raises(MalformedReplyError, match=r"edge-models\['.'\] is torch.float32 "
                        r"\(1, 3(, 2)?\), not a float tensor of shape \(2, 3(, 2)?\)$"):
-        report_from_reply(Message(content, dst_node_id=1, message_type="train"), 0, like)
+        read(content)
+    content = report_content(report)
+    content["metrics"]["edges"] = [0, 2]
+    with pytest.raises(MalformedReplyError, match=r"^edges \[0, 2\] are not all under 0$"):
+        read(content)
+    content = report_content(report)
+    content["metrics"]["edges"] = [0, 7]
+    with pytest.raises(MalformedReplyError, match=r"lie outside 0\.\.3$"):
+        read(content)
+    for key, value, said in (("loss-means", [0.0], "1 rows of losses for a job of 2 edge "
+                                                   "rounds"),
+                             ("edge-seconds", [0.0, 0.0], "2 edge clocks for 4 edges")):
+        content = report_content(report)
+        content["metrics"][key] = value
+        if key == "loss-means":
+            content["metrics"]["loss-weights"] = value
+        with pytest.raises(MalformedReplyError, match=f"^{said}$"):
+            read(content)

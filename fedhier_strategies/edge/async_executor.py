@@ -31,17 +31,16 @@ class AsyncEdgeServersExecutor(EdgeServersExecutor):
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
         self.in_flight: dict[str, tuple[int, float]] = {}  # message id -> (edge, pushed at)
+        self.job_of: dict[str, EdgeJob] = {}  # message id -> its job (to check the reply)
         self.arrived: dict[int, EdgeReport] = {}  # edge -> its report, in arrival order
-        self.like: Params | None = None  # a job's model: what a report's models look like
 
     def submit(self, jobs: list[EdgeJob]) -> None:
         messages = self.job_messages(jobs)
-        if jobs:
-            self.like = jobs[0].params
         now = time.monotonic()
         ids = list(self.grid.push_messages(messages))
         for message_id, job in zip(ids, jobs, strict=True):
             self.in_flight[message_id] = (job.edge, now)
+            self.job_of[message_id] = job
 
     def _pull(self) -> None:
         """The replies in now, by edge, after the earlier ones."""
@@ -51,14 +50,16 @@ class AsyncEdgeServersExecutor(EdgeServersExecutor):
         reports: dict[int, EdgeReport] = {}
         for reply in replies:
             edge, _ = self.in_flight.pop(reply.metadata.reply_to_message_id)
+            job = self.job_of.pop(reply.metadata.reply_to_message_id)
             if reply.has_error():
                 log.warning("edge %d failed its job: %s", edge, error_reason(reply))
                 reports[edge] = EdgeReport(edge, None, np.zeros((0, 2)), reached=False)
             else:
                 try:
-                    reports[edge] = report_from_reply(reply, edge, like=self.like)
+                    reports[edge] = report_from_reply(reply, job)
                 except MalformedReplyError as exc:
-                    log.warning("edge %d sent a malformed reply to its job (%s)", edge, exc)
+                    log.warning("edge %d sent a malformed reply to its job (%s): its clients "
+                                "miss the job", edge, exc)
                     reports[edge] = EdgeReport(edge, None, np.zeros((0, 2)), reached=False)
         for edge in sorted(reports):
             self.arrived[edge] = reports[edge]
@@ -78,6 +79,7 @@ class AsyncEdgeServersExecutor(EdgeServersExecutor):
                 log.warning("edge %d did not report within %.0f s: its clients miss the job",
                             edge, self.timeout)
                 self.in_flight = {m: v for m, v in self.in_flight.items() if v[0] != edge}
+                self.job_of = {m: j for m, j in self.job_of.items() if m in self.in_flight}
                 self.arrived[edge] = EdgeReport(edge, None, np.zeros((0, 2)), reached=False)
                 return edge
             if not any(edge in edges for edge, _ in self.in_flight.values()):

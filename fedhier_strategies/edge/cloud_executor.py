@@ -173,6 +173,7 @@ class EdgeServersExecutor(GridExecutor):
         # expired message), not from the edge's node.
         edge_of_message = {m.metadata.message_id: job.edge
                            for m, job in zip(messages, jobs, strict=True)}
+        job_of_edge = {job.edge: job for job in jobs}
         reports: dict[int, EdgeReport] = {}
         child = server_name(self.level - 1)  # edge, region, ...
         for reply in replies:
@@ -181,9 +182,11 @@ class EdgeServersExecutor(GridExecutor):
                 log.warning("%s %d failed its job: %s", child, edge, error_reason(reply))
                 continue
             try:
-                reports[edge] = report_from_reply(reply, edge, like=jobs[0].params)
+                reports[edge] = report_from_reply(reply, job_of_edge[edge])
             except MalformedReplyError as exc:
-                log.warning("%s %d sent a malformed reply to its job (%s)", child, edge, exc)
+                log.warning("%s %d sent a malformed reply to its job (%s): its clients miss "
+                            "the round", child, edge, exc)
+                reports[edge] = EdgeReport(edge, None, np.zeros((0, 2)), reached=False)
         for job in jobs:
             if job.edge not in reports:
                 log.warning("%s %d did not answer in cloud round %d: its clients miss "

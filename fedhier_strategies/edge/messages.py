@@ -190,24 +190,40 @@ class MalformedReplyError(ValueError):
     type, models of another shape): its parent counts the job as lost."""
 
 
-def report_from_reply(reply: Message, edge: int, like: Params | None = None) -> EdgeReport:
-    """The :class:`EdgeReport` in a server's reply to its job; its models checked against
-    ``like`` (the job's model: the same names and shapes) when given.
+def report_from_reply(reply: Message, job: EdgeJob) -> EdgeReport:
+    """The :class:`EdgeReport` in a server's reply to ``job``, checked against the job: its
+    models have the job model's names and shapes, a row of losses per edge round of the
+    job, a clock per edge, and a segment's edges lie under the job's server.
 
     Raises:
         MalformedReplyError: the reply is not a well-formed report (one line: what is wrong).
     """
     try:
-        report = _report(reply, edge)
+        report = _report(reply, job.edge)
     except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
         raise MalformedReplyError(f"{type(exc).__name__}: {exc}") from None
-    if len(report.edges) != len(set(report.edges.tolist())):
-        raise MalformedReplyError(f"edges {report.edges.tolist()} repeat an edge")
-    if like is not None:
-        if report.model is not None:
-            _check_shapes("arrays", report.model, like, ())
-        if report.edge_models:
-            _check_shapes(EDGE_MODELS, report.edge_models, like, (len(report.edges),))
+    num_edges = len(job.seconds)
+    if job.num_rounds and len(report.losses) != job.num_rounds:
+        raise MalformedReplyError(f"{len(report.losses)} rows of losses for a job of "
+                                  f"{job.num_rounds} edge rounds")
+    if num_edges and len(report.seconds) != num_edges:
+        raise MalformedReplyError(f"{len(report.seconds)} edge clocks for {num_edges} edges")
+    if len(report.edges):
+        edges = report.edges
+        if len(set(edges.tolist())) != len(edges) or edges.min() < 0 or (
+                num_edges and edges.max() >= num_edges):
+            raise MalformedReplyError(f"edges {edges.tolist()[:10]} repeat an edge or lie "
+                                      f"outside 0..{num_edges - 1}")
+        node = edges
+        for parent in job.parents[:job.level - 1]:  # each edge's server at the job's level
+            node = np.asarray(parent)[node]
+        if (node != job.edge).any():
+            raise MalformedReplyError(f"edges {edges.tolist()[:10]} are not all under "
+                                      f"{job.edge}")
+    if report.model is not None:
+        _check_shapes("arrays", report.model, job.params, ())
+    if report.edge_models:
+        _check_shapes(EDGE_MODELS, report.edge_models, job.params, (len(report.edges),))
     return report
 
 
