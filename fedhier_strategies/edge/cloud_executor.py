@@ -68,6 +68,9 @@ class EdgeServersExecutor(GridExecutor):
         self.children = list(range(num_edges)) if children is None else sorted(children)
         self.served = list(range(num_clients)) if clients is None else sorted(clients)
         self.node_of_edge: dict[int, int] = {}
+        #: each edge's server among this node's children (the edge itself on two levels;
+        #: its region under regions), from the profiles: edges do not change regions
+        self.child_of_edge: dict[int, int] = {}
         self.ancestors = [np.full(num_clients, -1, dtype=np.int64)
                           for _ in range(level - 1)]
         cfg = run_config_of(run_config)  # do the clients keep optimizer state?
@@ -133,7 +136,10 @@ class EdgeServersExecutor(GridExecutor):
             sizes[clients] = np.asarray(m["num-examples"], dtype=np.int64)
             histograms[clients] = np.asarray(m["label-histogram"],
                                              dtype=np.int64).reshape(len(clients), classes)
-        missing = np.setdiff1d(self.served, np.flatnonzero(self.ancestors[-1] >= 0))
+        served = np.flatnonzero(self.ancestors[-1] >= 0)
+        self.child_of_edge = dict(zip(self.ancestors[0][served].tolist(),
+                                      self.ancestors[-1][served].tolist(), strict=True))
+        missing = np.setdiff1d(self.served, served)
         if len(missing) or (self.ancestors[-1] >= 0).sum() != len(self.served):
             raise RunFailureError(f"no server serves clients {missing.tolist()[:10]} (or it "
                                   f"serves others than {self.served[:10]})")
@@ -150,6 +156,8 @@ class EdgeServersExecutor(GridExecutor):
         seconds = self.reattacher.reattach(moves)
         for client, edge in moves.items():
             self.edge_of_client[client] = edge
+            if self.level > 2:  # its server among the children (its region) too
+                self.ancestors[-1][client] = self.child_of_edge.get(edge, -1)
         return seconds
 
     # ---------------------------------------------------------------- training
@@ -196,16 +204,20 @@ class EdgeServersExecutor(GridExecutor):
 
     # ---------------------------------------------------------------- evaluation, queries
     def _per_edge(self, message_type: str, params: Params,
-                  cloud_round: int | None = None,
-                  extra: RecordDict | None = None) -> Iterable[Message]:
+                  cloud_round: int | None = None, extra: RecordDict | None = None,
+                  children: Iterable[int] | None = None) -> Iterable[Message]:
+        """``message_type`` with ``params`` to every child server (or to ``children``); the
+        replies that are not errors."""
         config = self.evaluate_config.copy()
         if cloud_round is not None:
             config["server-round"] = cloud_round
         content = RecordDict({"arrays": model_record(params, packed=True), "config": config})
         for key, record in (extra or RecordDict()).items():
             content[key] = record
+        nodes = (self.node_of_edge.values() if children is None
+                 else [self.node_of_edge[c] for c in children if c in self.node_of_edge])
         messages = [Message(content, message_type=message_type, dst_node_id=node)
-                    for node in self.node_of_edge.values()]
+                    for node in nodes]
         return [r for r in self.grid.send_and_receive(messages, timeout=self.timeout)
                 if not r.has_error()]
 
@@ -246,11 +258,16 @@ class EdgeServersExecutor(GridExecutor):
         if not self.keeps_client_state:
             return states
         answered = set()
-        query = state_query(None if clients is None else sorted(int(c) for c in clients))
-        for reply in self._per_edge(f"{MessageType.QUERY}.state", {}, extra=query):
+        asked = None if clients is None else sorted(int(c) for c in clients)
+        children = None  # every child server; only the movers' ones when all are known
+        if asked is not None and (self.ancestors[-1][asked] >= 0).all():
+            children = sorted(set(self.ancestors[-1][asked].tolist()))
+        for reply in self._per_edge(f"{MessageType.QUERY}.state", {}, extra=state_query(asked),
+                                    children=children):
             answered.add(reply.metadata.src_node_id)
             states.update(states_of(reply.content))
-        missing = sorted(e for e, node in self.node_of_edge.items() if node not in answered)
+        missing = sorted(e for e, node in self.node_of_edge.items() if node not in answered
+                         and (children is None or e in children))
         if missing:
             log.warning("servers %s did not send their clients' kept state", missing[:10])
         return states

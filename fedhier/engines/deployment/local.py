@@ -365,8 +365,10 @@ class LocalDeployment:
     def restart_stopped_runtimes(self) -> list[int]:
         """Start again each client's ClientApp runtime that exited while the run goes on (at
         most ``MAX_RESTARTS`` times each): its SuperNode keeps the client's tasks and kept
-        state, so the new process answers the next task as the old one would have. Returns
-        those clients."""
+        state, so the new process answers the next task as the old one would have (a task
+        the old one had claimed and not answered is lost: the SuperNode answers it with an
+        error once its heartbeat lapses, and the client counts as failed). Returns those
+        clients."""
         restarted = []
         for i, managed in sorted(self.runtimes.items()):
             code = managed.popen.poll()

@@ -9,6 +9,7 @@ processes of ``fedhier deploy`` (:mod:`.client_runtime`) do so with :func:`serve
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 import traceback
@@ -135,7 +136,8 @@ def stop_heartbeat(heartbeat: HeartbeatSender) -> None:
     """Stop ``heartbeat`` and wait for a heartbeat in flight (once; a sender whose thread
     already ended is left as it is)."""
     if heartbeat.is_running:
-        heartbeat.stop()
+        with contextlib.suppress(RuntimeError):  # its thread ended after the check
+            heartbeat.stop()
 
 
 def _exit(signum: int, frame: FrameType | None) -> None:
