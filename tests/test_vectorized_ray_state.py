@@ -9,6 +9,8 @@ three (whole regions per worker) and with per-edge periods; the state matters (t
 with ``optimizer_state=reset`` differs by more than 1e-4).
 """
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -140,6 +142,11 @@ def test_an_interrupted_run_with_kept_momentum_resumes_bit_identically(
     resume_after_round_2(args, tmp_path, monkeypatch)
     a, b = final_state(tmp_path / "whole"), final_state(tmp_path / "stopped")
     assert all(torch.equal(a[k], b[k]) for k in a)
+    counted = [json.loads((tmp_path / run / "sharding.json").read_text())["client_state_bytes"]
+               for run in ("whole", "stopped")]
+    # the counter goes into the checkpoint (before that round's snapshot is gathered) and
+    # the resume sends the same bytes back down: 3 rounds x 8 clients x one float32 model
+    assert counted == [3 * 8 * 4 * sum(v.numel() for v in a.values())] * 2, counted
 
 
 def test_moving_clients_take_their_kept_momentum_across_workers(ray_cluster, tmp_path):

@@ -88,7 +88,8 @@ class RayShardExecutor:
     #: kept optimizer state restored from a checkpoint (name -> [n, *shape]), held until
     #: the workers start and take their clients' rows (:meth:`restore_client_state`)
     restored: Params = dataclasses.field(default_factory=dict)
-    client_state_bytes: int = 0  # kept state sent between the driver and the workers
+    #: kept state sent between the driver and the workers (checkpoints, restores, moves)
+    client_state_bytes: int = 0
 
     def profiles(self) -> ClientInfo:
         return self.whole.profiles()
@@ -143,7 +144,8 @@ class RayShardExecutor:
         return {"placement": [int(w) for w in self.placement],
                 "node_placement": [int(w) for w in self.node_placement],
                 "worker_moves": [list(m) for m in self.worker_moves],
-                "bytes_between": int(self.bytes_between)}
+                "bytes_between": int(self.bytes_between),
+                "client_state_bytes": int(self.client_state_bytes)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
@@ -152,6 +154,7 @@ class RayShardExecutor:
                                              dtype=np.int64)  # older checkpoints: two levels
             self.worker_moves = [list(m) for m in state["worker_moves"]]
             self.bytes_between = int(state["bytes_between"])
+            self.client_state_bytes = int(state.get("client_state_bytes", 0))
 
     def restore_client_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Give each worker its clients' rows of ``state`` (what :meth:`client_state`
@@ -200,9 +203,10 @@ class RayShardExecutor:
         not its data (:func:`~fedhier.engines.vectorized_ray_moves.move_between_workers`);
         client -> seconds its move took."""
         assert self.placement is not None and self.edge_of_client is not None
-        seconds, moved = move_between_workers(self.actors, self.placement,
-                                              self.edge_of_client, moves)
+        seconds, moved, state_bytes = move_between_workers(self.actors, self.placement,
+                                                           self.edge_of_client, moves)
         self.worker_moves += moved
+        self.client_state_bytes += state_bytes
         return seconds
 
     def start(self, edge_of_client: np.ndarray, num_edges: int,

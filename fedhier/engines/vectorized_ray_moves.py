@@ -139,13 +139,15 @@ def kept_state(momentum: dict[str, torch.Tensor], keep: np.ndarray,
 # ------------------------------------------------------------------------ the driver's side
 def move_between_workers(actors: Sequence[Any], worker_of_edge: np.ndarray,
                          edge_of_client: np.ndarray,
-                         moves: dict[int, int]) -> tuple[dict[int, float], list[list[int]]]:
+                         moves: dict[int, int]
+                         ) -> tuple[dict[int, float], list[list[int]], int]:
     """Re-attach the clients of ``moves`` (client -> new edge; ``edge_of_client``, int64
     [n], is where each client is attached now, updated here): those whose new edge is on
     another worker are released by their old worker and adopted by the new one, all
     workers at once (first every release, then every adoption). Returns client -> seconds
-    its move took (0 within a worker) and [client, from worker, to worker] per client that
-    changed workers."""
+    its move took (0 within a worker), [client, from worker, to worker] per client that
+    changed workers, and the bytes of kept state the moves carried (old worker -> driver ->
+    new worker: both hops)."""
     import ray
 
     clients = np.array(sorted(moves), dtype=np.int64)
@@ -156,7 +158,7 @@ def move_between_workers(actors: Sequence[Any], worker_of_edge: np.ndarray,
     edge_of_client[clients] = target
     seconds = dict.fromkeys(clients.tolist(), 0.0)
     if not across.any():
-        return seconds, []
+        return seconds, [], 0
     t0 = time.perf_counter()
     leaving = {int(w): clients[across & (old == w)].tolist() for w in np.unique(old[across])}
     released = dict(zip(leaving, ray.get([actors[w].release.remote(c)
@@ -167,5 +169,7 @@ def move_between_workers(actors: Sequence[Any], worker_of_edge: np.ndarray,
     ray.get([actors[w].adopt.remote(m) for w, m in arriving.items()])
     wall = time.perf_counter() - t0
     seconds.update(dict.fromkeys(clients[across].tolist(), round(wall, 6)))
+    state_bytes = 2 * sum(v.numel() * v.element_size() for m in by_client.values()
+                          if m.state for v in m.state.values())
     return seconds, [[int(c), int(a), int(b)] for c, a, b in
-                     zip(clients[across], old[across], new[across], strict=True)]
+                     zip(clients[across], old[across], new[across], strict=True)], state_bytes

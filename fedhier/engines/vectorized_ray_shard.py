@@ -175,8 +175,11 @@ class ShardExecutor:
 
     def client_state(self) -> Params:
         """The shard's clients' kept momentum buffers, name -> [m, *shape] in the order of
-        ``clients`` ({} before any client kept state, or without kept state)."""
-        return dict(self.inner.momentum) if len(self.clients) else {}
+        ``clients`` ({} before any client kept state, or without kept state); copies (the
+        shard writes into its own in place, :meth:`keep_chunk_state`)."""
+        if not len(self.clients):
+            return {}
+        return {k: v.clone() for k, v in self.inner.momentum.items()}
 
     def restore_client_state(self, state: Mapping[str, torch.Tensor]) -> None:
         """Put back buffers :meth:`client_state` returned (name -> [m, *shape], copies: the
