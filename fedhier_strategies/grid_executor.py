@@ -420,7 +420,8 @@ class GridExecutor:
         return states
 
     def restore_client_state(self, state: dict[int, dict[str, dict[str, Any]]]) -> None:
-        """Send each client its kept state from a checkpoint (``query.restore``)."""
+        """Send each client its kept state (``query.restore``): from a checkpoint, or a
+        client that moved here (its state from its old edge)."""
         messages = []
         for client, records in state.items():
             content = RecordDict({key: ArrayRecord(tensors) for key, tensors in records.items()})
@@ -432,7 +433,7 @@ class GridExecutor:
                   if reply.has_error()]
         if failed:
             raise RunFailureError(f"{len(failed)} client(s) could not restore their kept "
-                                  "state from the checkpoint")
+                                  "state (from a checkpoint, or brought by a move)")
 
 
 def _usual_length(replies: list[Message]) -> int | None:
