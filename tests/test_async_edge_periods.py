@@ -11,11 +11,21 @@ must still settle (:func:`fedhier.edge_tier.waits_carried`, as the one-process r
 
 from __future__ import annotations
 
-import pytest
+import shutil
 
+import pytest
+import torch
+
+from fedhier.checkpoint import load_checkpoint
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.run_folder import RunFolder
-from tests.test_deploy_async import BASE, assert_replayed_simulation_equals, run_servers
+from tests.helpers import metrics
+from tests.test_deploy_async import (
+    BASE,
+    assert_replayed_simulation_equals,
+    orders,
+    run_servers,
+)
 from tests.test_edge_tier import run_edge_tier
 from tests.test_vectorized import assert_same_runs, final_state
 
@@ -55,6 +65,23 @@ def test_the_periods_and_the_buffer_matter(servers, tmp_path):
     run_servers(CFG.replace(async_buffer=3), tmp_path / "k-equal-n")
     assert _distance(servers, tmp_path / "equal") > 1e-4
     assert _distance(servers, tmp_path / "k-equal-n") > 1e-4
+
+
+def test_a_resume_keeps_each_edges_aggregations(servers, tmp_path):
+    """Resumed after the checkpoint of round 2 on fresh servers: the jobs in flight are sent
+    again, the recorded order taken, the model bit for bit and every record (the
+    ``edge_aggregations`` restored from the checkpoint) the uninterrupted run's."""
+    path = tmp_path / "resumed"
+    shutil.copytree(servers, path)
+    checkpoint = load_checkpoint(path)
+    assert checkpoint.round == 2
+    run_servers(CFG, path, resume=checkpoint)
+    assert orders(path) == orders(servers)
+    fa, fb = final_state(path), final_state(servers)
+    assert all(torch.equal(fa[k], fb[k]) for k in fa)
+    keys = ("edge_aggregations", "async_reports", "stale_dropped", "test_loss")
+    assert [[r.get(k) for k in keys] for r in metrics(path)] == [
+        [r.get(k) for k in keys] for r in metrics(servers)]
 
 
 def test_synchronous_servers_settle_an_edge_round_with_only_carried_models(tmp_path):
