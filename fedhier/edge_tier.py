@@ -101,7 +101,7 @@ def train_edges(algorithm: HierarchicalSGD, executor: Executor, edges: np.ndarra
         work, plan = algorithm.plan(edge_round)
         mine = np.isin(edge_of[work.clients], edges)
         work = dataclasses.replace(work, clients=work.clients[mine], steps=work.steps[mine])
-        if not len(work.clients):
+        if not len(work.clients) and not waits_carried(algorithm, np.isin(edge_of, edges)):
             continue
         result = executor.train(work, algorithm.start_models(work))
         outcome = algorithm.complete(work, plan, result, hold_cloud=not hold_level,
@@ -112,6 +112,14 @@ def train_edges(algorithm: HierarchicalSGD, executor: Executor, edges: np.ndarra
             losses[k] = (outcome["train_loss"], outcome["loss_weight"])
         held = outcome.get("held")
     return EdgeRunOutcome(held, losses, failed, failed_edge_count)
+
+
+def waits_carried(algorithm: HierarchicalSGD, clients: np.ndarray) -> bool:
+    """Whether some of ``clients`` (bool [n]) hold a carried model not aggregated yet
+    (per-edge periods): an edge round none of them is sent in still settles it, as the
+    one-process round does, when its edge's period ends."""
+    carry = getattr(algorithm.schedule, "has_carry", None)
+    return carry is not None and len(carry) == len(clients) and bool(carry[clients].any())
 
 
 @dataclass

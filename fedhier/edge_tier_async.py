@@ -29,7 +29,10 @@ cloud round that takes the report (the simulation counts them when the job start
 per-round evaluation on the clients runs (its messages would wait behind the busy edges'
 jobs; the cloud's central evaluation on the test set runs every round). The models, the
 central metrics, ``async_reports`` and ``stale_dropped`` are the simulation's for the same
-order. Two levels only (clients, edges, cloud), static clients, one period.
+order. Per-edge periods run inside the jobs (each I_i divides the cloud period, so a job
+holds whole periods of its edge, as a synchronous server's job does; the cloud counts each
+edge's aggregations in its last job, :meth:`EdgeTierAsyncHSGD._count_aggregations`). Two
+levels only (clients, edges, cloud), static clients.
 """
 
 from __future__ import annotations
@@ -85,9 +88,6 @@ def check_async_edge_tier(settings: HSGDSettings | Any) -> None:
     if len(groups) > 1:
         raise ConfigError("asynchronous edge servers need two levels (no --regions): the "
                           "regions' buffers run in the simulation only (region_buffer)")
-    if getattr(settings, "edge_periods", None):
-        raise ConfigError("asynchronous edge servers need one local period for every edge "
-                          "(no edge_periods): the simulation runs both together")
     if getattr(settings, "diagnostics_every", 0):
         raise ConfigError("asynchronous edge servers do not query the clients between "
                           "aggregations (their edges are busy): use diagnostics_every 0")
@@ -150,7 +150,24 @@ class EdgeTierAsyncHSGD(AsyncHierarchicalSGD, EdgeTierHierarchicalSGD):
                                       np.zeros(0, dtype=np.int64),
                                       np.flatnonzero(edge_of == edge))
         self.idle = {}
+        self._count_aggregations(edges)
         self._send(executor, edges)
+
+    def _count_aggregations(self, edges: list[int]) -> None:
+        """Per-edge periods: each of ``edges`` has its job's aggregations counted (the
+        record's ``edge_aggregations``, each edge's in its last job): every edge round of
+        cloud round ``version + 1`` its period ends in, as
+        :func:`fedhier.edge_tier.schedule_keys` counts a synchronous server's job."""
+        periods = self._edge_periods()
+        if periods is None or not edges:
+            return
+        num_edges = self._hierarchy().num_nodes(1)
+        if len(periods.aggregations) != num_edges:
+            periods.aggregations = np.zeros(num_edges, dtype=np.int64)
+        counts = np.zeros(num_edges, dtype=np.int64)
+        for edge_round in self.settings.edge_rounds_of(self.version + 1):
+            counts += periods.levels(edge_round, num_edges) > 0
+        periods.aggregations[edges] = counts[edges]
 
     def _send(self, executor: Executor, edges: list[int]) -> None:
         """Push the jobs of ``edges`` (``job.finish`` holds its start second until its

@@ -83,10 +83,20 @@ def test_the_simulation_fed_the_recorded_order_equals_the_servers(deployed, tmp_
     # the simulated clock orders them otherwise (edge 0 is slow there): replaying matters
     assert [r["async_reports"] for r in own[1:]] != [r["async_reports"]
                                                       for r in metrics(deployed)[1:]]
-    monkeypatch.setenv(REPLAY_ENV, str(deployed))
-    run_inprocess(BASE, RunFolder.create(tmp_path / "sim", BASE), progress=False)
-    sim, servers = metrics(tmp_path / "sim"), metrics(deployed)
-    assert len(sim) == len(servers) == BASE.rounds + 1
+    servers = assert_replayed_simulation_equals(BASE, deployed, tmp_path / "sim", monkeypatch)
+    # the run's own train losses still all arrive, in the rounds that take them
+    assert sum(r["failed_clients"] for r in servers[1:]) == 0
+
+
+def assert_replayed_simulation_equals(cfg: RunConfig, servers_path, sim_path,
+                                      monkeypatch) -> list[dict]:
+    """The simulation (``--engine inprocess``) of ``cfg`` fed the servers' recorded order
+    writes ``sim_path``: its records equal the servers' (floats to TOL, but the LATE_KEYS and
+    the clients' own evaluation), its final model too (TOL); returns the servers' records."""
+    monkeypatch.setenv(REPLAY_ENV, str(servers_path))
+    run_inprocess(cfg, RunFolder.create(sim_path, cfg), progress=False)
+    sim, servers = metrics(sim_path), metrics(servers_path)
+    assert len(sim) == len(servers) == cfg.rounds + 1
     for a, b in zip(sim, servers, strict=True):
         for key in a.keys() - {"wall_seconds", *LATE_KEYS}:
             if key.startswith(("client_", "holdout_", "train_")) or key not in b:
@@ -96,10 +106,9 @@ def test_the_simulation_fed_the_recorded_order_equals_the_servers(deployed, tmp_
                 assert math.isclose(va, vb, rel_tol=TOL, abs_tol=TOL * 1e-3), (key, va, vb)
             else:
                 assert va == vb, (key, a["round"], va, vb)
-    fa, fb = final_state(tmp_path / "sim"), final_state(deployed)
+    fa, fb = final_state(sim_path), final_state(servers_path)
     assert max(float((fa[k] - fb[k]).abs().max()) for k in fa) <= TOL
-    # the run's own train losses still all arrive, in the rounds that take them
-    assert sum(r["failed_clients"] for r in servers[1:]) == 0
+    return servers
 
 
 def test_two_replays_are_bit_identical(deployed, tmp_path, monkeypatch):
@@ -159,7 +168,6 @@ def test_the_arrivals_file_is_cut_back_to_a_checkpoint_and_a_torn_line_is_left_o
 @pytest.mark.parametrize("change, message", [
     (dict(groups=(4, 2), periods=(2, 4, 8), clients=8), "two levels"),
     (dict(diagnostics_every=1), "diagnostics_every 0"),
-    (dict(edge_periods="2,2,2"), "one local period for every edge"),
     (dict(mobility_rate=0.5), "static clients"),
     (dict(regroup_every=1), "static clients"),
     (dict(momentum=0.9, optimizer_state="keep"), "optimizer-state reset"),

@@ -21,6 +21,7 @@ from fedhier.engines.vectorized_ray_async import with_batch_losses
 from fedhier.run_folder import RunFolder
 from tests.helpers import assert_refused, metrics
 from tests.test_faults import run_interrupted_at
+from tests.test_vectorized import final_state
 from tests.test_vectorized_ray import EXACT
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -78,6 +79,28 @@ def test_equals_the_inprocess_engine(sharded, tmp_path):
     assert_close_runs(tmp_path / "plain", sharded[0], 1e-5)
 
 
+def test_per_edge_periods_equal_the_vectorized_engine(ray_cluster, tmp_path):
+    """Per-edge periods I = 1, 2, 1, 2 with the asynchronous edges, every client a
+    straggler (edge rounds where only carried models wait for an edge's period to end): each
+    job holds whole periods of its edge (run on its worker as an edge server runs it), the
+    records' ``edge_aggregations`` and the model are the one-process engine's; the periods
+    matter (every I = 2 ends elsewhere) and reports are stale."""
+    cfg = CFG.replace(edge_periods="1,2,1,2", local_period=1, straggler_fraction=1.0)
+    path = tmp_path / "ray"
+    run_vectorized_ray(cfg.replace(ray_address=ray_cluster), RunFolder.create(path),
+                       progress=False)
+    one = cfg.replace(engine="vectorized")
+    run_vectorized(one, RunFolder.create(tmp_path / "one"), progress=False)
+    assert_close_runs(tmp_path / "one", path, 1e-6)
+    records = metrics(path)[1:]
+    assert max(s for r in records for _, s in r["async_reports"]) == 1
+    assert [r["edge_aggregations"] for r in records] == [[4, 2, 4, 2]] * cfg.rounds
+    run_vectorized(one.replace(edge_periods="2,2,2,2"), RunFolder.create(tmp_path / "equal"),
+                   progress=False)
+    periods, equal = final_state(path), final_state(tmp_path / "equal")
+    assert max(float((periods[k] - equal[k]).abs().max()) for k in periods) > 1e-4
+
+
 def test_a_submission_reports_its_batch_losses_once():
     """Two shards' per-edge-round (mean, weight) rows: one weighted mean per round."""
     reports = [EdgeReport(2, None, np.array([[1.0, 1.0], [0.0, 0.0]])),
@@ -95,9 +118,6 @@ def test_a_submission_reports_its_batch_losses_once():
     ({"periods": (2, 4, 8), "groups": (4, 2)}, "engine vectorized-ray with async_buffer "
      "needs two levels (no --regions): the regions' buffers run in the simulation only "
      "(region_buffer)"),
-    ({"edge_periods": "1,2,1,2", "local_period": 1}, "engine vectorized-ray with "
-     "async_buffer needs one local period for every edge (no edge_periods): the simulation "
-     "runs both together"),
     ({"momentum": 0.9, "optimizer_state": "keep"}, "engine vectorized-ray with async_buffer "
      "needs optimizer_state=reset: a checkpoint's jobs in flight run again on --resume, from "
      "kept state that already holds their training"),

@@ -27,8 +27,9 @@ with two parts of its own:
   counts them, and a checkpoint holds only received jobs (a ``--resume`` sends none again).
 
 Numbers: the simulation's (``--engine vectorized --async-buffer K``) up to the float
-rounding of averaging the edges' averages (1e-6; tests/test_vectorized_ray_async.py). Two
-levels, static clients, one local period, no kept optimizer state (:func:`check_sharded_async`).
+rounding of averaging the edges' averages (1e-6; tests/test_vectorized_ray_async.py), with
+per-edge periods too (a job holds whole periods of its edge). Two levels, static clients, no
+kept optimizer state (:func:`check_sharded_async`).
 """
 
 from __future__ import annotations
