@@ -88,8 +88,9 @@ def plan_edge_round(hierarchy: Hierarchy, workload: Workload, weights: np.ndarra
     period = np.full(n, hierarchy.periods[0], dtype=np.int64)  # each client's edge's period
     if edge_periods:
         period = np.asarray(edge_periods, dtype=np.int64)[edge_of]
+    members_of = members_by_edge(edge_of, hierarchy.num_nodes(1))
     for edge in planning:
-        members = np.flatnonzero(edge_of == edge)
+        members = members_of[edge]
         picked = sample_clients(members, workload.participation, seed, edge_round, edge)
         steps[picked] = period[picked]
     slow = stragglers(n, workload.straggler_fraction, seed) & (steps > 0)
@@ -102,8 +103,17 @@ def plan_edge_round(hierarchy: Hierarchy, workload: Workload, weights: np.ndarra
     scale = np.ones(n, dtype=np.float64)
     if workload.normalize_updates:
         for edge in planning:
-            members = np.flatnonzero((edge_of == edge) & (steps > 0))
+            members = members_of[edge][steps[members_of[edge]] > 0]
             p = weights[members] / weights[members].sum()
             tau_eff = float(np.dot(p, steps[members]))
             scale[members] = tau_eff / steps[members]
     return EdgeRoundPlan(steps=steps, scale=scale)
+
+
+def members_by_edge(edge_of: np.ndarray, num_edges: int) -> list[np.ndarray]:
+    """Each edge's clients, int64 increasing (what ``np.flatnonzero(edge_of == e)`` gives),
+    from one stable sort: O(n log n) for all edges instead of O(n) per edge (10,000 edges
+    of 100 clients: seconds per edge round)."""
+    order = np.argsort(edge_of, kind="stable")
+    bounds = np.searchsorted(edge_of[order], np.arange(num_edges + 1))
+    return [order[bounds[e]:bounds[e + 1]].astype(np.int64) for e in range(num_edges)]

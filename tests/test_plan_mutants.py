@@ -178,3 +178,17 @@ def test_fednova_leaves_the_edges_that_do_not_plan_at_scale_one():
     assert out.steps.tolist() == [0, 2, 0, 3, 3, 0]
     np.testing.assert_allclose(out.scale, [1.0, 31 / 22, 1.0, 31 / 33, 31 / 33, 1.0],
                                rtol=1e-15)
+
+
+def test_members_by_edge_is_each_edges_flatnonzero():
+    """One stable sort gives every edge's clients as ``np.flatnonzero(edge_of == e)`` does
+    (increasing ids; an edge without clients empty), so sampling draws the same clients."""
+    from fedhier.plan import members_by_edge
+
+    edge_of = np.random.default_rng(3).integers(0, 7, size=200)
+    edge_of[edge_of == 4] = 5  # edge 4 has no clients
+    got = members_by_edge(edge_of, 8)
+    assert len(got) == 8
+    for e in range(8):
+        want = np.flatnonzero(edge_of == e)
+        assert got[e].dtype == np.int64 and np.array_equal(got[e], want), e
