@@ -28,6 +28,7 @@ from fedhier.engines.deployment.errors import DeployError
 from fedhier.engines.deployment.ports import ports_needed
 from fedhier.engines.deployment.processes import alive, process_tree
 from fedhier.engines.inprocess import run_inprocess
+from fedhier.real_slowdown import STEP_SECONDS_ENV
 from fedhier.run_folder import RunFolder
 from fedhier_strategies.edge.messages import FIRST_ROUND
 from fedhier_strategies.edge.server import EdgeServer, nested_timeout
@@ -125,16 +126,24 @@ def _missed(log: str, child: str, cloud_round: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_killed_region_and_a_killed_edge_under_a_region_miss_their_jobs_and_rejoin(tmp_path):
+def test_a_killed_region_and_a_killed_edge_under_a_region_miss_their_jobs_and_rejoin(
+        tmp_path, monkeypatch):
     """SIGKILL region server 1 (edge 2, client 3) in its job of cloud round 2 and edge server 1
     (under region 0: client 2) in its first exchange of round 3: each restarts, its subtree
     is counted failed for exactly the jobs its parent saw it miss, region 0 is not (its edge's
     miss fits in the cloud's wait), both answer jobs again after their restart, the run
-    completes and every process is stopped at its end."""
+    completes and every process is stopped at its end.
+
+    Every client really sleeps 0.5 s per local step, edge 1's 4 s (fedhier.real_slowdown;
+    it changes no number of the run): a job then lasts seconds, so each kill lands inside
+    the job it names (an exchange of this tiny MLP answers in 0.3 s, the test looks every
+    0.3 s: a CI run once killed edge 1 just after its first exchange, and it missed none)."""
     rounds = 4
     port = deploy.free_port_block(PORTS)
     out = tmp_path / "run"
-    run = Watched(_cmd(port, out, rounds, "--round-timeout", str(ROUND_TIMEOUT)))
+    monkeypatch.setenv(STEP_SECONDS_ENV, "0.5")
+    run = Watched(_cmd(port, out, rounds, "--round-timeout", str(ROUND_TIMEOUT),
+                       "--edge-slowdown", "1:8"))
     for name, server, cloud_round in (("region-1", "region server 1", 2),
                                       ("edge-1", "edge server 1", 3)):
         got = f"got train (cloud round {cloud_round})"
