@@ -11,19 +11,15 @@ must still settle (:func:`fedhier.edge_tier.waits_carried`, as the one-process r
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
-import torch
 
-from fedhier.checkpoint import load_checkpoint
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.run_folder import RunFolder
 from tests.helpers import metrics
 from tests.test_deploy_async import (
     BASE,
     assert_replayed_simulation_equals,
-    orders,
+    resume_servers_after_round_2,
     run_servers,
 )
 from tests.test_edge_tier import run_edge_tier
@@ -72,13 +68,7 @@ def test_a_resume_keeps_each_edges_aggregations(servers, tmp_path):
     again, the recorded order taken, the model bit for bit and every record (the
     ``edge_aggregations`` restored from the checkpoint) the uninterrupted run's."""
     path = tmp_path / "resumed"
-    shutil.copytree(servers, path)
-    checkpoint = load_checkpoint(path)
-    assert checkpoint.round == 2
-    run_servers(CFG, path, resume=checkpoint)
-    assert orders(path) == orders(servers)
-    fa, fb = final_state(path), final_state(servers)
-    assert all(torch.equal(fa[k], fb[k]) for k in fa)
+    resume_servers_after_round_2(CFG, servers, path)
     keys = ("edge_aggregations", "async_reports", "stale_dropped", "test_loss")
     assert [[r.get(k) for k in keys] for r in metrics(path)] == [
         [r.get(k) for k in keys] for r in metrics(servers)]

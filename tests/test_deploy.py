@@ -168,11 +168,26 @@ def test_process_group_stops_detached_descendants(tmp_path):
 
 # ---------------------------------------------------------------------------- slow tests
 @pytest.mark.slow
-def test_tls_deployment_matches_inprocess(tmp_path, capsys):
+def test_tls_deployment_matches_inprocess(tmp_path, capsys, monkeypatch):
     """`fedhier deploy local` with TLS and SuperNode authentication = inprocess (1e-5).
 
     The SuperNodes are tagged edge=0,0,1 and the deployed ServerApp groups them by those tags
-    (--grouping edge-tag): the same groups as the contiguous grouping in process."""
+    (--grouping edge-tag): the same groups as the contiguous grouping in process.
+
+    Client 1's long-lived ClientApp process (fedhier's own app) is killed before the run:
+    the command starts it again at its first look (one line says so), its SuperNode kept
+    the client's messages, and the run still equals inprocess. Without the restart the run
+    would wait for answers that never come (here: the 600 s timeout)."""
+    run_app = deploy.LocalDeployment.run_app
+    killed: list = []
+
+    def kill_a_runtime_first(fed, *args, **kwargs):
+        killed.append(fed.runtimes[1])
+        os.killpg(killed[0].pid, signal.SIGKILL)
+        killed[0].popen.wait(timeout=30)
+        return run_app(fed, *args, **kwargs)
+
+    monkeypatch.setattr(deploy.LocalDeployment, "run_app", kill_a_runtime_first)
     cfg = TINY.replace(grouping="contiguous")
     run_inprocess(cfg, RunFolder.create(tmp_path / "inprocess"), progress=False)
     port = deploy.free_port_block(TINY.clients + 1)
@@ -186,6 +201,10 @@ def test_tls_deployment_matches_inprocess(tmp_path, capsys):
     assert code == 0, printed.out[-3000:] + printed.err[-3000:]
     assert "TLS + SuperNode authentication" in printed.out
     assert "round 1/1" in printed.out
+    assert killed and ("the ClientApp process of client 1 stopped (exit code -9); restarting "
+                       "it") in printed.out
+    restarted = out / "deploy" / "logs" / "clientapp-1.log"  # every start's output in it
+    assert restarted.read_text().split("\n$ ")[-1].count("client 1: answered train") >= 1
     # the deployment also measured its wire bytes (tests/test_deploy_edges.py checks them)
     assert_same_run(tmp_path / "inprocess", out, TINY.rounds,
                     ignore=frozenset({"wire_client_cloud_bytes"}))
@@ -273,32 +292,6 @@ def test_killed_supernode_is_left_out_and_the_run_completes(tmp_path):
     assert "Node Unavailable" in run_log
     assert json.loads((out / "groups.json").read_text())["client_to_edge"] == [0, 0]
     print(f"killed SuperNode: run finished {time.time() - killed['at']:.1f} s after the kill")
-    assert leftovers(range(port, port + cfg.clients + 1)) == ""
-
-
-@pytest.mark.slow
-def test_a_client_runtime_that_exits_is_restarted_and_the_run_is_unchanged(tmp_path):
-    """Client 1's long-lived ClientApp process (fedhier's own app) is killed before the run:
-    the deployment starts it again at its first look (one line says so), its SuperNode kept
-    the client's tasks, and the run equals inprocess (1e-5). Without the restart the run
-    would wait for an answer that never comes (here: the 300 s timeout)."""
-    cfg = TINY.replace(clients=2, groups=(1,), grouping="contiguous")
-    run_inprocess(cfg, RunFolder.create(tmp_path / "inprocess"), progress=False)
-    port = deploy.free_port_block(cfg.clients + 1)
-    lines: list[str] = []
-    out = tmp_path / "run"
-    with deploy.LocalDeployment(nodes=cfg.clients, work=tmp_path / "fed", base_port=port,
-                                secure=False, echo=lines.append, client_runtime=True,
-                                edges=deploy.contiguous_edges(cfg.clients, 1)) as fed:
-        killed = fed.runtimes[1]
-        os.killpg(killed.pid, signal.SIGKILL)
-        killed.popen.wait(timeout=30)
-        fed.run_app(cfg, out, timeout=300)
-        restarted = fed.runtimes[1]
-    assert restarted is not killed and fed.runtime_restarts == {1: 1}
-    assert "the ClientApp process of client 1 stopped (exit code -9); restarting it" in lines
-    assert "client 1: answered train" in restarted.log_text()
-    assert_same_run(tmp_path / "inprocess", out, cfg.rounds)
     assert leftovers(range(port, port + cfg.clients + 1)) == ""
 
 

@@ -63,6 +63,19 @@ def deployed(tmp_path_factory):
     return path
 
 
+def resume_servers_after_round_2(cfg: RunConfig, whole, path) -> None:
+    """A copy of the uninterrupted run ``whole`` (checkpointed after round 2) resumed at
+    ``path`` on fresh servers: the same arrival orders and the same final model, bit for
+    bit."""
+    shutil.copytree(whole, path)
+    checkpoint = load_checkpoint(path)
+    assert checkpoint.round == 2
+    run_servers(cfg, path, resume=checkpoint)
+    assert orders(path) == orders(whole)
+    fa, fb = final_state(path), final_state(whole)
+    assert all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
 def orders(path) -> list[list[int]]:
     return [json.loads(line)["order"] for line in (path / ARRIVALS_FILE).read_text().splitlines()]
 
@@ -126,14 +139,7 @@ def test_a_resume_continues_with_the_recorded_order(deployed, tmp_path):
     """A checkpoint after round 2, round 3 recorded: resumed on fresh servers, the jobs in
     flight are sent again, round 3 takes the recorded [2, 0] (its own sending order would
     take edge 0 first) and ends on the same model, bit for bit."""
-    path = tmp_path / "resumed"
-    shutil.copytree(deployed, path)
-    checkpoint = load_checkpoint(path)
-    assert checkpoint.round == 2
-    run_servers(BASE, path, resume=checkpoint)
-    assert orders(path) == orders(deployed)
-    fa, fb = final_state(path), final_state(deployed)
-    assert all(torch.equal(fa[k], fb[k]) for k in fa)
+    resume_servers_after_round_2(BASE, deployed, tmp_path / "resumed")
 
 
 # ------------------------------------------------------------------------ the parts

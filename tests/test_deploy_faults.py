@@ -134,16 +134,17 @@ def test_a_killed_region_and_a_killed_edge_under_a_region_miss_their_jobs_and_re
     miss fits in the cloud's wait), both answer jobs again after their restart, the run
     completes and every process is stopped at its end.
 
-    Every client really sleeps 0.5 s per local step, edge 1's 4 s (fedhier.real_slowdown;
-    it changes no number of the run): a job then lasts seconds, so each kill lands inside
-    the job it names (an exchange of this tiny MLP answers in 0.3 s, the test looks every
-    0.3 s: a CI run once killed edge 1 just after its first exchange, and it missed none)."""
+    Edge 1's client really sleeps 2 s per local step (the others 0.05 s;
+    fedhier.real_slowdown, which changes no number of the run), so the kill lands inside the
+    exchange it names (an exchange of this tiny MLP answers in 0.3 s and the test looks
+    every 0.3 s: a CI run once killed edge 1 just after its first exchange, and it missed
+    none). A region's job (two exchanges through Flower) lasts seconds as it is."""
     rounds = 4
     port = deploy.free_port_block(PORTS)
     out = tmp_path / "run"
-    monkeypatch.setenv(STEP_SECONDS_ENV, "0.5")
+    monkeypatch.setenv(STEP_SECONDS_ENV, "0.05")
     run = Watched(_cmd(port, out, rounds, "--round-timeout", str(ROUND_TIMEOUT),
-                       "--edge-slowdown", "1:8"))
+                       "--edge-slowdown", "1:40"))
     for name, server, cloud_round in (("region-1", "region server 1", 2),
                                       ("edge-1", "edge server 1", 3)):
         got = f"got train (cloud round {cloud_round})"
