@@ -5,16 +5,20 @@ resumed with ``fedhier run --resume``, leaves the run folder an uninterrupted ru
 same records with the same values, the same summary and the same final model bit for bit.
 
 The kill points are deterministic (``FEDHIER_CRASH_AT=N``, :mod:`fedhier.crash_points`): each
-killed run is a forked copy of this process (no interpreter start, no imports), so twenty
-kills and resumes cost about twenty tiny runs.
+killed run is forked from one forkserver process (one interpreter start, fedhier imported
+once), so twenty kills and resumes cost about twenty tiny runs. Not forked from pytest
+itself: its other threads (Ray's, earlier tests') may hold a lock of torch's BLAS at the
+fork, and the child then spins forever in its first product (a CI run hung so).
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +27,8 @@ import pytest
 from fedhier import crash_points
 from fedhier.cli import main
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+pytestmark = pytest.mark.skipif(
+    "forkserver" not in multiprocessing.get_all_start_methods(), reason="needs a forkserver")
 
 #: 6 records (rounds 0..5), a checkpoint after rounds 2 and 4: the last round resumes from a
 #: checkpoint two records old.
@@ -38,20 +43,33 @@ def run_argv(engine: str, out: Path) -> list[str]:
             "--no-progress"]
 
 
+def _run_killed(point: int, argv: list[str]) -> None:
+    """A forkserver child: ``argv`` with a SIGKILL at crash point ``point`` (one torch
+    thread and no plots, as in the test)."""
+    import torch
+
+    from fedhier import plots
+
+    torch.set_num_threads(1)
+    for name in ("plot_runs", "plot_groups"):
+        setattr(plots, name, lambda *args, **kwargs: None)
+    os.environ[crash_points.ENV] = str(point)
+    crash_points.reset()
+    sys.exit(main(argv))
+
+
+_FORKSERVER = multiprocessing.get_context("forkserver")
+_FORKSERVER.set_forkserver_preload(["fedhier.cli", "fedhier.plots", "torch"])
+
+
 def killed_at(point: int, argv: list[str]) -> None:
-    """Run ``argv`` in a forked child that SIGKILLs itself at crash point ``point``."""
-    pid = os.fork()
-    if pid == 0:  # the child: never returns to pytest
-        code = 99
-        try:
-            os.environ[crash_points.ENV] = str(point)
-            crash_points.reset()
-            code = main(argv)
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, \
-        f"crash point {point} was never reached (exit status {status})"
+    """Run ``argv`` in a child (from the forkserver) that SIGKILLs itself at crash point
+    ``point``."""
+    child = _FORKSERVER.Process(target=_run_killed, args=(point, argv))
+    child.start()
+    child.join(timeout=600)
+    assert child.exitcode == -signal.SIGKILL, \
+        f"crash point {point} was never reached (exit code {child.exitcode})"
 
 
 def folder_contents(path: Path) -> dict[str, Any]:
