@@ -280,6 +280,7 @@ def local_sgd(problem: Problem, initial: Model, period: int, aggregations: int) 
 # --------------------------------------------------------------------------- asynchronous edges
 def async_hsgd(problem: Problem, initial: Model, reports: Sequence[Sequence[int]],
                edge_rule: str = "mean", cloud_step: CloudStep | None = None,
+               edge_periods: Sequence[int] | None = None,
                ) -> tuple[Model, list[list[int]]]:
     """Asynchronous two-level H-SGD: aggregation r takes the reports of edges ``reports[r]``.
 
@@ -294,6 +295,8 @@ def async_hsgd(problem: Problem, initial: Model, reports: Sequence[Sequence[int]
     and the cloud the A_e-weighted mean of those (for "mean" that is the formula above).
     ``cloud_step``: the cloud's update from w and the reporting edges' aggregates of their
     moved models (in edge order) with weights A_e, instead of their weighted mean.
+    ``edge_periods``: I_e per edge (each divides P_2): edge e aggregates every I_e steps
+    of its job instead of every P_1.
     """
     p = problem
     omega = p.weights()
@@ -310,8 +313,9 @@ def async_hsgd(problem: Problem, initial: Model, reports: Sequence[Sequence[int]
             base = versions[version_of_edge[e]]
             members = np.flatnonzero(p.edge_of == e)
             models = [base] * len(members)
-            for step_end in range(p.periods[0], p.periods[-1] + 1, p.periods[0]):
-                models = [gd_steps(m, p.xs[j], p.ys[j], p.lr, p.periods[0])
+            period = p.periods[0] if edge_periods is None else int(edge_periods[e])
+            for step_end in range(period, p.periods[-1] + 1, period):
+                models = [gd_steps(m, p.xs[j], p.ys[j], p.lr, period)
                           for m, j in zip(models, members, strict=True)]
                 if step_end < p.periods[-1]:  # edge aggregation inside the job
                     avg = (median(models) if edge_rule == "median"

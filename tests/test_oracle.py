@@ -410,6 +410,27 @@ def test_async_staleness_weighting(data, engine):
     assert gap(r, want) <= TOL
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_async_edges_with_per_edge_periods(data, engine):
+    """Each asynchronous edge aggregates at its own period inside its job (I = 1, 3, 1, 3
+    within P_2 = 6): an edge of I = 3 sends its clients in the first edge round of each
+    period only, and its period's end averages their carried models. Edge servers and the
+    sharded engine are checked against these engines (tests/test_async_edge_periods.py,
+    tests/test_vectorized_ray_async.py)."""
+    r = run(data, engine, "--groups", "4", "--grouping", "contiguous", "--local-period", "1",
+            "--global-period", "6", "--edge-periods", "1,3,1,3", "--async-buffer", "2",
+            "--edge-slowdown", "1:4", "--max-staleness", "8", rounds=5)
+    records = r["records"][1:]
+    reports = [[edge for edge, _ in rec["async_reports"]] for rec in records]
+    want, staleness = oracle.async_hsgd(problem(data, r, (1, 6)), initial(r), reports,
+                                        edge_periods=(1, 3, 1, 3))
+    assert [sorted(rec["async_reports"]) for rec in records] == staleness
+    assert max(s for pairs in staleness for _, s in pairs) >= 1  # some reports are stale
+    assert gap(r, want) <= TOL
+    same_periods, _ = oracle.async_hsgd(problem(data, r, (1, 6)), initial(r), reports)
+    assert gap(r, same_periods) > 1e-3  # the edges' own periods are what it checks
+
+
 # --------------------------------------------------------------------------- the schedule
 @pytest.mark.parametrize("periods,edge_periods", [((2, 4), ()), ((1, 2, 4), ()),
                                                   ((2, 6, 12), ()), ((1, 4), (1, 2, 4, 2)),
