@@ -413,8 +413,7 @@ def test_async_staleness_weighting(data, engine):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_async_edges_with_per_edge_periods(data, engine):
     """Each asynchronous edge aggregates at its own period inside its job (I = 1, 3, 1, 3
-    within P_2 = 6): an edge of I = 3 sends its clients in the first edge round of each
-    period only, and its period's end averages their carried models. Edge servers and the
+    within P_2 = 6), from the model version its job started at. Edge servers and the
     sharded engine are checked against these engines (tests/test_async_edge_periods.py,
     tests/test_vectorized_ray_async.py)."""
     r = run(data, engine, "--groups", "4", "--grouping", "contiguous", "--local-period", "1",
