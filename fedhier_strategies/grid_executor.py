@@ -18,6 +18,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
+from fedhier.edge_moves import ClientStates
 from fedhier.faults import RunFailureError
 from fedhier.grouping import ClientInfo
 from fedhier.hsgd import ClientEvaluation, EdgeRoundWork, Params, TrainResult
@@ -394,7 +395,7 @@ class GridExecutor:
         return int(to_record(params).count_bytes())
 
     def client_state(self, clients: Iterable[int] | None = None
-                     ) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
+                     ) -> ClientStates:
         """Every client's kept state (``query.state``), by client: name -> tensors; {} when
         the clients keep none. ``clients``: only those of them this grid reaches (default:
         all). A client that does not answer is left out (it would resume with fresh state)
@@ -406,7 +407,7 @@ class GridExecutor:
         messages = [Message(content, message_type=f"{MessageType.QUERY}.state",
                             dst_node_id=node) for client, node in self.node_ids.items()
                     if wanted is None or client in wanted]
-        states: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+        states: ClientStates = {}
         for reply in self.grid.send_and_receive(messages, timeout=self.timeout):
             if reply.has_error():
                 continue
@@ -419,7 +420,7 @@ class GridExecutor:
             log.warning("clients %s did not send their kept state", missing[:10])
         return states
 
-    def restore_client_state(self, state: dict[int, dict[str, dict[str, Any]]]) -> None:
+    def restore_client_state(self, state: ClientStates) -> None:
         """Send each client its kept state (``query.restore``): from a checkpoint, or a
         client that moved here (its state from its old edge)."""
         messages = []

@@ -77,7 +77,6 @@ STATE_PREFIX = "state/"
 STATE_CLIENTS = "state-clients"
 
 
-
 def state_query(clients: list[int] | None) -> RecordDict:
     """The records of a ``query.state`` message besides its config: the clients to ask
     (None: all the server's)."""
