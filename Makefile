@@ -56,7 +56,7 @@ deploy-demo: $(STAMP)
 
 ## experiments: every suite at full size (long), then docs/results.md and docs/figures/
 experiments: $(STAMP)
-	$(PY) -m fedhier.experiments.publish
+	$(PY) -m fedhier.studies.experiments.publish
 
 ## wheel: build dist/fedhier-<version>-py3-none-any.whl (docs/install.md)
 wheel: $(STAMP)

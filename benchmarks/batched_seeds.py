@@ -37,11 +37,10 @@ MODES = ("seeds-batched", "seeds-separate")
 
 def timed_runs(cfgs: list[Any], feds: list[Any], batched: bool) -> dict[str, Any]:
     """Run ``cfgs`` both ways' one way in temporary folders; the window and accuracies."""
-    from fedhier.engines.seed_batch import run_seeds
-    from fedhier.engines.vectorized import run_vectorized
-    from fedhier.run_folder import RunFolder
-    from fedhier.run_recorder import RunRecorder
-
+    from fedhier.engines.vectorized.engine import run_vectorized
+    from fedhier.engines.vectorized.seed_batch import run_seeds
+    from fedhier.runs.folder import RunFolder
+    from fedhier.runs.recorder import RunRecorder
     marks: dict[str, list[tuple[float, float]]] = {}  # run folder -> records' (wall, cpu)
     original = RunRecorder.record_round
 
@@ -88,8 +87,7 @@ def seeds_worker(args: argparse.Namespace, w1_config: Callable[..., Any]) -> dic
     """One timed measurement of ``args.worker`` (a mode) in this fresh process."""
     import torch
 
-    from fedhier.run_setup import prepare
-
+    from fedhier.runs.prepare import prepare
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
     batched = args.worker == "seeds-batched"

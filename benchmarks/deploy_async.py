@@ -3,7 +3,7 @@
 ``fedhier deploy local --edges 2`` on loopback, 4 clients (2 per edge), digits, contiguous
 grouping, ``--periods 2,8`` (4 edge rounds of 2 steps per cloud round), ``--rounds R``, with
 ``FEDHIER_STEP_SECONDS=S`` and ``--edge-slowdown 1:F``: every client really sleeps S seconds
-per local step, edge 1's clients F x S (fedhier.real_slowdown), so edge 1's job takes
+per local step, edge 1's clients F x S (fedhier.local.real_slowdown), so edge 1's job takes
 about 8 F S seconds against 8 S for edge 0. Two arms, interleaved ``--repeats`` times:
 
 - ``sync``: the cloud waits for both edges every cloud round;

@@ -28,11 +28,11 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
-from fedhier.config import RunConfig
+from fedhier.clients import app as fedhier_client
 from fedhier.engines.inprocess_grid import InProcessGrid
-from fedhier.run_setup import initial_model, prepare, quiet_flower, settings_for, test_metrics
-from fedhier_clients import app as fedhier_client
-from fedhier_strategies.hierfedavg import HierFedAvg
+from fedhier.runs.prepare import initial_model, prepare, quiet_flower, settings_for, test_metrics
+from fedhier.settings.run_config import RunConfig
+from fedhier.strategies.hierfedavg import HierFedAvg
 
 RULES = ("mean", "median", "trimmed-mean", "clip", "krum", "multi-krum", "mean+check")
 HOSTILE = 0

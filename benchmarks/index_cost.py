@@ -1,7 +1,7 @@
 """What the mini-batch indices cost the vectorized engine: W1 (or W1 replicated to more
-clients) timed with ``fedhier.train.clients_batch_indices`` computed as usual, and served
+clients) timed with ``fedhier.local.train.clients_batch_indices`` computed as usual, and served
 from a cache filled by an earlier run, i.e. free. ``--per-client`` computes them the way the
-engine did before ``fedhier.permutations``: one ``batch_indices`` (one generator per epoch)
+engine did before ``fedhier.common.permutations``: one ``batch_indices`` (one generator per epoch)
 per client. The difference bounds what any faster index stream (a
 counter-based one drawn for all clients at once, say) could save.
 
@@ -29,11 +29,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10, help="cloud rounds")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved passes")
     parser.add_argument("--per-client", action="store_true",
-                        help="compute them client by client, as before fedhier.permutations")
+                        help="compute them client by client, as before fedhier.common.permutations")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    import fedhier.engines.batched_kernels as batched
+    import fedhier.engines.vectorized.kernels as batched
 
     cfg = bench.w1_config(args.rounds)
     fed = None
@@ -48,8 +48,7 @@ def main() -> None:
         bench.run_engine("vectorized", cfg, marks, fed)
         return marks.window()["cpu"]
 
-    from fedhier.train import batch_indices
-
+    from fedhier.local.train import batch_indices
     def per_client(seed: int, num_rows: list[int], *rest: int,
                    first_client: int = 0) -> list[np.ndarray]:
         return [batch_indices(seed, first_client + k, n, *rest) for k, n in enumerate(num_rows)]

@@ -65,7 +65,7 @@ class Clock:
 
 def instrument(clock: Clock, captured: list[tuple[Any, ...]]) -> None:
     """Time the executor's parts (benchmark-only patches of the vectorized engine)."""
-    import fedhier.engines.vectorized as vec
+    import fedhier.engines.vectorized.engine as vec
 
     executor = vec.BatchedExecutor
     executor.train = clock.wrap("local work", executor.train)  # type: ignore[method-assign]
@@ -127,8 +127,7 @@ def measure(clients: int, args: argparse.Namespace) -> dict[str, Any]:
                      **clock.seconds})
     med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
     peak = statistics.median(peaks)
-    from fedhier.train import effective_batch_size
-
+    from fedhier.local.train import effective_batch_size
     sizes = fed.client_sizes()
     rows = int(sum(effective_batch_size(cfg.batch_size, int(m)) for m in sizes))
     steps = args.rounds * cfg.global_period

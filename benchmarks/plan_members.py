@@ -3,10 +3,10 @@
     python benchmarks/plan_members.py                         # 1,000,000 clients, 10,000 edges
     python benchmarks/plan_members.py --clients 100000 --edges 1000
 
-``fedhier.plan.plan_edge_round`` needs each edge's clients (increasing ids) once per edge
-round. It used to take them with ``np.flatnonzero(edge_of == e)`` for every edge e (O(n) per
-edge); ``fedhier.plan.members_by_edge`` takes them all from one stable sort. Prints the
-median seconds of each (``--repeats`` side by side; the scan is timed on ``--sample`` edges and
+``fedhier.round.participants.plan_edge_round`` needs each edge's clients (increasing ids) once per
+edge round. It used to take them with ``np.flatnonzero(edge_of == e)`` for every edge e (O(n) per
+edge); ``fedhier.round.participants.members_by_edge`` takes them all from one stable sort. Prints
+the median seconds of each (``--repeats`` side by side; the scan is timed on ``--sample`` edges and
 scaled to all of them), their ratio, and checks the two give the same arrays.
 """
 
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from fedhier.plan import members_by_edge
+from fedhier.round.participants import members_by_edge
 
 
 def main() -> None:

@@ -18,9 +18,9 @@ from engines import model_macs
 from torch.func import grad_and_value, vmap
 from torch.profiler import ProfilerActivity, profile
 
-from fedhier.models import build_model
-from fedhier.optim import LocalOptimizer
-from fedhier.train import loss_fn
+from fedhier.local.models import build_model
+from fedhier.local.optimizer import LocalOptimizer
+from fedhier.local.train import loss_fn
 
 SHAPE = (1, 28, 28)
 BATCH = 16

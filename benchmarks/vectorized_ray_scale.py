@@ -36,9 +36,8 @@ def one_run(clients: int, workers: int, rounds: int, per_edge: int = 10,
     """One run at ``clients`` clients in this process; what :func:`main` tabulates."""
     import torch
 
-    from fedhier.engines.vectorized_ray import run_vectorized_ray
-    from fedhier.run_folder import RunFolder
-
+    from fedhier.engines.vectorized_ray.engine import run_vectorized_ray
+    from fedhier.runs.folder import RunFolder
     torch.set_num_threads(1)
     cfg = bench.w1_config(rounds, clients=clients, groups=(max(1, clients // per_edge),),
                           engine="vectorized-ray", ray_workers=workers)

@@ -41,35 +41,37 @@ RESULTS = ROOT / "benchmarks" / "results"
 #: tests and the oracle's cheapest (vectorized) runs: a case through the inprocess engine
 #: costs seconds per mutant.
 MODULES: dict[str, tuple[list[str], list[str]]] = {
-    "fedhier/ranges.py": (["tests/test_ranges.py", "tests/test_config_mutants.py"],
+    "fedhier/settings/ranges.py": (["tests/test_ranges.py", "tests/test_config_mutants.py"],
                           ["-k", "not cli_refuses and not issue_cases"]),
-    "fedhier/topology.py": (["tests/test_topology.py", "tests/test_topology_exact.py",
+    "fedhier/tree/hierarchy.py": (["tests/test_topology.py", "tests/test_topology_exact.py",
                              "tests/test_topology_mutants.py",
                              "tests/test_oracle.py", "tests/test_grouping.py",
                              "tests/test_config.py"],
                             ["-k", "(test_topology or schedule or test_grouping or test_config) "
                              "and not edge_tag"]),
-    "fedhier/staleness.py": (["tests/test_async_mutants.py", "tests/test_oracle.py",
+    "fedhier/round/asynchrony/settings.py": (["tests/test_async_mutants.py", "tests/test_oracle.py",
                               "tests/test_async_edges.py", "tests/test_async_regions.py"],
                              ["-k", "test_async_mutants or (async_staleness and vectorized) or "
                               "stale_reports_enter or reject_a_buffer or bad_async or "
                               "bad_region"]),
-    "fedhier/plan.py": (["tests/test_plan_mutants.py", "tests/test_oracle.py",
+    "fedhier/round/participants.py": (["tests/test_plan_mutants.py", "tests/test_oracle.py",
                          "tests/test_knobs.py"],
                         ["-k", "((participation or stragglers_and) and vectorized) or "
                          "sample_clients or straggler_plan or test_plan_mutants"]),
-    "fedhier/aggregate.py": (["tests/test_aggregate.py", "tests/test_aggregate_mutants.py",
+    "fedhier/round/aggregators/averaging.py": (["tests/test_aggregate.py",
+        "tests/test_aggregate_mutants.py",
                               "tests/test_robust_aggregate.py", "tests/test_knobs.py"],
                              ["-k", "(test_aggregate or test_robust_aggregate or "
                               "presence_weights) and not non_finite_krum"]),
-    "fedhier/mobility.py": (["tests/test_mobility.py", "tests/test_mobility_mutants.py"],
+    "fedhier/tree/mobility.py": (["tests/test_mobility.py", "tests/test_mobility_mutants.py"],
                             ["-k", "mutants or markov or move_frequency or empty_edges or "
                              "reachability_reads_npy"]),
-    "fedhier/grouping/*": (["tests/test_grouping.py", "tests/test_grouping_divergence.py",
+    "fedhier/tree/grouping/*": (["tests/test_grouping.py", "tests/test_grouping_divergence.py",
                             "tests/test_grouping_mutants.py"],
                            ["-k", "not places_clients and not on_digits and not beats_random "
                             "and not gradient_grouping_is_balanced"]),
-    "fedhier/diagnostics.py": (["tests/test_diagnostics.py", "tests/test_diagnostics_mutants.py"],
+    "fedhier/diagnostics/measures.py": (["tests/test_diagnostics.py",
+        "tests/test_diagnostics_mutants.py"],
                                ["-k", "mutants or closed_forms or zero_sum or "
                                 "label_upward_divergence_by_hand"]),
     "fedhier/data/partition.py": (["tests/test_data.py", "tests/test_partition_mutants.py"],
@@ -105,49 +107,51 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                                 "tests/test_cloud_mutants.py"],
                                ["-k", "(test_round_parts and not over_500_lines) or mutants or "
                                 "((flower_server_optimiser or two_levels) and vectorized)"]),
-    "fedhier/round/records.py": (["tests/test_round_parts.py", "tests/test_records_mutants.py"],
+    "fedhier/round/record_fields.py": (["tests/test_round_parts.py",
+        "tests/test_records_mutants.py"],
                                  ["-k", "(test_round_parts and not over_500_lines) or mutants"]),
     "fedhier/round/restore.py": (["tests/test_round_parts.py", "tests/test_restore_mutants.py"],
                                  ["-k", "(test_round_parts and not over_500_lines) or mutants"]),
     "fedhier/round/executor.py": (["tests/test_round_parts.py", "tests/test_executor_mutants.py"],
                                   ["-k", "(test_round_parts and not over_500_lines) or mutants"]),
-    "fedhier/stale_reports.py": (["tests/test_stale_reports_mutants.py",
+    "fedhier/round/asynchrony/reports.py": (["tests/test_stale_reports_mutants.py",
                                   "tests/test_async_mutants.py", "tests/test_async_edges.py",
                                   "tests/test_async_compose.py", "tests/test_oracle.py"],
                                  ["-k", "test_stale_reports_mutants or test_async_mutants or "
                                   "stale_reports_enter or "
                                   "matches_the_oracle or "
                                   "((async_staleness or async_regions) and vectorized)"]),
-    "fedhier/async_regions.py": (["tests/test_async_regions_mutants.py",
+    "fedhier/round/asynchrony/regions.py": (["tests/test_async_regions_mutants.py",
                                   "tests/test_async_regions.py", "tests/test_oracle.py"],
                                  ["-k", "test_async_regions_mutants or bad_region or "
                                   "(async_regions and vectorized)"]),
     # the closed-form fake executor's runs (K = N against synchronous H-SGD included) and
     # the unit cases; the engine and oracle runs (seconds per mutant) are left out: with them
     # a pass took over an hour on the shared machine
-    "fedhier/async_edges.py": (["tests/test_async_edges_mutants.py", "tests/test_async_edges.py",
+    "fedhier/round/asynchrony/edges.py": (["tests/test_async_edges_mutants.py",
+        "tests/test_async_edges.py",
                                 "tests/test_async_compose.py"],
                                ["-k", "test_async_edges_mutants or stale_reports_enter or "
                                 "reject_a_buffer or bad_async or jobs_in_flight"]),
-    "fedhier/config_checks.py": (["tests/test_config.py", "tests/test_ranges.py",
+    "fedhier/settings/checks.py": (["tests/test_config.py", "tests/test_ranges.py",
                                   "tests/test_settings_declaration.py",
                                   "tests/test_config_mutants.py"],
                                  ["-k", "not cli_refuses and not issue_cases"]),
-    "fedhier/config.py": (["tests/test_config.py", "tests/test_ranges.py",
+    "fedhier/settings/run_config.py": (["tests/test_config.py", "tests/test_ranges.py",
                            "tests/test_settings_declaration.py", "tests/test_config_mutants.py"],
                           ["-k", "not cli_refuses and not issue_cases"]),
     # the round's loop: the closed-form fake executor's runs first (-x: most mutants stop
     # there), then the round's parts and the oracle's cheapest vectorized cases
-    "fedhier/hsgd.py": (["tests/test_hsgd_mutants.py", "tests/test_round_parts.py",
+    "fedhier/round/loop.py": (["tests/test_hsgd_mutants.py", "tests/test_round_parts.py",
                          "tests/test_oracle.py"],
                         ["-k", "test_hsgd_mutants or (test_round_parts and not over_500_lines) "
                          "or ((mobility_handoffs or test_per_edge_periods or async_staleness "
                          "or flower_server_optimiser) and vectorized)"]),
-    "fedhier/sim_clock.py": (["tests/test_sim_clock.py", "tests/test_sim_clock_mutants.py"],
+    "fedhier/round/clock.py": (["tests/test_sim_clock.py", "tests/test_sim_clock_mutants.py"],
                              ["-k", "transfer or waits or queues or share or pay_only or "
                               "bad_edge_slowdown or mutants"]),
 }
-COPY = ["fedhier", "fedhier_strategies", "fedhier_clients", "examples", "tests", "docs"]
+COPY = ["fedhier", "fedhier.strategies", "fedhier.clients", "examples", "tests", "docs"]
 
 
 #: Wall-clock seconds after which a mutant's process is killed as hung (mutmut itself limits
@@ -179,7 +183,7 @@ def pyproject(module: str, tests: list[str], extra: list[str]) -> str:
     return ((ROOT / "pyproject.toml").read_text()
             + f'\n[tool.mutmut]\nsource_paths = ["fedhier"]\nonly_mutate = ["{module}"]\n'
             f"tests_dir = [{listed}]\npytest_add_cli_args = [{args}]\n"
-            'also_copy = ["fedhier_strategies", "fedhier_clients", "examples", "docs"]\n'
+            'also_copy = ["fedhier.strategies", "fedhier.clients", "examples", "docs"]\n'
             "use_git_change_detection = false\ntimeout_multiplier = 10.0\n"
             "timeout_constant = 15.0\n")
 

@@ -12,13 +12,13 @@ from flwr.app import ArrayRecord, ConfigRecord
 from flwr.serverapp.strategy import Strategy
 from safetensors.torch import load_file
 
-from fedhier.config import RunConfig
+from fedhier.clients.app import app as client_app
+from fedhier.common.errors import ConfigError
 from fedhier.engines.inprocess_grid import InProcessGrid
-from fedhier.errors import ConfigError
-from fedhier.run_setup import initial_model, prepare
-from fedhier_clients.app import app as client_app
-from fedhier_strategies.cloud_step import make_cloud_strategy
-from fedhier_strategies.hierfedavg import HierFedAvg
+from fedhier.runs.prepare import initial_model, prepare
+from fedhier.settings.run_config import RunConfig
+from fedhier.strategies.cloud_step import make_cloud_strategy
+from fedhier.strategies.hierfedavg import HierFedAvg
 
 State = dict[str, torch.Tensor]
 
@@ -121,7 +121,7 @@ def benchmark_engines():
 
 
 def interrupt_at_crash_point(count: int):
-    """A stand-in for ``fedhier.recorded_run.crash_point`` that raises KeyboardInterrupt at
+    """A stand-in for ``fedhier.runs.driver.crash_point`` that raises KeyboardInterrupt at
     its ``count``-th call (2 calls for round 0's record, then 3 per round: 6 = round 2's)."""
     calls = {"n": 0}
 

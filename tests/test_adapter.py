@@ -1,4 +1,4 @@
-"""fedhier_clients.adapter and fedhier_strategies.central_eval, piece by piece."""
+"""fedhier.clients.adapter and fedhier.strategies.central_eval, piece by piece."""
 
 from __future__ import annotations
 
@@ -18,16 +18,16 @@ from flwr.app import (
 from flwr.clientapp import ClientApp
 from torch.utils.data import DataLoader
 
-from fedhier.engines.inprocess_grid import InProcessGrid
-from fedhier.train import batch_indices
-from fedhier_clients.adapter import (
+from fedhier.clients.adapter import (
     batch_stream,
     canonical_metrics,
     labels_of,
     register_profile,
     round_info,
 )
-from fedhier_strategies.central_eval import central_evaluate
+from fedhier.engines.inprocess_grid import InProcessGrid
+from fedhier.local.train import batch_indices
+from fedhier.strategies.central_eval import central_evaluate
 
 
 def _identity() -> None:

@@ -1,6 +1,6 @@
 import torch
 
-from fedhier.aggregate import segment_weighted_mean
+from fedhier.round.aggregators.averaging import segment_weighted_mean
 
 
 def test_segment_weighted_mean_matches_direct_formula():
@@ -46,7 +46,7 @@ def test_tiles_give_one_calls_result_bit_for_bit(monkeypatch):
     """Tiles of rows and columns (forced small here) add the same terms in the same order as
     one call: not one bit differs, whatever the segment order or the tile shape. (float64
     values: a float32 result would round away a change of order.)"""
-    import fedhier.aggregate as aggregate
+    import fedhier.round.aggregators.averaging as aggregate
 
     gen = torch.Generator().manual_seed(3)
     cases = [(300, (7, 11), 40), (50, (1000,), 1), (400, (9,), 400), (5, (3, 3), 5)]
@@ -66,8 +66,7 @@ def test_tiles_give_one_calls_result_bit_for_bit(monkeypatch):
 
 
 def test_tiles_are_wide_and_bounded():
-    from fedhier.aggregate import AGGREGATE_BLOCK, MIN_TILE_COLUMNS, _tiles
-
+    from fedhier.round.aggregators.averaging import AGGREGATE_BLOCK, MIN_TILE_COLUMNS, _tiles
     # 100,000 clients into 10,000 edges: contiguous runs of 256 columns, not 2
     assert _tiles(100_000, 9_610, 10_000) == (MIN_TILE_COLUMNS, AGGREGATE_BLOCK // 256)
     # one member per segment at 100,000: the float64 sum stays at 16 tiles' entries

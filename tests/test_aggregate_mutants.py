@@ -1,4 +1,4 @@
-"""fedhier/aggregate.py, value by value: the mutants `make mutation` left alive.
+"""fedhier/round/aggregators/averaging.py, value by value: the mutants `make mutation` left alive.
 
 Hand-worked means, medians, presence weights, tile shapes and the exact messages of every
 refused rule name.
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.aggregate import (
+from fedhier.round.aggregators.averaging import (
     AGGREGATE_BLOCK,
     AGGREGATORS,
     Aggregator,

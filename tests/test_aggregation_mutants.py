@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedhier.round.aggregation import NodeModels, aggregate_levels, broadcast, needs_node_models
-from fedhier.topology import Hierarchy
+from fedhier.tree.hierarchy import Hierarchy
 from tests.helpers import assert_refused
 
 I64 = np.int64

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.async_edges import AsyncHierarchicalSGD, EdgeJob
-from fedhier.cli import main
-from fedhier.config import RunConfig
+from fedhier.cli.commands import main
 from fedhier.engines.inprocess import run_inprocess
-from fedhier.engines.vectorized import run_vectorized
-from fedhier.hsgd import HSGDSettings
-from fedhier.run_folder import RunFolder
-from fedhier.staleness import AsyncEdges
-from fedhier.topology import Hierarchy
+from fedhier.engines.vectorized.engine import run_vectorized
+from fedhier.round.asynchrony.edges import AsyncHierarchicalSGD, EdgeJob
+from fedhier.round.asynchrony.settings import AsyncEdges
+from fedhier.round.loop import HSGDSettings
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
+from fedhier.tree.hierarchy import Hierarchy
 from tests import oracle_hsgd as oracle
 from tests.helpers import metrics
 from tests.test_faults import _same_final, run_interrupted_at

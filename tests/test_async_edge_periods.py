@@ -1,4 +1,4 @@
-"""Asynchronous edges with per-edge periods on edge servers (fedhier.edge_tier_async): an
+"""Asynchronous edges with per-edge periods on edge servers (fedhier.round.tiers.asynchronous): an
 edge's job holds whole periods of its own edge, run on its server as a synchronous server
 runs it, so the simulation fed the servers' recorded order (``--engine inprocess``) gives the
 same records and model (1e-5). In-process grids (no sockets); the sharded engine's case is
@@ -6,7 +6,7 @@ in tests/test_vectorized_ray_async.py.
 
 Every client is a straggler and 40% take part: some edge rounds send none of an edge's
 clients while their carried models wait for the end of the edge's period, which the servers
-must still settle (:func:`fedhier.edge_tier.waits_carried`, as the one-process round does).
+must still settle (:func:`fedhier.round.tiers.jobs.waits_carried`, as the one-process round does).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from fedhier.engines.inprocess import run_inprocess
-from fedhier.run_folder import RunFolder
+from fedhier.runs.folder import RunFolder
 from tests.helpers import metrics
 from tests.test_deploy_async import (
     BASE,
@@ -76,7 +76,7 @@ def test_a_resume_keeps_each_edges_aggregations(servers, tmp_path):
 
 def test_synchronous_servers_settle_an_edge_round_with_only_carried_models(tmp_path):
     """The same periods on synchronous edge servers equal the one-process run: before
-    :func:`~fedhier.edge_tier.waits_carried` a server skipped an edge round none of its
+    :func:`~fedhier.round.tiers.jobs.waits_carried` a server skipped an edge round none of its
     clients was sent in, leaving its clients' carried models out of the edge's aggregation
     (the final model 0.04 away)."""
     cfg = CFG.replace(async_buffer=0, max_staleness=0)

@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.async_edges import AsyncHierarchicalSGD, EdgeJob
-from fedhier.cli import main
-from fedhier.config import RunConfig
+from fedhier.cli.commands import main
+from fedhier.common.errors import ConfigError
 from fedhier.engines.inprocess import run_inprocess
-from fedhier.engines.vectorized import run_vectorized
-from fedhier.errors import ConfigError
-from fedhier.hsgd import HSGDSettings
-from fedhier.run_folder import RunFolder
-from fedhier.staleness import AsyncEdges, staleness_weight
-from fedhier.topology import Hierarchy
+from fedhier.engines.vectorized.engine import run_vectorized
+from fedhier.round.asynchrony.edges import AsyncHierarchicalSGD, EdgeJob
+from fedhier.round.asynchrony.settings import AsyncEdges, staleness_weight
+from fedhier.round.loop import HSGDSettings
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
+from fedhier.tree.hierarchy import Hierarchy
 from tests.helpers import metrics
 from tests.test_faults import _same_final, run_interrupted_at
 from tests.test_vectorized import TOL, assert_same_runs

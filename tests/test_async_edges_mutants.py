@@ -1,4 +1,4 @@
-"""Asynchronous edges (fedhier/async_edges.py) driven by the closed-form fake executor of
+"""Asynchronous edges (fedhier/round/asynchrony/edges.py) driven by the closed-form fake executor of
 tests/test_hsgd_mutants.py and a clock whose every time is a round number, so which reports
 are taken, their staleness, the drops, the jobs' bookkeeping and the models are worked out by
 hand (docs/hsgd.md), written against mutmut's survivors (docs/testing.md, "Mutation
@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.async_edges import AsyncHierarchicalSGD, algorithm_for
-from fedhier.hsgd import HierarchicalSGD, HSGDSettings
-from fedhier.mobility import Mobility
-from fedhier.sim_clock import TimeModel
-from fedhier.staleness import AsyncEdges
-from fedhier.topology import Hierarchy
+from fedhier.round.asynchrony.edges import AsyncHierarchicalSGD, algorithm_for
+from fedhier.round.asynchrony.settings import AsyncEdges
+from fedhier.round.clock import TimeModel
+from fedhier.round.loop import HierarchicalSGD, HSGDSettings
+from fedhier.tree.hierarchy import Hierarchy
+from fedhier.tree.mobility import Mobility
 from tests.helpers import assert_refused
 from tests.test_hsgd_mutants import Fake, Recorder, settings
 

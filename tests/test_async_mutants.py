@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.async_edges import EdgeJob
-from fedhier.stale_reports import merge_reports
-from fedhier.topology import Hierarchy
+from fedhier.round.asynchrony.edges import EdgeJob
+from fedhier.round.asynchrony.reports import merge_reports
+from fedhier.tree.hierarchy import Hierarchy
 
 W = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
 BASE = torch.tensor([0.1, 0.3, -0.7], dtype=torch.float64)  # a stale report's start model
@@ -108,8 +108,7 @@ class _Exploding:
 
 
 def test_a_cloud_step_that_makes_the_model_non_finite_stops_the_run_in_one_line():
-    from fedhier.faults import RunFailureError
-
+    from fedhier.round.faults import RunFailureError
     with pytest.raises(RunFailureError) as caught:
         merge_reports(_jobs(2), {"p": W}, WEIGHTS, TREE, ("mean", "mean"), _node_models,
                       _Exploding(), cloud_round=7)
@@ -134,8 +133,7 @@ class _PlainStep:
 
 
 def test_the_error_names_a_plain_cloud_step_by_its_own_class():
-    from fedhier.faults import RunFailureError
-
+    from fedhier.round.faults import RunFailureError
     with pytest.raises(RunFailureError, match=r"^the cloud step \(_PlainStep\) made"):
         merge_reports(_jobs(2), {"p": W}, WEIGHTS, TREE, ("mean", "mean"), _node_models,
                       _PlainStep(), cloud_round=2)
@@ -143,9 +141,8 @@ def test_the_error_names_a_plain_cloud_step_by_its_own_class():
 
 # --------------------------------------------------------------------------- staleness.py
 def test_async_settings_check_their_bounds_exactly():
-    from fedhier.errors import ConfigError
-    from fedhier.staleness import AsyncEdges
-
+    from fedhier.common.errors import ConfigError
+    from fedhier.round.asynchrony.settings import AsyncEdges
     AsyncEdges(2, 0).check(4)  # S = 0 and K = N are allowed
     AsyncEdges(4, 0).check(4)
     AsyncEdges(0, 0, (0,)).check(4)  # 0 = all of a node's children
@@ -162,9 +159,8 @@ def test_async_settings_check_their_bounds_exactly():
 
 
 def test_region_buffers_check_the_tree_exactly():
-    from fedhier.errors import ConfigError
-    from fedhier.staleness import AsyncEdges, check_region_buffers
-
+    from fedhier.common.errors import ConfigError
+    from fedhier.round.asynchrony.settings import AsyncEdges, check_region_buffers
     check_region_buffers(AsyncEdges(2, 4, (2,)), (4, 2))  # K = the children, K = regions
     check_region_buffers(AsyncEdges(1, 4, (3, 1)), (12, 4, 2))
     check_region_buffers(AsyncEdges(3), (4,))  # no regions: nothing to check here

@@ -3,8 +3,8 @@ one-line errors. The oracle case is tests/test_oracle.py::test_async_regions_*."
 
 import pytest
 
-from fedhier.cli import main
-from fedhier.config import RunConfig
+from fedhier.cli.commands import main
+from fedhier.settings.run_config import RunConfig
 from tests.test_async_edges import ASYNC_KEYS, RUNNERS, run
 from tests.test_faults import _same_final, run_interrupted_at
 from tests.test_vectorized import assert_same_runs

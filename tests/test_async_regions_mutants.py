@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from fedhier.async_regions import (
+from fedhier.round.asynchrony.regions import (
     RegionBuffers,
     RegionReport,
     check_tree,
@@ -17,8 +17,8 @@ from fedhier.async_regions import (
     parent_of,
     region_buffers,
 )
-from fedhier.staleness import AsyncEdges
-from fedhier.topology import Hierarchy
+from fedhier.round.asynchrony.settings import AsyncEdges
+from fedhier.tree.hierarchy import Hierarchy
 from tests.helpers import assert_refused
 
 #: 4 edges (two clients each) under regions 0 = {0, 1} and 1 = {2, 3}, under the cloud

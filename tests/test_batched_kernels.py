@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedhier.engines.batched_kernels import (
+from fedhier.engines.vectorized.kernels import (
     EdgeRoundBatches,
     linear_chain_pass,
     linear_chain_training,
     weighted_targets,
 )
-from fedhier.optim import LocalOptimizer
+from fedhier.local.optimizer import LocalOptimizer
 
 LAYERS = [("0.weight", "0.bias"), ("2.weight", "2.bias")]
 

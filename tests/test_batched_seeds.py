@@ -1,5 +1,6 @@
 """Seeds batched into one computation (``fedhier run --engine vectorized --seeds``,
-fedhier/engines/seed_batch.py): each seed's run folder equals its one-seed run, bit for bit."""
+fedhier/engines/vectorized/seed_batch.py): each seed's run folder equals its one-seed run, bit for
+bit."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ from typing import Any
 
 import pytest
 
-from fedhier.cli import main
-from fedhier.cli_flags import EXIT_RUN_FAILED
-from fedhier.config import RunConfig
-from fedhier.engines import seed_batch
-from fedhier.engines.seed_batch import SeedLockstep, parse_seeds, run_seeds
-from fedhier.engines.vectorized import run_vectorized
-from fedhier.errors import ConfigError
-from fedhier.run_folder import RunFolder, read_metrics
+from fedhier.cli.commands import main
+from fedhier.cli.flags import EXIT_RUN_FAILED
+from fedhier.common.errors import ConfigError
+from fedhier.engines.vectorized import seed_batch
+from fedhier.engines.vectorized.engine import run_vectorized
+from fedhier.engines.vectorized.seed_batch import SeedLockstep, parse_seeds, run_seeds
+from fedhier.runs.folder import RunFolder, read_metrics
+from fedhier.settings.run_config import RunConfig
 
 TINY = ["--engine", "vectorized", "--dataset", "digits", "--clients", "8", "--groups", "2",
         "--local-period", "2", "--global-period", "4", "--rounds", "2", "--batch-size", "8",
@@ -122,9 +123,14 @@ def test_parse_seeds() -> None:
 def test_sweep_batch_seeds_writes_the_trials_own_folders(tmp_path: Path) -> None:
     """``fedhier sweep --batch-seeds``: the new seeds of a vectorized arm are one unit (one
     fedhier run --seeds), whose folders equal the trials run one by one; then all done."""
-    from fedhier.sweep.spec import build
-    from fedhier.sweep.trials import run_trial, run_unit, trial_state, trial_units, trials_of
-
+    from fedhier.studies.sweep.spec import build
+    from fedhier.studies.sweep.trials import (
+        run_trial,
+        run_unit,
+        trial_state,
+        trial_units,
+        trials_of,
+    )
     table = {"base": {"clients": 6, "groups": 2, "rounds": 2, "local_period": 2,
                       "global_period": 4, "engine": "vectorized", "min_partition_size": 2},
              "seeds": [3, 4], "grid": {"grouping": ["contiguous"]}}

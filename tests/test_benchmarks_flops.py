@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fedhier.models import build_model
+from fedhier.local.models import build_model
 from tests.helpers import benchmark_engines
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,12 +23,12 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from fedhier.checkpoint import FORMAT_KEY, FORMAT_VERSION, read_checkpoint_file
-from fedhier.cli import main
-from fedhier.errors import DamagedFileError
-from fedhier.state_codec import decode, encode
-from fedhier.topology import Hierarchy
-from fedhier_strategies.cloud_step import FlowerCloudStep, make_cloud_strategy
+from fedhier.cli.commands import main
+from fedhier.common.errors import DamagedFileError
+from fedhier.runs.checkpoint import FORMAT_KEY, FORMAT_VERSION, read_checkpoint_file
+from fedhier.runs.state_codec import decode, encode
+from fedhier.strategies.cloud_step import FlowerCloudStep, make_cloud_strategy
+from fedhier.tree.hierarchy import Hierarchy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,11 +192,11 @@ def test_a_crafted_checkpoint_is_one_line_exit_2(run_folder, tmp_path, capsys, c
 
 
 def test_the_reader_imports_no_strategy_layer_and_refuses_unregistered_classes(run_folder):
-    """fedhier.state_codec imports nothing of the strategy layer: in a process that has not
+    """fedhier.runs.state_codec imports nothing of the strategy layer: in a process that has not
     imported it, a checkpoint holding a Flower cloud strategy names an unregistered class and
     is refused in one line (the CLI imports the layer first: the resume tests above)."""
-    code = ("import sys\nfrom fedhier.checkpoint import read_checkpoint_file\n"
-            "from fedhier.errors import DamagedFileError\n"
+    code = ("import sys\nfrom fedhier.runs.checkpoint import read_checkpoint_file\n"
+            "from fedhier.common.errors import DamagedFileError\n"
             f"try:\n    read_checkpoint_file({str(run_folder / 'checkpoint.pt')!r})\n"
             "except DamagedFileError as exc:\n    print(exc)\n"
             "print(sorted(m for m in sys.modules if m.startswith(('flwr', 'fedhier.strat'))))")
@@ -209,8 +209,7 @@ def test_the_reader_imports_no_strategy_layer_and_refuses_unregistered_classes(r
 def test_a_header_length_that_looks_like_a_pickle_is_still_read(tmp_path, first_byte):
     """A safetensors file opens with its header's length: 0x580 starts with 0x80 like a
     pickle, 0x4B50 with "PK" like a zip; the JSON brace after it says safetensors."""
-    from fedhier.checkpoint import Checkpoint, checkpoint_bytes
-
+    from fedhier.runs.checkpoint import Checkpoint, checkpoint_bytes
     base = Checkpoint(round=3, global_state={"w": torch.arange(6.0).reshape(2, 3)},
                       strategy_state={"note": ""}, wall_seconds=1.5)
     wanted = first_byte if first_byte == 0x80 else 0x4B50

@@ -1,16 +1,16 @@
 """The global model's per-client metrics formed a run of clients at a time
-(fedhier/engines/chunked_eval.py) equal, bit for bit, the all-at-once computation the batched
-engines used before (every client's rows concatenated, one np.unique, one np.bincount)."""
+(fedhier/engines/vectorized/chunked_eval.py) equal, bit for bit, the all-at-once computation the
+batched engines used before (every client's rows concatenated, one np.unique, one np.bincount)."""
 
 import numpy as np
 import torch
 from torch import nn
 
-from fedhier.config import RunConfig
-from fedhier.engines.batched_kernels import ClientRows
-from fedhier.engines.chunked_eval import EVAL_CHUNK, client_metrics, distinct_rows
-from fedhier.run_setup import initial_model, prepare
-from fedhier.train import params_of
+from fedhier.engines.vectorized.chunked_eval import EVAL_CHUNK, client_metrics, distinct_rows
+from fedhier.engines.vectorized.kernels import ClientRows
+from fedhier.local.train import params_of
+from fedhier.runs.prepare import initial_model, prepare
+from fedhier.settings.run_config import RunConfig
 
 
 def all_at_once(model, params, data):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fedhier.cli import main
+from fedhier.cli.commands import main
 
 TINY = ["--clients", "6", "--groups", "2", "--local-period", "2", "--global-period", "4",
         "--rounds", "2", "--no-progress"]

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.faults import RunFailureError
 from fedhier.round.cloud import cloud_update, cloud_update_of_children, step_name, step_on
-from fedhier.topology import Hierarchy
+from fedhier.round.faults import RunFailureError
+from fedhier.tree.hierarchy import Hierarchy
 from tests.helpers import assert_refused
 
 I64 = np.int64

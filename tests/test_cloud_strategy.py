@@ -1,6 +1,6 @@
 """Hierarchical X: Flower strategies applied at the cloud step."""
 
-from fedhier.config import RunConfig
+from fedhier.settings.run_config import RunConfig
 from tests.helpers import initial_state, max_abs_diff, run_hier
 
 BASE = RunConfig(dataset="digits", clients=8, groups=2, batch_size=8, lr=0.1, seed=2,
@@ -35,10 +35,10 @@ def test_a_cloud_step_that_makes_the_model_non_finite_stops_the_run_naming_it():
     from flwr.app import ArrayRecord, ConfigRecord
     from flwr.serverapp.strategy import FedAvg
 
+    from fedhier.clients.app import app as client_app
     from fedhier.engines.inprocess_grid import InProcessGrid
-    from fedhier.faults import RunFailureError
-    from fedhier_clients.app import app as client_app
-    from fedhier_strategies.hierfedavg import HierFedAvg
+    from fedhier.round.faults import RunFailureError
+    from fedhier.strategies.hierfedavg import HierFedAvg
 
     class Exploding(FedAvg):
         def aggregate_train(self, server_round, replies):

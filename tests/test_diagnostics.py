@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from fedhier.common.rng import generator
 from fedhier.data import label_histogram, load_data, partition_clients
-from fedhier.diagnostics import (
+from fedhier.diagnostics.measures import (
     batch_size_bound,
     divergences,
     flat_gradient,
@@ -19,10 +20,9 @@ from fedhier.diagnostics import (
     per_example_gradients,
     sample_gradient_diversity,
 )
-from fedhier.grouping import ClientInfo, assign_groups
-from fedhier.models import build_model
-from fedhier.rng import generator
-from fedhier.train import loss_fn, params_of
+from fedhier.local.models import build_model
+from fedhier.local.train import loss_fn, params_of
+from fedhier.tree.grouping import ClientInfo, assign_groups
 
 NUM_CLIENTS, NUM_EDGES = 40, 4
 

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedhier.aggregate import client_weights
-from fedhier.cli import main
-from fedhier.config import RunConfig
-from fedhier.federation import federation_for
-from fedhier.grouping import ClientInfo
-from fedhier.round_diagnostics import client_diagnostics, direct_client_gradients
-from fedhier.run_setup import initial_model
-from fedhier.topology import build_hierarchy
+from fedhier.cli.commands import main
+from fedhier.data.federation import federation_for
+from fedhier.diagnostics.in_rounds import client_diagnostics, direct_client_gradients
+from fedhier.round.aggregators.averaging import client_weights
+from fedhier.runs.prepare import initial_model
+from fedhier.settings.run_config import RunConfig
+from fedhier.tree.grouping import ClientInfo
+from fedhier.tree.hierarchy import build_hierarchy
 from tests.helpers import run_hier
 
 BASE = RunConfig(dataset="digits", clients=12, groups=3, batch_size=8, lr=0.1, seed=1,
@@ -112,7 +112,7 @@ def test_plugin_grouping_from_a_separate_package(tmp_path):
         [project]
         name = "tinyplug"
         version = "0.1"
-        [project.entry-points."fedhier.grouping"]
+        [project.entry-points."fedhier.tree.grouping"]
         odd-even = "tinyplug:odd_even"
     """))
     target = tmp_path / "site"

@@ -1,4 +1,4 @@
-"""fedhier/diagnostics.py, value by value: the mutants `make mutation` left alive.
+"""fedhier/diagnostics/measures.py, value by value: the mutants `make mutation` left alive.
 
 Tiny float64 models (7 rows, 3 features, 3 classes) against gradients taken one example at a
 time with plain autograd, and divergences worked out by hand.
@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedhier.diagnostics import (
+from fedhier.common.rng import generator
+from fedhier.diagnostics.measures import (
     _linear_chain_sums,
     batch_size_bound,
     divergences,
@@ -23,8 +24,7 @@ from fedhier.diagnostics import (
     per_example_gradients,
     sample_gradient_diversity,
 )
-from fedhier.models import MLP, LogReg, linear_chain
-from fedhier.rng import generator
+from fedhier.local.models import MLP, LogReg, linear_chain
 from tests.helpers import assert_refused
 
 X = torch.tensor([[0.5, -1.0, 2.0], [1.5, 0.2, -0.3], [-2.0, 1.0, 0.0], [0.1, 0.1, 0.1],

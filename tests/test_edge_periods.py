@@ -18,14 +18,13 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from fedhier.cli import main
-from fedhier.config import RunConfig
+from fedhier.cli.commands import main
+from fedhier.clients.app import app as client_app
+from fedhier.common.errors import ConfigError
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.engines.inprocess_grid import InProcessGrid
-from fedhier.engines.vectorized import run_vectorized
-from fedhier.errors import ConfigError
-from fedhier.grouping import ClientInfo
-from fedhier.hsgd import (
+from fedhier.engines.vectorized.engine import run_vectorized
+from fedhier.round.loop import (
     ClientEvaluation,
     EdgeRoundWork,
     HierarchicalSGD,
@@ -33,12 +32,13 @@ from fedhier.hsgd import (
     Params,
     TrainResult,
 )
-from fedhier.plan import Workload
-from fedhier.run_folder import RunFolder
-from fedhier.run_setup import settings_for
-from fedhier.topology import edge_levels_after
-from fedhier_clients.app import app as client_app
-from fedhier_strategies.hierfedavg import HierFedAvg
+from fedhier.round.participants import Workload
+from fedhier.runs.folder import RunFolder
+from fedhier.runs.prepare import settings_for
+from fedhier.settings.run_config import RunConfig
+from fedhier.strategies.hierfedavg import HierFedAvg
+from fedhier.tree.grouping import ClientInfo
+from fedhier.tree.hierarchy import edge_levels_after
 from tests.helpers import assert_same_run, initial_state, max_abs_diff, metrics
 
 BASE = RunConfig(dataset="digits", clients=8, groups=(4,), local_period=2, global_period=4,
@@ -102,7 +102,7 @@ def test_equal_periods_are_the_two_level_run_bit_for_bit(engine, case, tmp_path)
 # ---------------------------------------------------------- a plain step-by-step reference
 class AffineExecutor:
     """Toy clients whose local step is w <- a_j * w + c_j (elementwise), so the result
-    depends on when each edge averages; enough of :class:`fedhier.hsgd.Executor`."""
+    depends on when each edge averages; enough of :class:`fedhier.round.loop.Executor`."""
 
     def __init__(self, sizes: np.ndarray, dim: int = 3) -> None:
         gen = np.random.default_rng(5)

@@ -1,4 +1,4 @@
-"""Edge servers that run their own clients' edge rounds (fedhier.edge_tier): the split round
+"""Edge servers that run their own clients' edge rounds (fedhier.round.tiers.jobs): the split round
 equals the one-process round, through Flower messages on in-process grids (no sockets).
 
 The deployment with real processes is in tests/test_deploy_edges.py.
@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 from flwr.app import Message
 
-from fedhier.config import RunConfig
+from fedhier.clients.app import app as client_app
+from fedhier.common.errors import ConfigError
 from fedhier.engines.deployment.placement import client_placement
 from fedhier.engines.grid_run import run_federation
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.engines.inprocess_grid import InProcessGrid
-from fedhier.errors import ConfigError
-from fedhier.run_folder import RunFolder
-from fedhier_clients.app import app as client_app
-from fedhier_strategies.edge.server import EdgeServer
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
+from fedhier.strategies.edge.server import EdgeServer
 from tests.helpers import metrics
 from tests.test_vectorized import assert_same_runs
 
@@ -131,7 +131,6 @@ def test_what_edge_servers_do_not_run_is_refused_in_one_line(change, message):
 
 def test_the_other_engines_refuse_edge_servers(tmp_path):
     from fedhier.engines.registry import run_engine
-
     with pytest.raises(ConfigError, match="fedhier deploy local --edges"):
         run_engine(BASE.replace(edge_servers=True), RunFolder.create(tmp_path / "r"))
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from fedhier import config
-from fedhier.cli import build_parser
+from fedhier.cli.commands import build_parser
+from fedhier.common.errors import ConfigError
 from fedhier.engines import registry
-from fedhier.errors import ConfigError
+from fedhier.settings import run_config as config
 
 ROOT = Path(__file__).resolve().parents[1]
 

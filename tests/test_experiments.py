@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from fedhier.cli import main
+from fedhier.cli.commands import main
 
 
 def run_suite(tmp_path, name, *extra):
@@ -112,8 +112,7 @@ def test_mobility_suite_sweeps_move_rates_and_times_async_edges(tmp_path):
 
 
 def test_publishing_some_runs_keeps_the_sections_of_the_others(tmp_path):
-    from fedhier.experiments.publish import published_sections
-
+    from fedhier.studies.experiments.publish import published_sections
     results = tmp_path / "results.md"
     results.write_text("# Results\n\n## Claims at a glance\n\n| run | claim | verdict |\n"
                        "|---|---|---|\n| a-run | x holds | holds |\n\n## a-run: sandwich\n\n"
@@ -126,10 +125,9 @@ def test_publishing_some_runs_keeps_the_sections_of_the_others(tmp_path):
 def test_a_run_from_before_a_setting_existed_is_reused(tmp_path):
     """config.json of an older run lacks newer settings: at their defaults it is the same
     run, at another value it is not."""
-    from fedhier.config import RunConfig
-    from fedhier.experiments.runner import _same_config
-    from fedhier.run_folder import write_json
-
+    from fedhier.runs.folder import write_json
+    from fedhier.settings.run_config import RunConfig
+    from fedhier.studies.experiments.runner import _same_config
     cfg = RunConfig(clients=6, groups=(2,))
     saved = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.to_dict().items()
              if k not in ("async_buffer", "max_staleness")}

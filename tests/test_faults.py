@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from fedhier.checkpoint import load_checkpoint
-from fedhier.cli import main
-from fedhier.config import RunConfig, read_toml
-from fedhier.errors import ConfigError
-from fedhier.faults import FaultModel
+from fedhier.cli.commands import main
+from fedhier.common.errors import ConfigError
+from fedhier.round.faults import FaultModel
+from fedhier.runs.checkpoint import load_checkpoint
+from fedhier.settings.run_config import RunConfig, read_toml
 from tests.conftest import examples
 from tests.helpers import interruptible, max_abs_diff, run_hier
 
@@ -169,8 +169,7 @@ def test_ctrl_c_writes_a_checkpoint_and_resume_finishes(tmp_path):
 def run_interrupted_at(round_: int, args: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
     """``main(args)`` with a KeyboardInterrupt (as Ctrl-C) raised when cloud round ``round_``
     is about to be recorded; returns its exit code."""
-    from fedhier.run_recorder import RunRecorder
-
+    from fedhier.runs.recorder import RunRecorder
     record_round = RunRecorder.record_round
 
     def interrupting(self, record):

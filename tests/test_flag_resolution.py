@@ -1,5 +1,5 @@
 """One flag resolution for every command: ``run``, ``experiment`` and ``deploy`` read the same
-flags the same way (fedhier.cli_flags.config_values): a ``--data-path X.npz`` without
+flags the same way (fedhier.cli.flags.config_values): a ``--data-path X.npz`` without
 ``--dataset`` reads the npz in each, the data loaded are the same rows, and ``--periods``
 replaces a suite's two-level periods as it replaces a file's."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhier.cli import build_parser
-from fedhier.cli_flags import config_from_args, prepare_data
+from fedhier.cli.commands import build_parser
+from fedhier.cli.flags import config_from_args, prepare_data
 from fedhier.engines.deployment.cli import resolve_config
-from fedhier.experiments.cli import base_config
+from fedhier.studies.experiments.cli import base_config
 
 
 @pytest.fixture(scope="module")

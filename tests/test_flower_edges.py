@@ -9,13 +9,13 @@ import socket
 
 import pytest
 
-from fedhier.config import RunConfig
+from fedhier.common.errors import ConfigError
 from fedhier.engines.flower_edges import edge_node_app, simulation_nodes
 from fedhier.engines.grid_run import run_federation
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.engines.inprocess_grid import InProcessGrid
-from fedhier.errors import ConfigError
-from fedhier.run_folder import RunFolder
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
 from tests.helpers import assert_same_run, metrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -28,7 +28,6 @@ TOL = 1e-5
 @pytest.mark.slow
 def test_edge_nodes_on_the_simulation_engine_equal_inprocess(tmp_path):
     from fedhier.engines.flower import run_simulation_engine
-
     cfg = SMALL.replace(participation=0.7, fail_rate=0.2)
     run_inprocess(cfg, RunFolder.create(tmp_path / "inprocess"), progress=False)
     run_simulation_engine(cfg.replace(engine="flower", edge_servers=True),
@@ -56,7 +55,6 @@ def test_regions_as_nodes_equal_inprocess(tmp_path):
 
 def test_an_unreachable_ray_address_is_refused_in_one_line(tmp_path):
     from fedhier.engines.flower import run_simulation_engine
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # nothing listens there once closed
@@ -68,7 +66,6 @@ def test_an_unreachable_ray_address_is_refused_in_one_line(tmp_path):
 
 def test_the_engine_registry_lets_flower_run_edge_servers_only():
     from fedhier.engines.registry import run_engine
-
     with pytest.raises(ConfigError, match="--engine flower"):
         run_engine(SMALL.replace(edge_servers=True, engine="vectorized"), None)
 

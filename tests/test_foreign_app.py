@@ -19,15 +19,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 from torch import nn
 
-from fedhier.config import RunConfig
+from fedhier.clients.adapter import HierClient, batch_stream, round_info
+from fedhier.clients.app import app as fedhier_client_app
 from fedhier.data.bundle import bundle_from_arrays
+from fedhier.data.federation import Federation
 from fedhier.engines.inprocess_grid import InProcessGrid
-from fedhier.federation import Federation
-from fedhier.models import build_model
-from fedhier_clients.adapter import HierClient, batch_stream, round_info
-from fedhier_clients.app import app as fedhier_client_app
-from fedhier_strategies.central_eval import central_evaluate
-from fedhier_strategies.hierfedavg import HierFedAvg
+from fedhier.local.models import build_model
+from fedhier.settings.run_config import RunConfig
+from fedhier.strategies.central_eval import central_evaluate
+from fedhier.strategies.hierfedavg import HierFedAvg
 
 NUM_CLIENTS, FEATURES, CLASSES = 6, 12, 3
 LR, BATCH, SEED = 0.2, 8, 3
@@ -137,7 +137,7 @@ def test_toy_app_equals_fedhier_client_app(toy_run, monkeypatch, one_torch_threa
     bounds = np.cumsum([0] + [len(y) for y in ys])
     fed = Federation(bundle=bundle, partitions=[np.arange(bounds[j], bounds[j + 1])
                                                 for j in range(NUM_CLIENTS)])
-    monkeypatch.setattr("fedhier_clients.app.federation_for", lambda cfg: fed)
+    monkeypatch.setattr("fedhier.clients.app.federation_for", lambda cfg: fed)
     assert build_model("mlp", (FEATURES,), CLASSES).state_dict().keys() == \
         TinyMLP().state_dict().keys()
     cfg = RunConfig(dataset="synthetic", model="mlp", clients=NUM_CLIENTS, groups=2,
@@ -188,14 +188,13 @@ def test_from_settings_keeps_every_setting():
     not passed through from_settings would silently take its default."""
     import dataclasses
 
-    from fedhier.hsgd import HSGDSettings
-    from fedhier.mobility import Mobility
-    from fedhier.plan import Workload
-    from fedhier.reply_policy import ReplyPolicy
-    from fedhier.sim_clock import TimeModel
-    from fedhier.staleness import AsyncEdges
-    from fedhier_strategies import HierFedAvg
-
+    from fedhier.round.asynchrony.settings import AsyncEdges
+    from fedhier.round.clock import TimeModel
+    from fedhier.round.loop import HSGDSettings
+    from fedhier.round.participants import Workload
+    from fedhier.round.reply_policy import ReplyPolicy
+    from fedhier.strategies import HierFedAvg
+    from fedhier.tree.mobility import Mobility
     changed = HSGDSettings(
         periods=(2, 8), groups=(2,), grouping="contiguous", weighting="uniform", seed=5,
         workload=Workload(participation=0.5), min_clients_per_edge=1, on_nan="skip-client",

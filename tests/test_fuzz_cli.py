@@ -20,7 +20,7 @@ Profiles (``FEDHIER_FUZZ_PROFILE``): ``fast`` (default; derandomized, a few hund
 
 Counts by surface and exit code are written to ``fuzz-counts.json`` in pytest's base temporary
 folder (or ``$FEDHIER_FUZZ_REPORT``) and printed by the long profile; docs/faults.md quotes
-them. Cases run in-process (``fedhier.cli.main``) with a SIGALRM watchdog; the cases that need
+them. Cases run in-process (``fedhier.cli.commands``) with a SIGALRM watchdog; the cases that need
 a real process (concurrency, signals) are in tests/test_run_folder_lock.py.
 """
 
@@ -47,9 +47,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedhier.cli import main
-from fedhier.config import RunConfig
-from fedhier.ranges import RANGES, choices
+from fedhier.cli.commands import main
+from fedhier.settings.ranges import RANGES, choices
+from fedhier.settings.run_config import RunConfig
 
 PROFILE = os.environ.get("FEDHIER_FUZZ_PROFILE", "fast")
 LONG = PROFILE == "long"
@@ -176,7 +176,7 @@ def assert_valid_run_folder(path: Path) -> None:
 
 def out_of_range(values: dict[str, Any]) -> set[str]:
     """The settings in ``values`` (flag values as typed) that parse as numbers outside their
-    declared range, or are not one of their setting's names (fedhier/ranges.py); unparsable
+    declared range, or are not one of their setting's names (fedhier/settings/ranges.py); unparsable
     numbers are the type checks' business."""
     numeric = {f.name: f.type in (int, "int") for f in fields(RunConfig)}
     names = choices()
@@ -727,8 +727,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``run``: a tiny 2-round run interrupted (Ctrl-C) while recording round 2, so it holds
     the checkpoint of round 1 (a real resumable folder); ``other``: a finished run of another
     model (a foreign checkpoint)."""
-    from fedhier.run_recorder import RunRecorder
-
+    from fedhier.runs.recorder import RunRecorder
     base = tmp_path_factory.mktemp("resume-base")
     flags = [item for k, v in BASE.items() for item in (flag(k), v)]
     for name, model in (("other", "logreg"), ("run", "mlp")):
@@ -751,12 +750,11 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def read_state(path: Path) -> Any:
-    """A checkpoint's stored state, unchecked (safetensors + JSON, fedhier.checkpoint)."""
+    """A checkpoint's stored state, unchecked (safetensors + JSON, fedhier.runs.checkpoint)."""
     from safetensors.torch import load
 
-    from fedhier.checkpoint import FORMAT_KEY, _metadata
-    from fedhier.state_codec import decode
-
+    from fedhier.runs.checkpoint import FORMAT_KEY, _metadata
+    from fedhier.runs.state_codec import decode
     blob = path.read_bytes()
     return decode(json.loads(_metadata(blob)[FORMAT_KEY])["state"], load(blob))
 
@@ -765,9 +763,8 @@ def write_state(path: Path, state: Any) -> None:
     """Store ``state`` as a checkpoint file without checking it is one."""
     from safetensors.torch import save
 
-    from fedhier.checkpoint import FORMAT_KEY, FORMAT_VERSION
-    from fedhier.state_codec import encode
-
+    from fedhier.runs.checkpoint import FORMAT_KEY, FORMAT_VERSION
+    from fedhier.runs.state_codec import encode
     tree, tensors = encode(state)
     header = json.dumps({"version": FORMAT_VERSION, "state": tree})
     path.write_bytes(save(tensors, metadata={FORMAT_KEY: header}))
@@ -960,8 +957,7 @@ class ReachedError(BaseException):
 
 
 def stub_experiment_suites(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fedhier.experiments import diversity_suite, suites
-
+    from fedhier.studies.experiments import diversity_suite, suites
     def reached(*args: Any, **kwargs: Any) -> Any:
         raise ReachedError
 
@@ -1021,7 +1017,6 @@ def test_fuzz_experiment(workdir, monkeypatch, name, options, values):
 def stub_deployment(monkeypatch: pytest.MonkeyPatch) -> None:
     from fedhier.engines.deployment import cli as deploy_cli
     from fedhier.engines.deployment import edge_servers
-
     class Stub:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             raise ReachedError

@@ -6,7 +6,7 @@ reads every file). The rule: a readable file loads (exit 0); a damaged one ends 
 line naming the file (exit 2): never a traceback, never exit 4's "this is a bug" line.
 
 The cases call the loader in-process through the CLI's own error mapping
-(:func:`fedhier.cli_flags.run_command`), so each costs a load, not an interpreter start; two
+(:func:`fedhier.cli.flags.run_command`), so each costs a load, not an interpreter start; two
 subprocess runs of ``fedhier run`` prove the exit code and that an existing run folder given
 to ``--out --overwrite`` is left untouched.
 """
@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhier.cli import build_parser
-from fedhier.cli_flags import EXIT_BAD_INPUT, config_from_args, prepare_data, run_command
+from fedhier.cli.commands import build_parser
+from fedhier.cli.flags import EXIT_BAD_INPUT, config_from_args, prepare_data, run_command
 from fedhier.data.loaders import clear_cache
 
 ROWS, WIDTH, CLASSES = 48, 6, 3
@@ -244,8 +244,7 @@ def test_the_command_exits_2_and_leaves_an_existing_run_folder_alone(originals, 
     """A real ``fedhier run`` process given a truncated .npz and ``--overwrite`` of an
     existing folder exits 2 with one line naming the file and leaves the folder as it was;
     a damaged csv (in-process, through ``main``) creates no run folder."""
-    from fedhier.cli import main
-
+    from fedhier.cli.commands import main
     folder = tmp_path / "earlier-run"
     folder.mkdir()
     (folder / "metrics.jsonl").write_text('{"round": 0}\n')

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from fedhier.errors import ConfigError
-from fedhier.grouping import ClientInfo, assign_groups, available_groupings
+from fedhier.common.errors import ConfigError
+from fedhier.tree.grouping import ClientInfo, assign_groups, available_groupings
 
 
 def info(n: int) -> ClientInfo:
@@ -40,10 +40,10 @@ def test_edge_tag_grouping_places_clients_where_their_supernodes_are_tagged():
     profile query: HierFedAvg's edges are then exactly the tags."""
     from flwr.app import ArrayRecord, ConfigRecord
 
-    from fedhier.config import RunConfig
+    from fedhier.clients.app import app as client_app
     from fedhier.engines.inprocess_grid import InProcessGrid
-    from fedhier_clients.app import app as client_app
-    from fedhier_strategies.hierfedavg import HierFedAvg
+    from fedhier.settings.run_config import RunConfig
+    from fedhier.strategies.hierfedavg import HierFedAvg
     from tests.helpers import initial_state
 
     cfg = RunConfig(clients=6, groups=(3,), local_period=2, global_period=4, rounds=1,

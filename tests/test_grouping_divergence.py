@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.diagnostics import divergences, label_upward_divergence
-from fedhier.grouping import ClientInfo, assign_groups, balanced_sizes
-from fedhier.grouping.divergence import (
+from fedhier.diagnostics.measures import divergences, label_upward_divergence
+from fedhier.tree.grouping import ClientInfo, assign_groups, balanced_sizes
+from fedhier.tree.grouping.divergence import (
     gradient_grouping,
     make_gradient_grouping,
     max_divergence_grouping,

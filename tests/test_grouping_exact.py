@@ -14,7 +14,7 @@ import json
 import numpy as np
 import pytest
 
-from fedhier.cli import main
+from fedhier.cli.commands import main
 
 CLASSES, PER_CLASS, ROWS, EDGES = 3, 4, 5, 4
 

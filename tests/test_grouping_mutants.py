@@ -1,4 +1,4 @@
-"""fedhier/grouping/*, value by value: the mutants `make mutation` left alive.
+"""fedhier/tree/grouping/*, value by value: the mutants `make mutation` left alive.
 
 The registry and plugin loading (exact messages, which entry point wins), the interface
 helpers, the simple groupings by hand, and the divergence search against a second
@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-import fedhier.grouping as registry
-from fedhier.grouping import (
+import fedhier.tree.grouping as registry
+from fedhier.common.rng import generator
+from fedhier.tree.grouping import (
     ClientInfo,
     assign_groups,
     available_groupings,
@@ -29,8 +30,8 @@ from fedhier.grouping import (
     load_plugin,
     plugin_origin,
 )
-from fedhier.grouping.base import NEEDS, balanced_sizes, declares, needs_of
-from fedhier.grouping.divergence import (
+from fedhier.tree.grouping.base import NEEDS, balanced_sizes, declares, needs_of
+from fedhier.tree.grouping.divergence import (
     _positive_weights,
     _seeded_order,
     gradient_grouping,
@@ -40,8 +41,7 @@ from fedhier.grouping.divergence import (
     search_grouping,
     weighted_gram,
 )
-from fedhier.grouping.simple import contiguous_grouping, edge_tag_grouping, random_grouping
-from fedhier.rng import generator
+from fedhier.tree.grouping.simple import contiguous_grouping, edge_tag_grouping, random_grouping
 from tests.helpers import assert_refused as refused
 
 
@@ -106,7 +106,7 @@ def test_names_and_needs():
     assert get_grouping("contiguous") is contiguous_grouping
     refused(lambda: get_grouping("gradient"),
              "the 'gradient' grouping needs client gradients: build it with "
-             "fedhier.grouping.make_gradient_grouping(grads)")
+             "fedhier.tree.grouping.make_gradient_grouping(grads)")
     names = ", ".join(available_groupings())
     refused(lambda: get_grouping("nope"), f"unknown grouping 'nope'; choose one of {names}")
 
@@ -168,24 +168,24 @@ def _ep(name: str, value: str, group: str, dist=None) -> EntryPoint:
 def test_plugins_from_entry_points(monkeypatch):
     pkg = SimpleNamespace(name="demo", version="0.3")
     fake = _Fake({
-        "fedhier.groupings": [_ep("blocks", "fedhier.grouping.simple:contiguous_grouping",
+        "fedhier.groupings": [_ep("blocks", "fedhier.tree.grouping.simple:contiguous_grouping",
                                   "fedhier.groupings", pkg),
-                              _ep("blocks", "fedhier.grouping.simple:random_grouping",
+                              _ep("blocks", "fedhier.tree.grouping.simple:random_grouping",
                                   "fedhier.groupings", pkg),
-                              _ep("random", "fedhier.grouping.simple:contiguous_grouping",
+                              _ep("random", "fedhier.tree.grouping.simple:contiguous_grouping",
                                   "fedhier.groupings", pkg),
                               _ep("broken", "fedhier_no_such_module:f", "fedhier.groupings",
                                   pkg)],
-        "fedhier.grouping": [_ep("old", "fedhier.grouping.simple:contiguous_grouping",
-                                 "fedhier.grouping"),
-                             _ep("blocks", "fedhier.grouping.simple:edge_tag_grouping",
-                                 "fedhier.grouping")],
+        "fedhier.tree.grouping": [_ep("old", "fedhier.tree.grouping.simple:contiguous_grouping",
+                                 "fedhier.tree.grouping"),
+                             _ep("blocks", "fedhier.tree.grouping.simple:edge_tag_grouping",
+                                 "fedhier.tree.grouping")],
     })
     monkeypatch.setattr(registry, "entry_points", fake)
     assert available_groupings() == ["random", "contiguous", "min-divergence",
                                      "max-divergence", "edge-tag", "gradient", "blocks",
                                      "broken", "old"]
-    assert fake.asked[:2] == ["fedhier.groupings", "fedhier.grouping"]
+    assert fake.asked[:2] == ["fedhier.groupings", "fedhier.tree.grouping"]
     assert get_grouping("blocks") is contiguous_grouping  # the first one declared wins
     assert get_grouping("old") is contiguous_grouping  # the legacy group is read too
     assert get_grouping("random") is random_grouping  # a plugin cannot replace a built-in

@@ -1,4 +1,4 @@
-"""Divergence-aware admission (``--handoff MODEL:min-divergence``, fedhier/admission.py).
+"""Divergence-aware admission (``--handoff MODEL:min-divergence``, fedhier/tree/admission.py).
 
 - closed form: 5 clients, 2 classes, 3 edges; the upward divergence of each candidate map is
   worked out by hand and the admitted edge is the one with the lowest;
@@ -12,14 +12,14 @@
 import numpy as np
 import pytest
 
-from fedhier.admission import Move, edge_label_divergence, min_divergence_admission
-from fedhier.cli import main
-from fedhier.config import RunConfig
-from fedhier.diagnostics import label_upward_divergence
+from fedhier.cli.commands import main
+from fedhier.diagnostics.measures import label_upward_divergence
 from fedhier.engines.inprocess import run_inprocess
-from fedhier.engines.vectorized import run_vectorized
-from fedhier.mobility import Mobility, parse_handoff
-from fedhier.run_folder import RunFolder
+from fedhier.engines.vectorized.engine import run_vectorized
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
+from fedhier.tree.admission import Move, edge_label_divergence, min_divergence_admission
+from fedhier.tree.mobility import Mobility, parse_handoff
 from tests.helpers import metrics
 from tests.test_mobility import TINY, assert_same_runs
 

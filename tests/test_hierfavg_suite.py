@@ -6,10 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from fedhier.cli import main
-from fedhier.experiments.hierfavg_suite import _to_target
-from fedhier.experiments.mobility_noniid import label_divergences
-from fedhier.run_folder import read_metrics
+from fedhier.cli.commands import main
+from fedhier.runs.folder import read_metrics
+from fedhier.studies.experiments.hierfavg_suite import _to_target
+from fedhier.studies.experiments.mobility_noniid import label_divergences
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

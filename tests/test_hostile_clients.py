@@ -23,12 +23,12 @@ from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
 from safetensors.torch import load_file
 
-from fedhier.cli_flags import error_text, exit_code_for
-from fedhier.config import RunConfig
+from fedhier.cli.flags import error_text, exit_code_for
+from fedhier.clients import app as fedhier_client
 from fedhier.engines.grid_run import run_federation
 from fedhier.engines.inprocess_grid import InProcessGrid
-from fedhier.run_folder import RunFolder
-from fedhier_clients import app as fedhier_client
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
 
 HOSTILE = 2
 CFG = RunConfig(dataset="digits", clients=6, groups=(2,), local_period=2, global_period=4,
@@ -40,10 +40,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread", "no_plots")
 @pytest.fixture(scope="module")
 def no_plots():
     """The curves are not under test here (two thirds of a run's time)."""
-    import fedhier.plots
+    import fedhier.runs.plots
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fedhier.plots, "plot_runs", lambda *a, **k: None)
+        patch.setattr(fedhier.runs.plots, "plot_runs", lambda *a, **k: None)
         yield
 
 
@@ -262,8 +262,8 @@ def test_a_late_reply_is_dropped_and_a_silent_client_does_not_hang(tmp_path, ref
 LATE_CLIENT_RUN = """
 import sys, time, torch
 import fedhier.engines.inprocess as engine
-import fedhier.plots
-fedhier.plots.plot_runs = fedhier.plots.plot_groups = lambda *args, **kwargs: None
+import fedhier.runs.plots
+fedhier.runs.plots.plot_runs = fedhier.runs.plots.plot_groups = lambda *args, **kwargs: None
 from tests.test_hostile_clients import hostile_app
 
 def busy(reply):  # computes in torch far past the round timeout
@@ -273,7 +273,7 @@ def busy(reply):  # computes in torch far past the round timeout
     return reply
 
 engine.client_app = hostile_app("train", busy)
-from fedhier.cli import main
+from fedhier.cli.commands import main
 sys.argv = ["fedhier", "run", "--dataset", "digits", "--clients", "4", "--groups", "2",
             "--rounds", "1", "--local-period", "1", "--global-period", "1",
             "--round-timeout", "1", "--on-bad-reply", "drop",
@@ -364,8 +364,7 @@ def test_a_client_with_only_the_train_handler_runs_through_fedhier_run(tmp_path)
 def test_allowed_sizes_closed_form():
     import numpy as np
 
-    from fedhier.reply_policy import allowed_sizes
-
+    from fedhier.round.reply_policy import allowed_sizes
     claimed = np.array([100, 10**12, 80, 0, 120, 5000])
     sums = np.array([100, 344, 80, 50, 0, 5000])  # client 1 lies in its claim only
     # min(claim, sum) where both: [100, 344, 80, 0, 120, 5000]; median of the positive
@@ -377,9 +376,8 @@ def test_allowed_sizes_closed_form():
 
 
 def test_on_bad_reply_auto_is_drop_on_real_processes_and_stop_in_simulations():
-    from fedhier.cli_flags import OneLineParser
+    from fedhier.cli.flags import OneLineParser
     from fedhier.engines.deployment.cli import add_parser, resolve_config
-
     def parse(*argv):
         parser = OneLineParser(prog="fedhier")
         add_parser(parser.add_subparsers(dest="command", required=True))
@@ -404,8 +402,7 @@ def test_an_evaluate_reply_without_metrics_is_named(tmp_path, caplog):
 
 
 def test_the_reply_guard_state_round_trips_and_refuses_a_damaged_one():
-    from fedhier.reply_policy import ReplyGuard
-
+    from fedhier.round.reply_policy import ReplyGuard
     guard = ReplyGuard(streak={4: 2, 1: 1}, excluded={3: "3 bad replies in a row"})
     state = guard.state_dict()
     assert state == {"streak": [[1, 1], [4, 2]], "excluded": [[3, "3 bad replies in a row"]]}

@@ -1,4 +1,4 @@
-"""The round written once (fedhier.hsgd): aggregators, grouping needs, and the message
+"""The round written once (fedhier.round.loop): aggregators, grouping needs, and the message
 contract with clients that are not fedhier's own."""
 
 from __future__ import annotations
@@ -9,19 +9,24 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedhier.aggregate import AGGREGATORS, Aggregator, mean_aggregate, median_aggregate
-from fedhier.config import RunConfig
+from fedhier.clients import app as fedhier_client
+from fedhier.common.errors import ConfigError
+from fedhier.data.federation import federation_for
 from fedhier.engines.inprocess_grid import InProcessGrid
-from fedhier.errors import ConfigError
-from fedhier.federation import federation_for
-from fedhier.grouping import grouping_needs
-from fedhier.hsgd import aggregate_levels
-from fedhier.reply_policy import ReplyPolicy
-from fedhier.topology import Hierarchy
-from fedhier.train import batch_indices, local_sgd
-from fedhier_clients import app as fedhier_client
-from fedhier_strategies.contract import ContractError
-from fedhier_strategies.hierfedavg import HierFedAvg
+from fedhier.local.train import batch_indices, local_sgd
+from fedhier.round.aggregators.averaging import (
+    AGGREGATORS,
+    Aggregator,
+    mean_aggregate,
+    median_aggregate,
+)
+from fedhier.round.loop import aggregate_levels
+from fedhier.round.reply_policy import ReplyPolicy
+from fedhier.settings.run_config import RunConfig
+from fedhier.strategies.hierfedavg import HierFedAvg
+from fedhier.strategies.replies import ContractError
+from fedhier.tree.grouping import grouping_needs
+from fedhier.tree.hierarchy import Hierarchy
 from tests.helpers import initial_state, max_abs_diff, run_hier
 
 CFG = RunConfig(dataset="digits", clients=6, groups=(1,), local_period=2, global_period=4,
@@ -121,8 +126,7 @@ def bare_app(reply_fn=None) -> ClientApp:
         config = msg.content["config"]
         steps, start = int(config["local-steps"]), int(config["start-step"])
         x, y = fed.client_tensors(pid, torch.device("cpu"))
-        from fedhier.models import build_model
-
+        from fedhier.local.models import build_model
         model = build_model(CFG.model, fed.bundle.input_shape, fed.bundle.num_classes)
         params, _, _ = local_sgd(model, dict(msg.content["arrays"].to_torch_state_dict()), x, y,
                                  lr=CFG.lr, indices=batch_indices(CFG.seed, pid, len(y),

@@ -1,4 +1,4 @@
-"""The round's loop (fedhier/hsgd.py) driven by a fake executor whose "training" is a closed
+"""The round's loop (fedhier/round/loop.py) driven by a fake executor whose "training" is a closed
 form, so every model, loss and counter of a run is worked out by hand (docs/hsgd.md), written
 against mutmut's survivors (docs/testing.md, "Mutation testing").
 
@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.errors import ConfigError
-from fedhier.faults import RunFailureError
-from fedhier.grouping import ClientInfo
-from fedhier.hsgd import NO_TRAINING, HierarchicalSGD, HSGDSettings
-from fedhier.plan import Workload
+from fedhier.common.errors import ConfigError
 from fedhier.round.executor import ClientEvaluation, EdgeRoundWork, TrainResult
-from fedhier.topology import Hierarchy
+from fedhier.round.faults import RunFailureError
+from fedhier.round.loop import NO_TRAINING, HierarchicalSGD, HSGDSettings
+from fedhier.round.participants import Workload
+from fedhier.tree.grouping import ClientInfo
+from fedhier.tree.hierarchy import Hierarchy
 from tests.helpers import assert_refused
 
 DRIFT = torch.tensor([1.0, 2.0, 3.0, 4.0])
@@ -392,8 +392,7 @@ def test_the_cloud_aggregates_edge_servers_aggregates_by_their_weights():
     ("samples", 2.0, 11 / 5),   # rows capped at 2 x median 1: 2, 1, 1, 1
 ])
 def test_the_evaluation_weighs_by_the_rows_each_client_evaluated(weighting, ratio, expected):
-    from fedhier.reply_policy import ReplyPolicy
-
+    from fedhier.round.reply_policy import ReplyPolicy
     evaluation = ClientEvaluation(loss=np.array([1.0, 2.0, 3.0, 4.0]),
                                   accuracy=np.zeros(4),
                                   num_examples=np.array([4, 1, 1, 1], dtype=np.int64))

@@ -4,9 +4,9 @@ import pytest
 import torch
 from flwr.serverapp.strategy import FedAvg
 
-from fedhier.config import RunConfig
-from fedhier.federation import federation_for
-from fedhier.models import build_model
+from fedhier.data.federation import federation_for
+from fedhier.local.models import build_model
+from fedhier.settings.run_config import RunConfig
 from tests.helpers import initial_state, max_abs_diff, run_flower_strategy, run_hier
 
 BASE = RunConfig(dataset="digits", clients=8, groups=2, batch_size=8, lr=0.1, seed=4,

@@ -3,9 +3,12 @@
 The graph is built from the source with ``ast`` (nothing is imported): every ``import`` and
 ``from ... import`` statement of every module, at module level or inside a function, class,
 ``if TYPE_CHECKING`` block or ``try``. ``import a.b.c`` depends on the module ``a.b.c``;
-``from a.b import c`` on ``a.b.c`` when that is a module, else on ``a.b``. The three import
-packages are the folders of their names: the core ``fedhier``, and Flower's ServerApp and
-ClientApp side ``fedhier_strategies`` and ``fedhier_clients`` (the "Flower layer").
+``from a.b import c`` on ``a.b.c`` when that is a module, else on ``a.b``. The import
+package is ``fedhier``: the core in ``fedhier/``, and Flower's ServerApp and ClientApp side
+``fedhier.strategies`` and ``fedhier.clients`` (the "Flower layer") and the dataset cards
+``fedhier.datasets_cfg`` in the root folders ``strategies/``, ``clients/`` and
+``datasets_cfg/``; the last release's names ``fedhier_strategies`` and ``fedhier_clients``
+are two small forwarding packages inside those folders.
 
 Imports through ``importlib`` (the engine registry's ``"module:function"`` strings) are not
 statements and are not edges: that is how the registry names engines without importing them.
@@ -25,13 +28,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Installed package name -> source folder.
-PACKAGES = {"fedhier": ROOT / "fedhier", "fedhier_strategies": ROOT / "fedhier_strategies",
-            "fedhier_clients": ROOT / "fedhier_clients"}
+PACKAGES = {"fedhier": ROOT / "fedhier", "fedhier.strategies": ROOT / "strategies",
+            "fedhier.clients": ROOT / "clients", "fedhier.datasets_cfg": ROOT / "datasets_cfg",
+            "fedhier_strategies": ROOT / "strategies" / "deprecated_fedhier_strategies",
+            "fedhier_clients": ROOT / "clients" / "deprecated_fedhier_clients"}
 #: The layers above the core (Flower's app components); core modules must not reach them,
 #: not even by a module name in a string for ``importlib`` (hidden from the import graph).
-UPPER_LAYERS = ("fedhier_strategies", "fedhier_clients")
+UPPER_LAYERS = ("fedhier.strategies", "fedhier.clients", "fedhier_strategies",
+                "fedhier_clients")
 #: Where ``flwr`` may be imported: the engine layer and Flower's own app components.
-FLOWER_LAYERS = ("fedhier.engines", "fedhier_strategies", "fedhier_clients")
+FLOWER_LAYERS = ("fedhier.engines", *UPPER_LAYERS)
 #: Modules outside those layers that still import flwr, each with the reason it is allowed.
 FLOWER_ALLOWED: dict[str, str] = {}
 
@@ -39,8 +45,12 @@ FLOWER_ALLOWED: dict[str, str] = {}
 def modules(packages: dict[str, Path] = PACKAGES) -> dict[str, Path]:
     """Every module of the installed package fedhier, by dotted name."""
     found: dict[str, Path] = {}
+    roots = set(packages.values())
     for package, folder in packages.items():
         for path in sorted(folder.rglob("*.py")):
+            if any(root != folder and root in path.parents for root in roots
+                   if folder in root.parents):
+                continue  # a folder inside this one is a package of its own
             parts = path.relative_to(folder).with_suffix("").parts
             if parts[-1] == "__init__":
                 parts = parts[:-1]
@@ -189,10 +199,11 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
 
 def test_the_package_graph_covers_the_three_packages():
     graph = import_graph()
-    assert {"fedhier.cli", "fedhier_strategies.server_app", "fedhier_clients.app",
-            "fedhier_strategies.edge.server", "fedhier.datasets_cfg",
+    assert {"fedhier.cli.commands", "fedhier.strategies.server_app", "fedhier.clients.app",
+            "fedhier.strategies.edge.server", "fedhier.datasets_cfg",
             "fedhier.engines.deployment.cli"} <= graph.keys()
-    assert "fedhier.engines.deployment.cli" in graph["fedhier.cli"]  # a function-level import
+    # a function-level import
+    assert "fedhier.engines.deployment.cli" in graph["fedhier.cli.commands"]
 
 
 def test_find_cycles_reports_a_cycle_through_a_function_level_import():
@@ -238,7 +249,7 @@ USERS = ("tests", "benchmarks", "scripts", "examples")
 def is_core(name: str) -> bool:
     """A module of the core: fedhier outside its engine layer."""
     return (name == "fedhier" or name.startswith("fedhier.")) \
-        and not name.startswith("fedhier.engines")
+        and not name.startswith(("fedhier.engines", *UPPER_LAYERS))
 
 
 def unknown_imports(known: dict[str, Path], name: str, path: Path) -> list[tuple[int, str]]:
@@ -258,12 +269,14 @@ def unknown_imports(known: dict[str, Path], name: str, path: Path) -> list[tuple
 
 def test_unknown_imports_are_found(tmp_path):
     path = tmp_path / "m.py"
-    path.write_text("import fedhier.hsgd\nfrom fedhier.config import RunConfig\n"
-                    "from fedhier.strategies.cloud_step import as_cloud_step\n"
-                    "from fedhier_clients import records, app\nimport os.path\n"
-                    "import fedhier_clients.nothing_here\n")
+    path.write_text("import fedhier.round.loop\nfrom fedhier.settings.run_config import RunConfig\n"
+                    "from fedhier.hsgd import HierarchicalSGD\n"
+                    "from fedhier.clients import app\nimport os.path\n"
+                    "import fedhier.clients.nothing_here\n")
+    # fedhier.hsgd is the last release's name (it still imports, with a warning): code here
+    # uses today's names
     assert unknown_imports(modules(), "m", path) == [
-        (3, "fedhier.strategies.cloud_step.as_cloud_step"), (6, "fedhier_clients.nothing_here")]
+        (3, "fedhier.hsgd.HierarchicalSGD"), (6, "fedhier.clients.nothing_here")]
 
 
 def test_every_import_of_the_packages_names_one_of_their_modules():
@@ -286,11 +299,11 @@ def test_the_core_imports_nothing_of_the_flower_layer():
 
 
 def test_the_client_side_needs_no_server_side():
-    """A SuperNode imports fedhier_clients and the core only: not the strategies, not the
+    """A SuperNode imports fedhier.clients and the core only: not the strategies, not the
     engines (the ServerApp side imports the client side's record codec, not the reverse)."""
     offenders = {name: sorted(t for t in edges
-                              if t.startswith(("fedhier_strategies", "fedhier.engines")))
-                 for name, edges in import_graph().items() if name.startswith("fedhier_clients")}
+                              if t.startswith(("fedhier.strategies", "fedhier.engines")))
+                 for name, edges in import_graph().items() if name.startswith("fedhier.clients")}
     assert not {n: f for n, f in offenders.items() if f}, offenders
 
 
@@ -303,7 +316,7 @@ def test_no_package_edits_its_import_path():
 
 def upper_layer_strings(path: Path) -> list[tuple[int, str]]:
     """(line, text) of each string constant in ``path`` that names a module of the upper
-    layers (``fedhier_strategies.x`` or ``fedhier_strategies.x:function``); docstrings, which
+    layers (``fedhier.strategies.x`` or ``fedhier.strategies.x:function``); docstrings, which
     mention modules in prose, are whole sentences and never match."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -317,21 +330,27 @@ def upper_layer_strings(path: Path) -> list[tuple[int, str]]:
 
 def test_upper_layer_strings_are_found(tmp_path):
     path = tmp_path / "m.py"
-    path.write_text('"""See fedhier_strategies.cloud_step for more."""\nimport importlib\n'
-                    'importlib.import_module("fedhier_strategies.cloud_step")\n'
-                    'X = ("fedhier_clients.app:app", "fedhier.topology")\n')
-    assert upper_layer_strings(path) == [(3, "fedhier_strategies.cloud_step"),
-                                         (4, "fedhier_clients.app:app")]
+    path.write_text('"""See fedhier.strategies.cloud_step for more."""\nimport importlib\n'
+                    'importlib.import_module("fedhier.strategies.cloud_step")\n'
+                    'X = ("fedhier.clients.app:app", "fedhier.tree.hierarchy")\n')
+    assert upper_layer_strings(path) == [(3, "fedhier.strategies.cloud_step"),
+                                         (4, "fedhier.clients.app:app")]
+
+
+#: Core modules whose strings name upper-layer modules, each with the reason.
+NAMES_TABLES = {"fedhier.common.import_names": "the table of import names: where each one's "
+                "files are and the last release's names; it imports one only when asked for it"}
 
 
 def test_the_core_names_no_upper_layer_module_in_a_string():
-    """The checkpoint reader (fedhier.state_codec) once imported the strategy layer by name;
+    """The checkpoint reader (fedhier.runs.state_codec) once imported the strategy layer by name;
     the strategy layer now registers its classes itself."""
     offenders = {name: upper_layer_strings(path) for name, path in modules().items()
-                 if not name.startswith((*UPPER_LAYERS, "fedhier.engines"))}
+                 if not name.startswith((*UPPER_LAYERS, "fedhier.engines"))
+                 and name not in NAMES_TABLES}
     offenders = {name: found for name, found in offenders.items() if found}
     assert not offenders, f"core modules naming upper-layer modules: {offenders}"
-    assert not upper_layer_strings(modules()["fedhier.state_codec"])
+    assert not upper_layer_strings(modules()["fedhier.runs.state_codec"])
 
 
 if __name__ == "__main__":  # python tests/test_import_graph.py: print the cycles

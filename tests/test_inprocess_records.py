@@ -1,5 +1,5 @@
 """The in-process shortcuts change no number: the decoded-record cache
-(fedhier_clients.records) and local_sgd's resident model copy (fedhier.train)."""
+(fedhier.clients.wire.array_records) and local_sgd's resident model copy (fedhier.local.train)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord
 
-from fedhier.models import build_model
-from fedhier.optim import LocalOptimizer
-from fedhier.train import local_sgd, loss_fn, params_of
-from fedhier_clients import records
-from fedhier_clients.records import to_record, to_tensors
+from fedhier.clients.wire import array_records as records
+from fedhier.clients.wire.array_records import to_record, to_tensors
+from fedhier.local.models import build_model
+from fedhier.local.optimizer import LocalOptimizer
+from fedhier.local.train import local_sgd, loss_fn, params_of
 
 TENSORS = {
     "w": torch.randn(4, 3), "b": torch.randn(4), "scalar": torch.tensor(2.5),

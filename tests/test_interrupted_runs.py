@@ -4,7 +4,7 @@ record and its checkpoint, while the checkpoint is written, after the final mode
 resumed with ``fedhier run --resume``, leaves the run folder an uninterrupted run leaves: the
 same records with the same values, the same summary and the same final model bit for bit.
 
-The kill points are deterministic (``FEDHIER_CRASH_AT=N``, :mod:`fedhier.crash_points`): each
+The kill points are deterministic (``FEDHIER_CRASH_AT=N``, :mod:`fedhier.runs.crash_points`): each
 killed run is forked from one forkserver process (one interpreter start, fedhier imported
 once), so twenty kills and resumes cost about twenty tiny runs. Not forked from pytest
 itself: its other threads (Ray's, earlier tests') may hold a lock of torch's BLAS at the
@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from fedhier import crash_points
-from fedhier.cli import main
+from fedhier.cli.commands import main
+from fedhier.runs import crash_points
 
 pytestmark = pytest.mark.skipif(
     "forkserver" not in multiprocessing.get_all_start_methods(), reason="needs a forkserver")
@@ -48,8 +48,7 @@ def _run_killed(point: int, argv: list[str]) -> None:
     thread and no plots, as in the test)."""
     import torch
 
-    from fedhier import plots
-
+    from fedhier.runs import plots
     torch.set_num_threads(1)
     for name in ("plot_runs", "plot_groups"):
         setattr(plots, name, lambda *args, **kwargs: None)
@@ -59,7 +58,7 @@ def _run_killed(point: int, argv: list[str]) -> None:
 
 
 _FORKSERVER = multiprocessing.get_context("forkserver")
-_FORKSERVER.set_forkserver_preload(["fedhier.cli", "fedhier.plots", "torch"])
+_FORKSERVER.set_forkserver_preload(["fedhier.cli.commands", "fedhier.runs.plots", "torch"])
 
 
 def killed_at(point: int, argv: list[str]) -> None:
@@ -94,7 +93,7 @@ def test_twenty_kills_then_resume_equal_the_uninterrupted_run(engine, tmp_path, 
                                                                one_torch_thread):
     monkeypatch.chdir(tmp_path)
     for name in ("plot_runs", "plot_groups"):  # PNGs are not what is compared; 60% of a run
-        monkeypatch.setattr(f"fedhier.plots.{name}", lambda *args, **kwargs: None)
+        monkeypatch.setattr(f"fedhier.runs.plots.{name}", lambda *args, **kwargs: None)
     monkeypatch.setenv(crash_points.ENV, "0")  # count the points, kill at none
     crash_points.reset()
     assert main(run_argv(engine, tmp_path / "whole")) == 0
@@ -147,13 +146,12 @@ def _interrupted_and_resumed(app_factory, cfg, root: Path, monkeypatch) -> tuple
     record and resumed from its round-2 checkpoint (B), on the in-process grid of
     ``app_factory(run)`` (run "A" or "B"; B's app serves both halves, as one deployment
     would): (A's records, B's records), each with its final model's bytes."""
-    import fedhier.recorded_run as recorded_run
-    from fedhier.checkpoint import load_checkpoint
+    import fedhier.runs.driver as recorded_run
     from fedhier.engines.grid_run import run_federation
     from fedhier.engines.inprocess_grid import InProcessGrid
-    from fedhier.run_folder import RunFolder
-
-    monkeypatch.setattr("fedhier.plots.plot_runs", lambda *args, **kwargs: None)
+    from fedhier.runs.checkpoint import load_checkpoint
+    from fedhier.runs.folder import RunFolder
+    monkeypatch.setattr("fedhier.runs.plots.plot_runs", lambda *args, **kwargs: None)
     run_federation(InProcessGrid(app_factory("A"), cfg.clients, seed=cfg.seed), cfg,
                    RunFolder.create(root / "A"), engine="inprocess", progress=False)
     calls = {"n": 0}

@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 
-from fedhier.run_folder import JsonStream, write_json
+from fedhier.runs.folder import JsonStream, write_json
 
 
 def test_a_streamed_array_writes_the_bytes_of_the_whole_list(tmp_path):

@@ -4,15 +4,15 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.aggregate import presence_weights
-from fedhier.config import RunConfig
-from fedhier.federation import federation_for
-from fedhier.models import build_model
-from fedhier.optim import LocalOptimizer
-from fedhier.plan import Workload, plan_edge_round, sample_clients
-from fedhier.run_setup import initial_model
-from fedhier.topology import Hierarchy
-from fedhier.train import batch_indices, evaluate, local_sgd, params_of
+from fedhier.data.federation import federation_for
+from fedhier.local.models import build_model
+from fedhier.local.optimizer import LocalOptimizer
+from fedhier.local.train import batch_indices, evaluate, local_sgd, params_of
+from fedhier.round.aggregators.averaging import presence_weights
+from fedhier.round.participants import Workload, plan_edge_round, sample_clients
+from fedhier.runs.prepare import initial_model
+from fedhier.settings.run_config import RunConfig
+from fedhier.tree.hierarchy import Hierarchy
 from tests.helpers import initial_state, max_abs_diff, run_hier
 
 BASE = RunConfig(dataset="digits", clients=8, groups=2, batch_size=8, lr=0.1, seed=3,

@@ -10,11 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.errors import ConfigError
-from fedhier.faults import RunFailureError
-from fedhier.grouping import ClientInfo
-from fedhier.hsgd import HSGDSettings
-from fedhier.mobility import Mobility
+from fedhier.common.errors import ConfigError
+from fedhier.round.faults import RunFailureError
+from fedhier.round.loop import HSGDSettings
 from fedhier.round.membership import (
     Handoff,
     Membership,
@@ -25,7 +23,9 @@ from fedhier.round.membership import (
     membership_for,
     regroup_due,
 )
-from fedhier.topology import Hierarchy, build_hierarchy
+from fedhier.tree.grouping import ClientInfo
+from fedhier.tree.hierarchy import Hierarchy, build_hierarchy
+from fedhier.tree.mobility import Mobility
 from tests.helpers import assert_refused
 
 I64 = np.int64

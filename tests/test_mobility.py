@@ -18,15 +18,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedhier.aggregate import presence_weights
-from fedhier.cli import main
-from fedhier.config import RunConfig
+from fedhier.cli.commands import main
+from fedhier.common.errors import ConfigError
 from fedhier.engines.inprocess import run_inprocess
-from fedhier.engines.vectorized import run_vectorized
-from fedhier.errors import ConfigError
-from fedhier.mobility import Mobility, read_reachability, read_trace
-from fedhier.run_folder import RunFolder
-from fedhier.topology import Hierarchy
+from fedhier.engines.vectorized.engine import run_vectorized
+from fedhier.round.aggregators.averaging import presence_weights
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
+from fedhier.tree.hierarchy import Hierarchy
+from fedhier.tree.mobility import Mobility, read_reachability, read_trace
 from tests.helpers import metrics
 
 BASE = RunConfig(dataset="digits", clients=8, groups=(2,), local_period=2, global_period=4,

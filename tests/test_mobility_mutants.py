@@ -1,4 +1,4 @@
-"""fedhier/mobility.py, value by value: the mutants `make mutation` left alive.
+"""fedhier/tree/mobility.py, value by value: the mutants `make mutation` left alive.
 
 The Markov maps against a second implementation written from the module docstring (the
 documented draws of ``generator(seed, "mobility", cloud round, client)``), traced maps and
@@ -12,15 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhier.errors import ConfigError
-from fedhier.mobility import (
+from fedhier.common.errors import ConfigError
+from fedhier.common.rng import generator
+from fedhier.tree.mobility import (
     HANDOFFS,
     Mobility,
     parse_handoff,
     read_reachability,
     read_trace,
 )
-from fedhier.rng import generator
 from tests.helpers import assert_refused as refused
 
 

@@ -5,7 +5,7 @@ the oracle knows each client's rows without asking fedhier. Runs go through `fed
 (logreg, full batches, constant learning rate) on the ``inprocess`` (Flower messages) and
 ``vectorized`` engines; the oracle recomputes the final model in float64 from the initial
 model the run wrote. Who trains and how many steps comes from the documented seeded draws
-(`fedhier.rng.generator(seed, purpose, ids)`, docs/hsgd.md), a trace, or the run's records;
+(`fedhier.common.rng.generator(seed, purpose, ids)`, docs/hsgd.md), a trace, or the run's records;
 how those facts become numbers is the oracle's own arithmetic.
 """
 
@@ -22,8 +22,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp.strategy import FedAdam
 from safetensors.numpy import load_file
 
-from fedhier.cli import main
-from fedhier.rng import generator
+from fedhier.cli.commands import main
+from fedhier.common.rng import generator
 from tests import oracle_hsgd as oracle
 
 TOL = 1e-6
@@ -56,7 +56,7 @@ def tiny_data(folder) -> dict:
 @pytest.fixture(autouse=True)
 def _no_plots(monkeypatch: pytest.MonkeyPatch) -> None:
     """Figures are not what is checked here (they cost most of a tiny run's time)."""
-    import fedhier.plots as plots
+    import fedhier.runs.plots as plots
 
     for name in ("plot_runs", "plot_groups", "plot_groups_history"):
         monkeypatch.setattr(plots, name, lambda *a, **k: None)
@@ -366,7 +366,7 @@ def record(model: oracle.Model) -> ArrayRecord:
 def flower_fedadam() -> oracle.CloudStep:
     """The cloud step through Flower's own FedAdam: configure_train with the current global
     model, aggregate_train over the edges' averages carrying their weights."""
-    from fedhier_strategies.cloud_step import ChildrenGrid, _ensure_task_identity
+    from fedhier.strategies.cloud_step import ChildrenGrid, _ensure_task_identity
 
     strategy = FedAdam(min_available_nodes=1, min_train_nodes=1, min_evaluate_nodes=0,
                        fraction_evaluate=0.0)
@@ -435,10 +435,9 @@ def test_async_edges_with_per_edge_periods(data, engine):
                                                   ((2, 6, 12), ()), ((1, 4), (1, 2, 4, 2)),
                                                   ((2, 8, 16), (2, 4, 8, 8))])
 def test_the_schedule_is_the_documented_one(periods, edge_periods):
-    """fedhier.topology's schedule (every engine's) against the oracle's reading of the
+    """fedhier.tree.hierarchy's schedule (every engine's) against the oracle's reading of the
     docs, step by step: a level off by one fails here with the step that differs."""
-    from fedhier.topology import edge_levels_after
-
+    from fedhier.tree.hierarchy import edge_levels_after
     p = oracle.Problem(xs=[], ys=[], edge_of=np.arange(4), periods=periods)
     for step in range(3 * periods[-1]):
         want = [p.level_after(step + 1, edge_periods[i] if edge_periods else None)

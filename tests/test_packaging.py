@@ -27,7 +27,7 @@ import pytest
 pytestmark = pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning")
 ROOT = Path(__file__).resolve().parents[1]
 #: The import packages: each is the source folder of its name, in the wheel as in the FAB.
-PACKAGE_FOLDERS = ("fedhier", "fedhier_strategies", "fedhier_clients")
+PACKAGE_FOLDERS = ("fedhier", "fedhier.strategies", "fedhier.clients")
 _SKIP = shutil.ignore_patterns(".venv", ".git", "runs", "build", "dist", "*.egg-info",
                                "__pycache__", ".*_cache", "*.fab")
 
@@ -43,9 +43,9 @@ def test_fab_carries_what_the_apps_import():
     from flwr.cli.build import build_fab_from_disk
 
     names = set(zipfile.ZipFile(io.BytesIO(build_fab_from_disk(ROOT))).namelist())
-    for needed in ("pyproject.toml", "fedhier/__init__.py", "fedhier/run_setup.py",
-                   "fedhier_strategies/server_app.py", "fedhier_clients/app.py",
-                   "fedhier/datasets_cfg/digits.toml", "fedhier/datasets_cfg/shakespeare.toml"):
+    for needed in ("pyproject.toml", "fedhier/__init__.py", "fedhier/runs/prepare.py",
+                   "strategies/server_app.py", "clients/app.py",
+                   "datasets_cfg/digits.toml", "datasets_cfg/shakespeare.toml"):
         assert needed in names
     for folder in PACKAGE_FOLDERS:
         for init in (ROOT / folder).rglob("__init__.py"):
@@ -55,13 +55,13 @@ def test_fab_carries_what_the_apps_import():
 
 def test_source_tree_imports_the_packages():
     """From a checkout (or an unpacked FAB) on sys.path, the three packages are its folders."""
-    code = ("import fedhier_strategies, fedhier_clients.app, fedhier.datasets_cfg, sys; "
-            "print(fedhier_strategies.__file__)")
+    code = ("import fedhier.strategies, fedhier.clients.app, fedhier.datasets_cfg, sys; "
+            "print(fedhier.strategies.__file__)")
     done = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, "
                            f"{str(ROOT)!r}); {code}"], capture_output=True, text=True,
                           cwd="/", timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str(ROOT / "fedhier_strategies" / "__init__.py")
+    assert done.stdout.strip() == str(ROOT / "fedhier.strategies" / "__init__.py")
 
 
 # --------------------------------------------------------------------------- the wheel
@@ -125,16 +125,16 @@ def test_components_load_from_the_fab_in_two_threads(tmp_path):
         fab = {str(fab)!r}
         out = {{}}
         def server():
-            out["server"] = type(load_app("fedhier_strategies.server_app:app", ValueError,
+            out["server"] = type(load_app("fedhier.strategies.server_app:app", ValueError,
                                           fab)).__name__
         def client():
-            assert validate("fedhier_clients.app:app", project_dir=fab) == (True, None)
-            out["client"] = type(load_app("fedhier_clients.app:app", ValueError, fab)).__name__
+            assert validate("fedhier.clients.app:app", project_dir=fab) == (True, None)
+            out["client"] = type(load_app("fedhier.clients.app:app", ValueError, fab)).__name__
         threads = [threading.Thread(target=server), threading.Thread(target=client)]
         for t in threads: t.start()
         for t in threads: t.join()
-        import fedhier, fedhier_clients
-        print(out["server"], out["client"], fedhier.__file__, fedhier_clients.__file__)
+        import fedhier, fedhier.clients
+        print(out["server"], out["client"], fedhier.__file__, fedhier.clients.__file__)
     """)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     for _ in range(3):
@@ -144,7 +144,7 @@ def test_components_load_from_the_fab_in_two_threads(tmp_path):
         server, client, init, clients = done.stdout.split()
         assert (server, client) == ("ServerApp", "ClientApp")
         assert init == str(fab / "fedhier" / "__init__.py")
-        assert clients == str(fab / "fedhier_clients" / "__init__.py")
+        assert clients == str(fab / "fedhier.clients" / "__init__.py")
 
 
 @pytest.mark.slow
@@ -153,7 +153,7 @@ def test_wheel_holds_every_package_and_the_cards(wheel_venv):
     names = zipfile.ZipFile(wheel).namelist()
     packages = {str(Path(n).parent) for n in names if n.endswith("/__init__.py")}
     assert packages == _source_packages()
-    cards = {Path(n).name for n in names if n.startswith("fedhier/datasets_cfg/")
+    cards = {Path(n).name for n in names if n.startswith("datasets_cfg/")
              and n.endswith(".toml")}
     assert cards == {p.name for p in (ROOT / "fedhier" / "datasets_cfg").glob("*.toml")}
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
@@ -168,11 +168,11 @@ def test_installed_wheel_runs_a_job_from_another_folder(wheel_venv, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    probe = ("import json, fedhier, fedhier_strategies, fedhier_clients.app\n"
-             "from fedhier_strategies import HierFedAvg\n"
+    probe = ("import json, fedhier, fedhier.strategies, fedhier.clients.app\n"
+             "from fedhier.strategies import HierFedAvg\n"
              "from fedhier.data import available_datasets, load_data\n"
              "print(json.dumps({'fedhier': fedhier.__file__, 'hier': HierFedAvg.__module__,\n"
-             "  'strategies': fedhier_strategies.__file__, 'cards': available_datasets(),\n"
+             "  'strategies': fedhier.strategies.__file__, 'cards': available_datasets(),\n"
              "  'digits_rows': len(load_data('digits', seed=0).train)}))\n")
     done = subprocess.run([str(venv / "bin" / "python"), "-c", probe], cwd=elsewhere, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -180,7 +180,7 @@ def test_installed_wheel_runs_a_job_from_another_folder(wheel_venv, tmp_path):
     seen = json.loads(done.stdout)
     assert Path(seen["fedhier"]).is_relative_to(venv)
     assert Path(seen["strategies"]).is_relative_to(venv)
-    assert seen["hier"] == "fedhier_strategies.hierfedavg"
+    assert seen["hier"] == "fedhier.strategies.hierfedavg"
     cards = ROOT / "fedhier" / "datasets_cfg"
     assert seen["cards"] == sorted(p.stem for p in cards.glob("*.toml"))
     assert seen["digits_rows"] == 1437

@@ -1,4 +1,4 @@
-"""A model as one object of a Flower message (fedhier_clients/packed_model.py): the blob's round
+"""A model as one object of a Flower message (clients/wire/packed_model.py): the blob's round
 trip is bit-exact in dtypes, shapes, names and order; malformed blobs are refused; only
 fedhier's own ends send it (an edge server to fedhier's ClientApp, cloud <-> edge), while a
 client that does not announce it gets Flower's ArrayRecord; and either way the edge tier's
@@ -16,16 +16,16 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.clientapp import ClientApp
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from fedhier.config import RunConfig
+from fedhier.clients.app import app as client_app
+from fedhier.clients.wire import packed_model as pm
 from fedhier.engines.deployment.placement import client_placement
 from fedhier.engines.grid_run import run_federation
 from fedhier.engines.inprocess_grid import InProcessGrid
-from fedhier.models import build_model
-from fedhier.run_folder import RunFolder
-from fedhier_clients import packed_model as pm
-from fedhier_clients.app import app as client_app
-from fedhier_strategies.contract import ContractError, read_train_reply
-from fedhier_strategies.edge.server import EdgeServer
+from fedhier.local.models import build_model
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
+from fedhier.strategies.edge.server import EdgeServer
+from fedhier.strategies.replies import ContractError, read_train_reply
 from tests.helpers import assert_same_run
 from tests.test_edge_tier import EdgeServersApp
 

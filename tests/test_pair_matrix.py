@@ -29,11 +29,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedhier.cli import main
-from fedhier.config import RunConfig
+from fedhier.cli.commands import main
+from fedhier.common.errors import ConfigError
 from fedhier.engines.registry import run_engine
-from fedhier.errors import ConfigError
-from fedhier.run_folder import RunFolder
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
 from tests.helpers import metrics
 from tests.test_vectorized import assert_same_runs
 
@@ -218,7 +218,7 @@ class Runs:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
-    import fedhier.plots as plots
+    import fedhier.runs.plots as plots
 
     with pytest.MonkeyPatch.context() as patch:
         for name in ("plot_runs", "plot_groups", "plot_groups_history"):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flwr_datasets.partitioner import DirichletPartitioner, PathologicalPartitioner
 
+from fedhier.common.errors import DataError
 from fedhier.data.bundle import DataBundle, bundle_from_arrays
 from fedhier.data.partition import (
     AUTO_MIN_PARTITION_CAP,
@@ -23,7 +24,6 @@ from fedhier.data.partition import (
     partition_clients,
     quiet_progress,
 )
-from fedhier.errors import DataError
 from tests.helpers import assert_refused
 
 # 40 rows, 4 classes: labels 0..3 in a scrambled but fixed order, 10 rows each

@@ -1,13 +1,13 @@
-"""fedhier.permutations reproduces NumPy's seeded permutations exactly, and
+"""fedhier.common.permutations reproduces NumPy's seeded permutations exactly, and
 clients_batch_indices reproduces batch_indices client by client."""
 
 import numpy as np
 import pytest
 import torch
 
-from fedhier.permutations import MIN_BATCH, permutations
-from fedhier.rng import generator
-from fedhier.train import batch_indices, clients_batch_indices
+from fedhier.common.permutations import MIN_BATCH, permutations
+from fedhier.common.rng import generator
+from fedhier.local.train import batch_indices, clients_batch_indices
 
 
 def _numpy(seed, purpose, ids, lengths):
@@ -66,10 +66,9 @@ def test_clients_batch_indices_equal_batch_indices(first_client):
 def test_minibatch_rows_in_blocks_equal_one_block(monkeypatch):
     """The vectorized engine draws the indices of blocks of clients: the same rows whatever
     the block."""
-    import fedhier.engines.batched_kernels as batched
-    from fedhier.config import RunConfig
-    from fedhier.run_setup import prepare
-
+    import fedhier.engines.vectorized.kernels as batched
+    from fedhier.runs.prepare import prepare
+    from fedhier.settings.run_config import RunConfig
     fed = prepare(RunConfig(clients=30, groups=(3,), alpha=0.5, batch_size=4))
     data = batched.ClientRows.build(fed, 4, torch.device("cpu"))
     whole = data.minibatch_rows(3, 4, 7, 10)

@@ -1,7 +1,7 @@
-"""Who trains and for how many steps (fedhier/plan.py), worked out by hand from docs/hsgd.md,
-written against mutmut's survivors (docs/testing.md, "Mutation testing").
+"""Who trains and for how many steps (fedhier/round/participants.py), worked out by hand from
+docs/hsgd.md, written against mutmut's survivors (docs/testing.md, "Mutation testing").
 
-The draws are the documented ones, ``generator(seed, purpose, ids)`` of fedhier/rng.py:
+The draws are the documented ones, ``generator(seed, purpose, ids)`` of fedhier/common/rng.py:
 "participation" (edge round, edge) picks ⌈f·n_i⌉ of an edge's n_i members without
 replacement, "stragglers" marks the clients whose uniform draw is below the fraction, and
 "straggler-steps" (edge round, client) draws a straggler's steps in [min(k, I-1), I-1]
@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedhier.plan import Workload, plan_edge_round, sample_clients, stragglers
-from fedhier.topology import Hierarchy
+from fedhier.round.participants import Workload, plan_edge_round, sample_clients, stragglers
+from fedhier.tree.hierarchy import Hierarchy
 
 SEED = 7
 EDGE_OF = np.array([0, 1, 0, 1, 1, 0])
@@ -183,8 +183,7 @@ def test_fednova_leaves_the_edges_that_do_not_plan_at_scale_one():
 def test_members_by_edge_is_each_edges_flatnonzero():
     """One stable sort gives every edge's clients as ``np.flatnonzero(edge_of == e)`` does
     (increasing ids; an edge without clients empty), so sampling draws the same clients."""
-    from fedhier.plan import members_by_edge
-
+    from fedhier.round.participants import members_by_edge
     edge_of = np.random.default_rng(3).integers(0, 7, size=200)
     edge_of[edge_of == 4] = 5  # edge 4 has no clients
     got = members_by_edge(edge_of, 8)

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhier.cli import main
-from fedhier.config import RunConfig
-from fedhier.errors import ConfigError
-from fedhier.grouping import ClientInfo, assign_groups, available_groupings
+from fedhier.cli.commands import main
+from fedhier.common.errors import ConfigError
+from fedhier.settings.run_config import RunConfig
+from fedhier.tree.grouping import ClientInfo, assign_groups, available_groupings
 
 PLUGIN_MODULE = textwrap.dedent("""
     import numpy as np
@@ -50,7 +50,7 @@ PYPROJECT = textwrap.dedent("""
     not-callable = "fedhier_demo_plugin:NOT_A_FUNCTION"
     random = "fedhier_demo_plugin:odd_even"
 
-    [project.entry-points."fedhier.grouping"]
+    [project.entry-points."fedhier.tree.grouping"]
     odd-even-legacy = "fedhier_demo_plugin:odd_even"
 """)
 

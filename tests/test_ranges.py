@@ -1,4 +1,4 @@
-"""Every numeric setting has one declared range (fedhier/ranges.py), and both ways in
+"""Every numeric setting has one declared range (fedhier/settings/ranges.py), and both ways in
 honour it: a value at each end runs, the nearest value across an end is refused with one
 line naming the setting (RunConfig and `fedhier run`, exit code 2)."""
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from fedhier.cli import main
-from fedhier.config import RunConfig
-from fedhier.errors import ConfigError
-from fedhier.ranges import RANGES, choices
+from fedhier.cli.commands import main
+from fedhier.common.errors import ConfigError
+from fedhier.settings.ranges import RANGES, choices
+from fedhier.settings.run_config import RunConfig
 
 NUMERIC = {f.name: f.type in (int, "int") for f in fields(RunConfig)
            if f.type in (int, float, "int", "float")}
@@ -38,8 +38,8 @@ def documented() -> tuple[dict[str, str], set[str]]:
 
 
 def test_the_code_checks_the_documented_ranges():
-    """The docs are the contract: a range changed in fedhier/ranges.py alone (an upper bound
-    dropped, a name set no longer checked) fails here, not only in the derived cases."""
+    """The docs are the contract: a range changed in fedhier/settings/ranges.py alone (an upper
+    bound dropped, a name set no longer checked) fails here, not only in the derived cases."""
     rows, names = documented()
     assert {name: valid.describe() for name, valid in RANGES.items()} == rows
     assert set(choices()) == names
@@ -118,8 +118,7 @@ def test_grouping_newline_example():  # the exact case the issue reports
 def test_range_examples_and_wording():
     """The derived cases themselves (computed at collection, where mutation testing cannot
     see them): each end and its neighbour across, in the words the docs use."""
-    from fedhier.ranges import AT_LEAST_1, POSITIVE, UNIT, UNIT_OPEN_TOP, Range
-
+    from fedhier.settings.ranges import AT_LEAST_1, POSITIVE, UNIT, UNIT_OPEN_TOP, Range
     assert UNIT.examples(False) == ([0, 1], [-0.5, 1.5])
     assert UNIT_OPEN_TOP.examples(False) == ([0, 0.75], [-0.5, 1])
     assert POSITIVE.examples(False) == ([0.25], [0])

@@ -1,4 +1,4 @@
-"""Exact values of the round's records part (fedhier/round/records.py), case by case: the
+"""Exact values of the round's records part (fedhier/round/record_fields.py), case by case: the
 tests written against its mutation survivors (docs/testing.md, "Mutation testing")."""
 
 import logging
@@ -7,11 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-import fedhier.round.records as records
+import fedhier.round.record_fields as records
+from fedhier.diagnostics.in_rounds import client_diagnostics
 from fedhier.round.executor import ClientEvaluation
-from fedhier.round.records import client_accuracy_summary, diagnostics_record, evaluation_metrics
-from fedhier.round_diagnostics import client_diagnostics
-from fedhier.topology import Hierarchy
+from fedhier.round.record_fields import (
+    client_accuracy_summary,
+    diagnostics_record,
+    evaluation_metrics,
+)
+from fedhier.tree.hierarchy import Hierarchy
 
 NAN = float("nan")
 TREE = Hierarchy((1, 2), (np.array([0, 0, 1, 1], dtype=np.int64),))

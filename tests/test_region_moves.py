@@ -1,4 +1,4 @@
-"""Clients that move between edge servers under region servers (fedhier.edge_moves with
+"""Clients that move between edge servers under region servers (fedhier.round.tiers.moves with
 `--edges 4 --regions 2`): the split round, with moved clients re-attached to their new edges
 (some under the other region), equals the simulated mobile run (inprocess) to 1e-5, both
 handoffs, on nested in-process grids (no sockets; a client's node moves from one edge's grid
@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhier.config import RunConfig
+from fedhier.common.errors import ConfigError
 from fedhier.engines.deployment import reattach as reattach_module
 from fedhier.engines.grid_run import run_federation
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.engines.inprocess_grid import InProcessGrid
-from fedhier.errors import ConfigError
-from fedhier.run_folder import RunFolder
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
 from tests.helpers import interrupt_at_crash_point, metrics
 from tests.test_deploy_mobility import BASE as TWO_LEVELS
 from tests.test_deploy_mobility import InProcessReattacher, without_handoffs
@@ -106,10 +106,9 @@ def test_a_resumed_mobile_run_equals_the_uninterrupted_one(cfg, tmp_path, monkey
     """Stopped after cloud round 1 (a checkpoint every round), resumed on fresh grids (every
     client back at its first edge): the resumed run re-attaches the clients that moved to
     where the checkpoint's tree puts them and equals the simulated mobile run."""
-    import fedhier.recorded_run as recorded_run
-    from fedhier.checkpoint import load_checkpoint
-
-    monkeypatch.setattr("fedhier.plots.plot_runs", lambda *args, **kwargs: None)
+    import fedhier.runs.driver as recorded_run
+    from fedhier.runs.checkpoint import load_checkpoint
+    monkeypatch.setattr("fedhier.runs.plots.plot_runs", lambda *args, **kwargs: None)
     cfg = cfg.replace(checkpoint_every=1)
     run_inprocess(cfg, RunFolder.create(tmp_path / "ref", cfg), progress=False)
     split = cfg.replace(edge_servers=True)

@@ -4,10 +4,10 @@ tests written against its mutation survivors (docs/testing.md, "Mutation testing
 import numpy as np
 import pytest
 
-from fedhier.errors import ConfigError
-from fedhier.grouping import ClientInfo
+from fedhier.common.errors import ConfigError
 from fedhier.round.restore import Restored
-from fedhier.topology import Hierarchy
+from fedhier.tree.grouping import ClientInfo
+from fedhier.tree.hierarchy import Hierarchy
 from tests.helpers import assert_refused
 
 TREE = Hierarchy((1, 2), (np.array([0, 1, 1], dtype=np.int64),))

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.aggregate import aggregator
-from fedhier.errors import ConfigError
-from fedhier.hsgd import aggregate_levels
-from fedhier.topology import Hierarchy
+from fedhier.common.errors import ConfigError
+from fedhier.round.aggregators.averaging import aggregator
+from fedhier.round.loop import aggregate_levels
+from fedhier.tree.hierarchy import Hierarchy
 
 ONE = torch.zeros(5, dtype=torch.int64)
 W5 = torch.ones(5, dtype=torch.float64)
@@ -88,8 +88,7 @@ def test_rule_names_and_parameters_are_checked():
 
 def test_a_non_finite_krum_parameter_is_a_user_error(tmp_path, capsys):
     """``fedhier run --aggregators krum:nan`` (or inf, 1e400): one line, exit 2 (not 4)."""
-    from fedhier.cli import main
-
+    from fedhier.cli.commands import main
     for bad in ("krum:nan", "multi-krum:1e400"):
         assert main(["run", "--aggregators", bad, "--out", str(tmp_path / bad),
                      "--no-progress"]) == 2

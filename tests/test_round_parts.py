@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.hsgd import HierarchicalSGD, HSGDSettings
-from fedhier.mobility import Mobility
-from fedhier.plan import Workload
 from fedhier.round.executor import EdgeRoundWork
+from fedhier.round.loop import HierarchicalSGD, HSGDSettings
 from fedhier.round.membership import Moving, Regrouping, RoundPace, membership_for
+from fedhier.round.participants import Workload
 from fedhier.round.schedule import EdgePeriods, EqualPeriods, schedule_for
 from fedhier.round.updates import scale_updates
-from fedhier.topology import Hierarchy
+from fedhier.tree.hierarchy import Hierarchy
+from fedhier.tree.mobility import Mobility
 
 ROOT = Path(__file__).resolve().parents[1]
 

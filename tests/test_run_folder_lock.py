@@ -28,12 +28,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedhier import devices
-from fedhier.cli import main
-from fedhier.errors import ConfigError
-from fedhier.faults import RunFailureError
-from fedhier.run_lock import RunFolderBusyError, RunLock
-from fedhier.run_recorder import RunRecorder
+from fedhier.cli.commands import main
+from fedhier.common.errors import ConfigError
+from fedhier.local import devices
+from fedhier.round.faults import RunFailureError
+from fedhier.runs.lock import RunFolderBusyError, RunLock
+from fedhier.runs.recorder import RunRecorder
 
 TINY = ["--rounds", "1", "--clients", "4", "--groups", "2", "--local-period", "1",
         "--global-period", "2", "--no-progress"]
@@ -43,8 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 #: DIR/release: a live process holding its run folder at a known moment.
 HOLDER = textwrap.dedent("""
     import pathlib, sys, time
-    from fedhier.cli import main
-    from fedhier.run_recorder import RunRecorder
+    from fedhier.cli.commands import main
+    from fedhier.runs.recorder import RunRecorder
     signals = pathlib.Path(sys.argv[1])
     original = RunRecorder.record_round
     def record(self, r):
@@ -134,7 +134,7 @@ def test_lock_is_exclusive_and_dies_with_its_holder(tmp_path):
         RunLock(folder).acquire()
     assert not (folder / ".lock").exists()  # removed on release
     # a holder killed with SIGKILL leaves the file but not the lock
-    script = (f"import time; from fedhier.run_lock import RunLock; "
+    script = (f"import time; from fedhier.runs.lock import RunLock; "
               f"RunLock({str(folder)!r}).acquire(); print('locked', flush=True); "
               "time.sleep(300)")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -184,12 +184,12 @@ def test_failed_start_leaves_no_folder(tmp_path, capsys, monkeypatch):
 
 
 def test_internal_error_is_one_line_with_exit_4(tmp_path, capsys, monkeypatch):
-    import fedhier.cli
+    import fedhier.cli.commands
 
     def broken(*args, **kwargs):
         raise AssertionError("Torch not compiled with CUDA enabled")
 
-    monkeypatch.setattr(fedhier.cli, "run_engine", broken)
+    monkeypatch.setattr(fedhier.cli.commands, "run_engine", broken)
     out = tmp_path / "run"
     assert main(["run", *TINY, "--out", str(out)]) == 4
     line = one_line(capsys.readouterr().err)
@@ -252,7 +252,7 @@ def test_read_only_output_location_fails_cleanly(tmp_path, capsys):
 
 def test_disk_full_during_the_run_fails_cleanly(tmp_path, capsys, monkeypatch):
     """ENOSPC from the run folder's own fsync in cloud round 2 (no mount needed)."""
-    import fedhier.run_folder
+    import fedhier.runs.folder
 
     out = tmp_path / "run"
     calls = {"n": 0}
@@ -264,7 +264,7 @@ def test_disk_full_during_the_run_fails_cleanly(tmp_path, capsys, monkeypatch):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real_fsync(fd)
 
-    monkeypatch.setattr(fedhier.run_folder.os, "fsync", fsync)
+    monkeypatch.setattr(fedhier.runs.folder.os, "fsync", fsync)
     assert main(["run", *TINY, "--rounds", "3", "--out", str(out)]) == 5
     line = one_line(capsys.readouterr().err)
     assert "metrics.jsonl" in line and "No space left on device" in line, line
@@ -311,8 +311,7 @@ def test_device_auto_runs_and_records_the_device_used(tmp_path):
 
 
 def test_device_names_are_one_list():
-    from fedhier.config import DEVICES
-
+    from fedhier.settings.run_config import DEVICES
     assert DEVICES == devices.DEVICE_KINDS
 
 

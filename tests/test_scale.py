@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.config import RunConfig
-from fedhier.engines.batched_kernels import ClientRows
-from fedhier.engines.vectorized import run_vectorized
-from fedhier.federation import Federation
-from fedhier.hsgd import _all_finite
-from fedhier.plots import MAX_LABELLED_ROWS, plot_groups
-from fedhier.run_folder import RunFolder
-from fedhier.run_setup import prepare
-from fedhier.train import batch_indices
+from fedhier.data.federation import Federation
+from fedhier.engines.vectorized.engine import run_vectorized
+from fedhier.engines.vectorized.kernels import ClientRows
+from fedhier.local.train import batch_indices
+from fedhier.round.loop import _all_finite
+from fedhier.runs.folder import RunFolder
+from fedhier.runs.plots import MAX_LABELLED_ROWS, plot_groups
+from fedhier.runs.prepare import prepare
+from fedhier.settings.run_config import RunConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

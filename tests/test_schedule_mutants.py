@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.hsgd import HSGDSettings
-from fedhier.plan import Workload
 from fedhier.round.executor import EdgeRoundWork
+from fedhier.round.loop import HSGDSettings
+from fedhier.round.participants import Workload
 from fedhier.round.schedule import EdgePeriods, EqualPeriods, schedule_for
-from fedhier.topology import Hierarchy
+from fedhier.tree.hierarchy import Hierarchy
 
 I64 = np.int64
 F64 = torch.float64

@@ -1,4 +1,4 @@
-"""Moving clients keep their optimizer state on servers (fedhier.edge_moves.moved_states): a
+"""Moving clients keep their optimizer state on servers (fedhier.round.tiers.moves.moved_states): a
 client that re-attaches to another edge (its SuperNode restarts there, in that edge's run,
 with an empty ``context.state``) gets its momentum back from its old edge through the cloud
 (``query.state`` before the re-attach, the new edge's job, ``query.restore`` before it
@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhier import edge_moves
-from fedhier.config import RunConfig
 from fedhier.engines.inprocess import run_inprocess
-from fedhier.run_folder import RunFolder
+from fedhier.round.tiers import moves as edge_moves
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
 from tests.helpers import metrics
 from tests.test_deploy_mobility import BASE as TWO_LEVELS
 from tests.test_deploy_mobility import without_handoffs
@@ -110,13 +110,13 @@ def test_a_resumed_run_moves_the_restored_state(tmp_path, monkeypatch):
     through the servers), resumed on fresh grids (every client back at its first edge, its
     state restored there): the displaced clients re-attach with that state and the run
     equals the uninterrupted simulation."""
-    import fedhier.recorded_run as recorded_run
-    from fedhier.checkpoint import load_checkpoint
+    import fedhier.runs.driver as recorded_run
     from fedhier.engines.grid_run import run_federation
+    from fedhier.runs.checkpoint import load_checkpoint
     from tests.helpers import interrupt_at_crash_point
     from tests.test_region_moves import moving_grid
 
-    monkeypatch.setattr("fedhier.plots.plot_runs", lambda *args, **kwargs: None)
+    monkeypatch.setattr("fedhier.runs.plots.plot_runs", lambda *args, **kwargs: None)
     cfg = trace_config(tmp_path, "carry").replace(checkpoint_every=1)
     run_inprocess(cfg, RunFolder.create(tmp_path / "ref", cfg), progress=False)
     split = cfg.replace(edge_servers=True)

@@ -1,5 +1,5 @@
-"""A run setting is declared once (a field of fedhier.config.RunConfig, its range in
-fedhier.ranges); every other view is generated from it or checked against it here:
+"""A run setting is declared once (a field of fedhier.settings.run_config.RunConfig, its range in
+fedhier.settings.ranges); every other view is generated from it or checked against it here:
 pyproject.toml's [tool.flwr.app.config], the CLI flags, the algorithm's settings
 (HSGDSettings, settings_for) and HierFedAvg's keyword defaults."""
 
@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from fedhier.cli_flags import add_config_flags
-from fedhier.config import FIELD_DEFAULTS, RunConfig
-from fedhier.errors import ConfigError
-from fedhier.hsgd import HSGDSettings
-from fedhier.plan import Workload
-from fedhier.ranges import RANGES, choices
-from fedhier.run_setup import settings_for
-from fedhier.settings_table import (
+from fedhier.cli.flags import add_config_flags
+from fedhier.common.errors import ConfigError
+from fedhier.round.loop import HSGDSettings
+from fedhier.round.participants import Workload
+from fedhier.runs.prepare import settings_for
+from fedhier.settings.ranges import RANGES, choices
+from fedhier.settings.run_config import FIELD_DEFAULTS, RunConfig
+from fedhier.settings.table import (
     app_key,
     cli_flag,
     flower_app_config,
@@ -28,7 +28,7 @@ from fedhier.settings_table import (
     flower_app_toml,
     settings,
 )
-from fedhier_strategies.hierfedavg import HierFedAvg
+from fedhier.strategies.hierfedavg import HierFedAvg
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,7 @@ def typed(table: dict) -> dict:
 
 def test_pyproject_app_config_is_the_declaration():
     """Every key at its declared value and type, no key more or less. On failure run
-    `python -m fedhier.settings_table --write pyproject.toml` (or declare the change on the
+    `python -m fedhier.settings.table --write pyproject.toml` (or declare the change on the
     field)."""
     assert typed(pyproject_app_config()) == typed(flower_app_config())
     generated = tomllib.loads(flower_app_toml())["tool"]["flwr"]["app"]["config"]
@@ -63,8 +63,7 @@ def test_the_flower_apps_own_values_are_declared_with_their_reason():
 
 
 def test_metadata_for_the_app_comes_with_a_reason():
-    from fedhier.config import _help
-
+    from fedhier.settings.run_config import _help
     with pytest.raises(TypeError, match="together"):
         _help("x", flower_app=5)
 
@@ -136,8 +135,8 @@ def test_settings_for_carries_every_setting_the_algorithm_reads():
     assert HierFedAvg.from_settings(algorithm).settings is algorithm
 
 
-#: lead: once HSGDSettings.__post_init__ calls fedhier.topology.check_schedule (fedhier/hsgd.py
-#: is helper t23a's file; see the t23c report) these pass: drop the mark
+#: lead: once HSGDSettings.__post_init__ calls fedhier.tree.hierarchy.check_schedule
+#: (fedhier/round/loop.py is helper t23a's file; see the t23c report) these pass: drop the mark
 
 
 @pytest.mark.parametrize("values,algorithm", [

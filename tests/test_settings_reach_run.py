@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from fedhier.cli import main
+from fedhier.cli.commands import main
 
 BASE = ["--clients", "8", "--groups", "2", "--local-period", "1", "--global-period", "1",
         "--rounds", "1", "--engine", "vectorized", "--no-progress"]
@@ -22,7 +22,7 @@ BASE = ["--clients", "8", "--groups", "2", "--local-period", "1", "--global-peri
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory):
     """flags -> run folder; each distinct run once per module (plots skipped)."""
-    import fedhier.plots as plots
+    import fedhier.runs.plots as plots
 
     done: dict[tuple[str, ...], Path] = {}
     with pytest.MonkeyPatch.context() as patch:

@@ -5,14 +5,14 @@ import json
 import numpy as np
 import pytest
 
-from fedhier.cli import main
-from fedhier.config import RunConfig
+from fedhier.cli.commands import main
+from fedhier.common.errors import ConfigError
 from fedhier.engines.inprocess import run_inprocess
-from fedhier.engines.vectorized import run_vectorized
-from fedhier.errors import ConfigError
-from fedhier.run_folder import RunFolder
-from fedhier.sim_clock import SimClock, TimeModel, parse_edge_slowdown
-from fedhier.topology import Hierarchy
+from fedhier.engines.vectorized.engine import run_vectorized
+from fedhier.round.clock import SimClock, TimeModel, parse_edge_slowdown
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
+from fedhier.tree.hierarchy import Hierarchy
 from tests.helpers import metrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

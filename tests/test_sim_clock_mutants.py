@@ -1,4 +1,4 @@
-"""fedhier/sim_clock.py, value by value: the mutants `make mutation` left alive.
+"""fedhier/round/clock.py, value by value: the mutants `make mutation` left alive.
 
 Hand-worked times on a model with round numbers: client-edge latency 1 s and 1 s per model
 (8 Mbit/s, 1 MB models), 0.5 s per local step.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedhier.rng import generator
-from fedhier.sim_clock import SimClock, TimeModel, parse_edge_slowdown
+from fedhier.common.rng import generator
+from fedhier.round.clock import SimClock, TimeModel, parse_edge_slowdown
 from tests.helpers import assert_refused as refused
 
 MB = 1_000_000

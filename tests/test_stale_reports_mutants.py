@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.stale_reports import merge_reports
+from fedhier.round.asynchrony.reports import merge_reports
 from tests.test_async_mutants import TREE, WEIGHTS, W, X, _jobs, _node_models
 
 

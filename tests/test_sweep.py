@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from scipy import stats as scipy_stats
 
-from fedhier.cli import main
-from fedhier.errors import ConfigError
-from fedhier.sweep.report import summarize
-from fedhier.sweep.spec import build, parse_grid
-from fedhier.sweep.stats import paired, run_numbers, t_interval
-from fedhier.sweep.trials import (
+from fedhier.cli.commands import main
+from fedhier.common.errors import ConfigError
+from fedhier.studies.sweep.report import summarize
+from fedhier.studies.sweep.spec import build, parse_grid
+from fedhier.studies.sweep.stats import paired, run_numbers, t_interval
+from fedhier.studies.sweep.trials import (
     Trial,
     run_argv,
     run_trial,
@@ -200,10 +200,9 @@ def test_sandwich_suite_as_a_spec_gives_the_suites_numbers(tmp_path, one_torch_t
     """examples/sweeps/sandwich-quick.toml at T = 32 iterations (rounds / 10) and one seed:
     every arm's metrics.jsonl equals the suite's own run (fedhier experiment sandwich
     --quick --iterations 32 --seeds 1)."""
-    from fedhier.config import RunConfig
-    from fedhier.experiments.cli import QUICK
-    from fedhier.experiments.suites import sandwich
-
+    from fedhier.settings.run_config import RunConfig
+    from fedhier.studies.experiments.cli import QUICK
+    from fedhier.studies.experiments.suites import sandwich
     table = tomllib.loads((ROOT / "examples/sweeps/sandwich-quick.toml").read_text())
     table["zip"]["rounds"] = [r // 10 for r in table["zip"]["rounds"]]
     table["seeds"] = [0]
@@ -218,8 +217,7 @@ def test_sandwich_suite_as_a_spec_gives_the_suites_numbers(tmp_path, one_torch_t
 
 
 def test_heatmap_grid_places_each_arms_mean_on_the_two_numeric_axes(tmp_path):
-    from fedhier.sweep.report import heatmap_grids, plot_heatmap
-
+    from fedhier.studies.sweep.report import heatmap_grids, plot_heatmap
     spec = build({"base": TINY, "seeds": [0], "grid": {
         "alpha": [0.5, 0.1], "lr": [0.1, 0.2, 0.4], "grouping": ["random", "contiguous"]}},
         "t")
@@ -245,9 +243,8 @@ def test_a_module_function_grouping_is_imported_without_a_package(tmp_path, monk
     """A spec's own plugin, ``my_grouping:dealt_by_label`` (examples/sweeps), used by name."""
     import numpy as np
 
-    from fedhier.config import RunConfig
-    from fedhier.grouping import ClientInfo, assign_groups
-
+    from fedhier.settings.run_config import RunConfig
+    from fedhier.tree.grouping import ClientInfo, assign_groups
     monkeypatch.syspath_prepend(str(ROOT / "examples/sweeps"))
     hist = np.eye(3, dtype=np.int64)[[0, 0, 1, 1, 2, 2]] * 5
     info = ClientInfo(hist, hist.sum(1), edge_tags=np.full(6, -1))

@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from fedhier.cli import main
-from fedhier.sweep.stats import t_interval
-from fedhier.trackers import read_tensorboard_scalars
+from fedhier.cli.commands import main
+from fedhier.runs.trackers import read_tensorboard_scalars
+from fedhier.studies.sweep.stats import t_interval
 
 ARGV = ["sweep", "--grid", "grouping=random,contiguous", "--seeds", "2", "--clients", "6",
         "--groups", "2", "--rounds", "3", "--local-period", "2", "--global-period", "4",

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from fedhier.errors import ConfigError
-from fedhier.topology import Hierarchy, aggregation_level, validate_periods
+from fedhier.common.errors import ConfigError
+from fedhier.tree.hierarchy import Hierarchy, aggregation_level, validate_periods
 
 
 def test_two_level_schedule_matches_algorithm():

@@ -1,4 +1,4 @@
-"""fedhier.topology's tree on a hand-built three-level example: every node count, ancestor
+"""fedhier.tree.hierarchy's tree on a hand-built three-level example: every node count, ancestor
 and edge map worked out by hand, and each refusal with its own message (mutation testing
 found these paths run but unchecked)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedhier.errors import ConfigError
-from fedhier.topology import Hierarchy, build_hierarchy, validate_periods
+from fedhier.common.errors import ConfigError
+from fedhier.tree.hierarchy import Hierarchy, build_hierarchy, validate_periods
 
 # 7 clients -> 4 edges -> 2 regions -> cloud
 CLIENT_EDGE = np.array([0, 0, 1, 2, 2, 3, 3])
@@ -62,8 +62,7 @@ def test_bad_periods_are_refused_with_their_reason(periods, message):
 
 
 def test_contiguous_build_by_hand():
-    from fedhier.grouping import ClientInfo
-
+    from fedhier.tree.grouping import ClientInfo
     info = ClientInfo(num_examples=np.full(8, 10), label_histograms=np.zeros((8, 2)))
     tree = build_hierarchy((1, 2, 4), (4, 2), "contiguous", info, seed=0)
     assert tree.edge_of_client().tolist() == [0, 0, 1, 1, 2, 2, 3, 3]

@@ -1,4 +1,4 @@
-"""fedhier/topology.py, checked value by value: the mutants `make mutation` left alive.
+"""fedhier/tree/hierarchy.py, checked value by value: the mutants `make mutation` left alive.
 
 Each test pins exact numbers (hand-worked levels, messages, dtypes, what each level of
 ``build_hierarchy`` hands to its grouping), so a one-token change in topology.py fails here.
@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-import fedhier.topology as topology
-from fedhier import grouping as grouping_registry
-from fedhier.grouping import ClientInfo
-from fedhier.grouping.divergence import gradient_grouping
-from fedhier.grouping.simple import contiguous_grouping
-from fedhier.topology import (
+import fedhier.tree.hierarchy as topology
+from fedhier.tree import grouping as grouping_registry
+from fedhier.tree.grouping import ClientInfo
+from fedhier.tree.grouping.divergence import gradient_grouping
+from fedhier.tree.grouping.simple import contiguous_grouping
+from fedhier.tree.hierarchy import (
     Hierarchy,
     build_hierarchy,
     edge_levels_after,

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhier.cli import main
-from fedhier.errors import ConfigError
-from fedhier.trackers import MODULES, check_tracker, read_tensorboard_scalars
+from fedhier.cli.commands import main
+from fedhier.common.errors import ConfigError
+from fedhier.runs.trackers import MODULES, check_tracker, read_tensorboard_scalars
 
 TINY = ["--clients", "6", "--groups", "2", "--rounds", "3", "--local-period", "2",
         "--global-period", "4", "--engine", "vectorized", "--min-partition-size", "2",

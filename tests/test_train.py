@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.models import build_model
-from fedhier.train import batch_indices, evaluate, local_sgd, params_of
+from fedhier.local.models import build_model
+from fedhier.local.train import batch_indices, evaluate, local_sgd, params_of
 
 
 def test_batch_indices_are_epochs_of_permutations():
@@ -81,8 +81,7 @@ def test_batch_indices_read_the_stream_of_seeded_epoch_permutations(num_rows, ba
                                                                     start, steps):
     """Step t takes stream positions t*b .. t*b+b-1 of the concatenated permutations drawn
     from generator(seed, "batches", client, epoch)."""
-    from fedhier.rng import generator
-
+    from fedhier.common.rng import generator
     epochs = (start + steps) * batch_size // num_rows + 1
     stream = np.concatenate([generator(4, "batches", 9, e).permutation(num_rows)
                              for e in range(epochs)])

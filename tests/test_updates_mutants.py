@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.faults import RunFailureError
 from fedhier.round.executor import EdgeRoundWork, TrainResult
+from fedhier.round.faults import RunFailureError
 from fedhier.round.updates import (
     all_finite,
     scale_rows,
@@ -159,8 +159,7 @@ def test_screen_names_a_chunks_clients_by_their_ids_in_the_whole_federation(capl
     """Engine vectorized-ray runs a chunk of whole edges as a federation of its own
     (ChunkTree: clients 4, 5 of edge 2 become 0, 1): the dropped client is named 5, its id
     in the whole federation, as the one-process engine names it, not 1."""
-    from fedhier.engines.vectorized_chunks import ChunkTree
-
+    from fedhier.engines.vectorized.chunks import ChunkTree
     whole = work(clients=(0, 1, 4, 5), edge_of=(0, 0, 1, 1, 2, 2))
     chunk = ChunkTree.of(np.array([4, 5]), whole.edge_of_client, [whole])
     part = chunk.work(dataclasses.replace(whole, clients=np.array([4, 5], dtype=I64),

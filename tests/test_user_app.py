@@ -26,20 +26,20 @@ from flwr.clientapp import ClientApp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fedhier.cli import main as cli_main
-from fedhier.cli_flags import exit_code_for
-from fedhier.config import RunConfig
+from fedhier.cli.commands import main as cli_main
+from fedhier.cli.flags import exit_code_for
+from fedhier.clients.adapter import batch_stream, register_profile
+from fedhier.clients.app import app as fedhier_client_app
 from fedhier.data.bundle import bundle_from_arrays
+from fedhier.data.federation import Federation
 from fedhier.engines.inprocess_grid import InProcessGrid
-from fedhier.faults import RunFailureError
-from fedhier.federation import Federation
-from fedhier.models import build_model
-from fedhier.run_setup import prepare
-from fedhier_clients.adapter import batch_stream, register_profile
-from fedhier_clients.app import app as fedhier_client_app
-from fedhier_strategies.central_eval import central_evaluate
-from fedhier_strategies.flower_log import HeldFlowerLog
-from fedhier_strategies.hierfedavg import HierFedAvg
+from fedhier.local.models import build_model
+from fedhier.round.faults import RunFailureError
+from fedhier.runs.prepare import prepare
+from fedhier.settings.run_config import RunConfig
+from fedhier.strategies.central_eval import central_evaluate
+from fedhier.strategies.flower_log import HeldFlowerLog
+from fedhier.strategies.hierfedavg import HierFedAvg
 
 NUM_CLIENTS, FEATURES, CLASSES = 6, 12, 3
 LR, BATCH, SEED, ROUNDS = 0.2, 8, 3, 2
@@ -225,7 +225,7 @@ def test_user_app_equals_fedhier_client_app(user_run, monkeypatch):
     bounds = np.cumsum([0] + training_rows())
     fed = Federation(bundle=bundle, partitions=[np.arange(bounds[j], bounds[j + 1])
                                                 for j in range(NUM_CLIENTS)])
-    monkeypatch.setattr("fedhier_clients.app.federation_for", lambda cfg: fed)
+    monkeypatch.setattr("fedhier.clients.app.federation_for", lambda cfg: fed)
     cfg = RunConfig(dataset="synthetic", model="mlp", clients=NUM_CLIENTS, groups=2,
                     local_period=2, global_period=4, rounds=ROUNDS, batch_size=BATCH, lr=LR,
                     seed=SEED)
@@ -352,7 +352,7 @@ def test_cli_run_where_every_client_fails_exits_3(one_torch_thread, monkeypatch,
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise KeyError("learning_rate")
 
-    monkeypatch.setattr("fedhier_clients.app.local_sgd", broken)
+    monkeypatch.setattr("fedhier.clients.app.local_sgd", broken)
     code = cli_main(["run", "--dataset", "synthetic", "--model", "logreg", "--clients", "4",
                      "--groups", "2", "--local-period", "1", "--global-period", "2",
                      "--rounds", "1", "--no-progress", "--out", str(tmp_path / "run")])

@@ -15,14 +15,14 @@ import torch
 from safetensors.torch import load_file
 from torch.func import grad, vmap
 
-from fedhier.cli import main
-from fedhier.config import RunConfig
-from fedhier.engines.batched_kernels import linear_chain_pass, weighted_targets
+from fedhier.cli.commands import main
 from fedhier.engines.inprocess import run_inprocess
-from fedhier.engines.vectorized import run_vectorized
-from fedhier.models import build_model, linear_chain
-from fedhier.run_folder import RunFolder
-from fedhier.train import loss_fn
+from fedhier.engines.vectorized.engine import run_vectorized
+from fedhier.engines.vectorized.kernels import linear_chain_pass, weighted_targets
+from fedhier.local.models import build_model, linear_chain
+from fedhier.local.train import loss_fn
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
 from tests.helpers import metrics
 
 TOL = 1e-4
@@ -136,7 +136,7 @@ def test_vectorized_equals_inprocess(case, tmp_path):
 def test_client_chunks_change_nothing(model, tmp_path, monkeypatch):
     """All clients at once, chunks of 3, and the automatic size (made 2 clients here): the
     same bits."""
-    import fedhier.engines.vectorized as vectorized
+    import fedhier.engines.vectorized.engine as vectorized
 
     cfg = UNEQUAL.replace(model=model, rounds=1)
     monkeypatch.setattr(vectorized, "CHUNK_BYTES", 1)  # auto: the minimum, 2 clients
@@ -153,8 +153,7 @@ def test_client_chunks_change_nothing(model, tmp_path, monkeypatch):
 def test_automatic_chunk_holds_about_two_mib_of_models():
     from types import SimpleNamespace
 
-    from fedhier.engines.vectorized import CHUNK_BYTES, BatchedExecutor
-
+    from fedhier.engines.vectorized.engine import CHUNK_BYTES, BatchedExecutor
     net = build_model("mlp", (1, 8, 8), 10, seed=1)  # 64-128-10: 9,610 float32 = 38,440 B
     assert CHUNK_BYTES // 38_440 == 54
 
@@ -229,10 +228,9 @@ def test_cli_runs_the_vectorized_engine(tmp_path):
 
 
 def test_minibatch_rows_come_from_batch_indices():
-    from fedhier.engines.batched_kernels import ClientRows
-    from fedhier.run_setup import prepare
-    from fedhier.train import batch_indices
-
+    from fedhier.engines.vectorized.kernels import ClientRows
+    from fedhier.local.train import batch_indices
+    from fedhier.runs.prepare import prepare
     fed = prepare(UNEQUAL)
     rows = ClientRows.build(fed, UNEQUAL.batch_size, torch.device("cpu"))
     block = rows.minibatch_rows(UNEQUAL.seed, UNEQUAL.batch_size, start=6, steps=4)
@@ -247,10 +245,9 @@ def test_minibatch_rows_come_from_batch_indices():
 def test_cnn_on_cpu_uses_the_client_loop_and_equals_vmap():
     """Conv models on the CPU train one client after another (local_sgd); the vmap path,
     which they use on other devices, gives the same models, losses and momentum."""
-    from fedhier.engines.batched_kernels import EdgeRoundBatches, local_training_for
-    from fedhier.engines.vectorized import client_loop_training, training_for
-    from fedhier.optim import LocalOptimizer
-
+    from fedhier.engines.vectorized.engine import client_loop_training, training_for
+    from fedhier.engines.vectorized.kernels import EdgeRoundBatches, local_training_for
+    from fedhier.local.optimizer import LocalOptimizer
     net = build_model("cnn", (1, 8, 8), 10, seed=2)
     assert training_for(net, torch.device("cpu")).__qualname__.startswith("client_loop")
     assert training_for(build_model("mlp", (1, 8, 8), 10), torch.device("cpu")).__qualname__ \

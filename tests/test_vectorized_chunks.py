@@ -1,4 +1,4 @@
-"""A shard's cloud round in chunks of whole edges (fedhier/engines/vectorized_chunks.py)
+"""A shard's cloud round in chunks of whole edges (fedhier/engines/vectorized/chunks.py)
 equals the one-shot shard: every edge's aggregate bit for bit, the simulated clocks and the
 counters exactly, the train losses to float64 rounding; with participation, faults and edges
 of one client."""
@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.communication import BatchCommunication
-from fedhier.config import RunConfig
-from fedhier.edge_tier import EdgeJob, edge_aggregates, job_rounds, start_job, train_edges
-from fedhier.engines.vectorized_chunks import ChunkTree, edge_chunks, train_edge_chunks
-from fedhier.engines.vectorized_ray_shard import ShardExecutor, edge_weights
-from fedhier.faults import RunFailureError
-from fedhier.run_setup import initial_model, prepare, settings_for
-from fedhier.train import params_of
+from fedhier.engines.vectorized.chunks import ChunkTree, edge_chunks, train_edge_chunks
+from fedhier.engines.vectorized_ray.shard import ShardExecutor, edge_weights
+from fedhier.local.train import params_of
+from fedhier.round.faults import RunFailureError
+from fedhier.round.tiers.jobs import EdgeJob, edge_aggregates, job_rounds, start_job, train_edges
+from fedhier.round.traffic import BatchCommunication
+from fedhier.runs.prepare import initial_model, prepare, settings_for
+from fedhier.settings.run_config import RunConfig
 
 #: 12 clients on 6 edges of 3, 1, 2, 2, 1, 3 clients; the shard holds edges 0, 1, 2, 4, 5.
 CFG = RunConfig(dataset="digits", clients=12, groups=(6,), local_period=2, global_period=6,

@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.cli import main
-from fedhier.config import RunConfig
-from fedhier.engines.vectorized import BatchedExecutor, run_vectorized
-from fedhier.engines.vectorized_ray import check_sharded, run_vectorized_ray
-from fedhier.engines.vectorized_ray_executor import place_edges
-from fedhier.engines.vectorized_ray_shard import ShardExecutor
-from fedhier.hsgd import EdgeRoundWork
-from fedhier.run_folder import RunFolder
-from fedhier.run_setup import initial_model, prepare
-from fedhier.train import params_of
+from fedhier.cli.commands import main
+from fedhier.engines.vectorized.engine import BatchedExecutor, run_vectorized
+from fedhier.engines.vectorized_ray.engine import check_sharded, run_vectorized_ray
+from fedhier.engines.vectorized_ray.executor import place_edges
+from fedhier.engines.vectorized_ray.shard import ShardExecutor
+from fedhier.local.train import params_of
+from fedhier.round.loop import EdgeRoundWork
+from fedhier.runs.folder import RunFolder
+from fedhier.runs.prepare import initial_model, prepare
+from fedhier.settings.run_config import RunConfig
 from tests.helpers import assert_refused, metrics
 from tests.ray_cluster import free_port
 from tests.test_faults import run_interrupted_at
@@ -62,7 +62,6 @@ def run_side_by_side(cfg: RunConfig, tmp_path: Path, inprocess: bool = False) ->
     (``tmp_path / "inprocess"``) and ``vectorized-ray`` (``tmp_path / "ray"``); the sharded
     run's ``sharding``."""
     from fedhier.engines.inprocess import run_inprocess
-
     run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
                    progress=False)
     if inprocess:

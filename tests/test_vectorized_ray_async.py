@@ -1,4 +1,4 @@
-"""Engine ``vectorized-ray`` with asynchronous edges (fedhier.engines.vectorized_ray_async):
+"""Engine ``vectorized-ray`` with asynchronous edges (fedhier.engines.vectorized_ray.asynchrony):
 the cloud of asynchronous edge servers over the shard actors, the reports taken in the
 simulated clock's order, gives ``--engine vectorized --async-buffer K`` to 1e-6 and
 ``--engine inprocess`` to 1e-5, on the session's two-node Ray cluster (tests/ray_cluster.py).
@@ -11,14 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedhier.cli import main
-from fedhier.config import RunConfig
-from fedhier.edge_tier import EdgeReport
+from fedhier.cli.commands import main
 from fedhier.engines.inprocess import run_inprocess
-from fedhier.engines.vectorized import run_vectorized
-from fedhier.engines.vectorized_ray import check_sharded, run_vectorized_ray
-from fedhier.engines.vectorized_ray_async import with_batch_losses
-from fedhier.run_folder import RunFolder
+from fedhier.engines.vectorized.engine import run_vectorized
+from fedhier.engines.vectorized_ray.asynchrony import with_batch_losses
+from fedhier.engines.vectorized_ray.engine import check_sharded, run_vectorized_ray
+from fedhier.round.tiers.jobs import EdgeReport
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
 from tests.helpers import assert_refused, metrics
 from tests.test_faults import run_interrupted_at
 from tests.test_vectorized import final_state

@@ -1,5 +1,5 @@
 """Engine ``vectorized-ray`` on a tree of three levels (clients -> edges -> regions -> cloud):
-whole regions on the workers (:mod:`fedhier.engines.vectorized_ray_subtree`), each region's
+whole regions on the workers (:mod:`fedhier.engines.vectorized_ray.subtree`), each region's
 edge rounds and aggregations run inside its worker. On the session's two-node Ray cluster
 (tests/ray_cluster.py) it equals engine ``vectorized`` to 1e-6 and engine ``inprocess`` to
 1e-5, with participation and faults, with per-edge periods, and with clients moving between
@@ -8,8 +8,8 @@ regions (so between workers); regrouping is refused.
 
 import pytest
 
-from fedhier.config import RunConfig
-from fedhier.engines.vectorized_ray import check_sharded
+from fedhier.engines.vectorized_ray.engine import check_sharded
+from fedhier.settings.run_config import RunConfig
 from tests.helpers import assert_refused
 from tests.test_deploy_mobility import without_handoffs
 from tests.test_oracle import check_mobility_across_regions, tiny_data

@@ -1,6 +1,6 @@
 """Clients that move in engine ``vectorized-ray`` (mobility, regrouping): the cloud cuts a
-cloud round at the moves (fedhier.edge_moves) and a client whose new edge is on another
-worker moves there, its row indices and not its rows (fedhier.engines.vectorized_ray_moves);
+cloud round at the moves (fedhier.round.tiers.moves) and a client whose new edge is on another
+worker moves there, its row indices and not its rows (fedhier.engines.vectorized_ray.moves);
 and per-edge periods, which the workers run as edge servers do.
 The runs equal ``vectorized`` within the sharded engine's 1e-6 (counters exact) and
 ``inprocess`` within the engines' tolerance, on the two-node Ray cluster of
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.engines.vectorized_ray_moves import adopt, release
-from fedhier.engines.vectorized_ray_shard import ShardExecutor
-from fedhier.hsgd import EdgeRoundWork
-from fedhier.run_setup import initial_model, prepare
-from fedhier.train import params_of
+from fedhier.engines.vectorized_ray.moves import adopt, release
+from fedhier.engines.vectorized_ray.shard import ShardExecutor
+from fedhier.local.train import params_of
+from fedhier.round.loop import EdgeRoundWork
+from fedhier.runs.prepare import initial_model, prepare
 from tests.helpers import metrics
 from tests.test_deploy_mobility import without_handoffs
 from tests.test_vectorized import assert_same_runs

@@ -1,6 +1,6 @@
 """Kept optimizer state (``--momentum > 0 --optimizer-state keep``) in engine ``vectorized-ray``:
 each worker keeps its clients' momentum buffers as the one-process engine keeps them, chunk by
-chunk of whole edges (fedhier.engines.vectorized_ray_shard.ShardExecutor.keep_chunk_state), a
+chunk of whole edges (fedhier.engines.vectorized_ray.shard.ShardExecutor.keep_chunk_state), a
 client that moves to another worker takes its buffers along (fedhier.engines.
 vectorized_ray_moves.ClientMove), and checkpoints gather them by client id. The runs equal
 ``vectorized`` within the sharded engine's 1e-6 (counters exact) and ``inprocess`` within
@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.engines.vectorized import BatchedExecutor
-from fedhier.engines.vectorized_chunks import train_edge_chunks
-from fedhier.engines.vectorized_ray_moves import adopt, release
-from fedhier.engines.vectorized_ray_shard import ShardExecutor
-from fedhier.hsgd import EdgeRoundWork
-from fedhier.run_setup import initial_model, prepare
-from fedhier.train import params_of
+from fedhier.engines.vectorized.chunks import train_edge_chunks
+from fedhier.engines.vectorized.engine import BatchedExecutor
+from fedhier.engines.vectorized_ray.moves import adopt, release
+from fedhier.engines.vectorized_ray.shard import ShardExecutor
+from fedhier.local.train import params_of
+from fedhier.round.loop import EdgeRoundWork
+from fedhier.runs.prepare import initial_model, prepare
 from tests.helpers import metrics
 from tests.test_deploy_mobility import without_handoffs
 from tests.test_vectorized import assert_same_runs, final_state
@@ -81,10 +81,9 @@ def test_chunks_keep_the_state_the_one_process_executor_keeps():
     """Two cloud rounds of a shard's jobs in runs of 2 clients: the shard's buffers after
     each equal, bit for bit, the one-process executor's rows of the shard's clients (the
     same edge rounds trained on all 8 clients at once)."""
-    from fedhier.communication import BatchCommunication
-    from fedhier.edge_tier import EdgeJob, job_rounds, start_job, train_edges
-    from fedhier.run_setup import settings_for
-
+    from fedhier.round.tiers.jobs import EdgeJob, job_rounds, start_job, train_edges
+    from fedhier.round.traffic import BatchCommunication
+    from fedhier.runs.prepare import settings_for
     cfg = STATE.replace(participation=1.0)
     fed = prepare(cfg)
     model = initial_model(cfg, fed)
@@ -115,9 +114,8 @@ def test_kept_momentum_equals_the_one_process_and_inprocess_engines(ray_cluster,
     """Momentum 0.9 kept, participation 0.75 and faults, two workers on two nodes: within
     1e-6 of ``vectorized`` and 1e-5 of ``inprocess``; the same run with reset buffers
     differs by more than 1e-4, so the kept state is what is compared."""
-    from fedhier.engines.vectorized import run_vectorized
-    from fedhier.run_folder import RunFolder
-
+    from fedhier.engines.vectorized.engine import run_vectorized
+    from fedhier.runs.folder import RunFolder
     cfg = STATE.replace(ray_address=ray_cluster)
     sharding = run_side_by_side(cfg, tmp_path, inprocess=True)
     assert_equal_runs(tmp_path / "one", tmp_path / "ray")

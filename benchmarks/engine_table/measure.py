@@ -39,8 +39,7 @@ class Marks:
 
 def instrument_recorder(marks: Marks) -> None:
     """Mark every record the engines write through RunRecorder (benchmark-only patch)."""
-    from fedhier.run_recorder import RunRecorder
-
+    from fedhier.runs.recorder import RunRecorder
     original = RunRecorder.record_round
 
     def record_round(self: Any, record: dict[str, Any]) -> None:
@@ -54,8 +53,7 @@ def device_name(device: str) -> str:
     """The device ``--device`` resolves to here, with the GPU's name for CUDA."""
     import torch
 
-    from fedhier.train import resolve_device
-
+    from fedhier.local.train import resolve_device
     resolved = resolve_device(device)
     if resolved.type == "cuda":
         return f"{resolved} ({torch.cuda.get_device_name(resolved)})"

@@ -16,12 +16,11 @@ def plain_loop(cfg: Any, marks: Marks) -> float:
     import torch
     import torch.nn.functional as F  # noqa: N812 - the usual alias
 
-    from fedhier.aggregate import client_weights
-    from fedhier.grouping import ClientInfo
-    from fedhier.run_setup import initial_model, prepare
-    from fedhier.topology import build_hierarchy
-    from fedhier.train import batch_indices
-
+    from fedhier.local.train import batch_indices
+    from fedhier.round.aggregators.averaging import client_weights
+    from fedhier.runs.prepare import initial_model, prepare
+    from fedhier.tree.grouping import ClientInfo
+    from fedhier.tree.hierarchy import build_hierarchy
     fed = prepare(cfg)
     cpu = torch.device("cpu")
     data = [fed.client_tensors(j, cpu) for j in range(cfg.clients)]
@@ -83,8 +82,7 @@ def run_summary(name: str, cfg: Any, federation: Any = None) -> dict[str, Any]:
     folder; returns the run's summary (``federation``: the data instead of ``prepare(cfg)``,
     for the engines that take one: vectorized, vectorized-ray)."""
     from fedhier.engines.registry import get_engine
-    from fedhier.run_folder import RunFolder
-
+    from fedhier.runs.folder import RunFolder
     data = {} if federation is None else {"federation": federation}
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
         folder = RunFolder.create(Path(tmp) / "run")

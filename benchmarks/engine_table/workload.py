@@ -69,8 +69,7 @@ def workload_flops(cfg: Any) -> tuple[int, str]:
     (forward 2 x MACs, backward 4 x MACs: input and weight gradients), MACs from
     :func:`model_macs`."""
     from fedhier.data import load_data
-    from fedhier.models import build_model
-
+    from fedhier.local.models import build_model
     bundle = load_data(cfg.dataset, seed=cfg.seed)
     shape = tuple(bundle.input_shape)
     macs = model_macs(build_model(cfg.model, shape, bundle.num_classes), shape)
@@ -83,16 +82,14 @@ def workload_flops(cfg: Any) -> tuple[int, str]:
 
 
 def w1_config(rounds: int, workload: str = "w1", **changes: Any) -> Any:
-    from fedhier.config import RunConfig
-
+    from fedhier.settings.run_config import RunConfig
     return RunConfig(**{**WORKLOADS[workload], "rounds": rounds, **changes})
 
 def replicated_federation(cfg: Any, clients: int) -> Any:
     """W1's 100-client partition tiled to ``clients`` clients: client j holds the rows of W1
     client j mod 100 (with its own batch order, drawn from its own id)."""
-    from fedhier.federation import Federation
-    from fedhier.run_setup import prepare
-
+    from fedhier.data.federation import Federation
+    from fedhier.runs.prepare import prepare
     base = prepare(w1_config(1))
     parts = [base.partitions[j % len(base.partitions)] for j in range(clients)]
     return Federation(bundle=base.bundle, partitions=parts)
@@ -102,9 +99,8 @@ def w1_stats(workload: str = "w1") -> dict[str, Any]:
     """Rows per client, and the rows of one step of every client (summed b_j)."""
     import numpy as np
 
-    from fedhier.run_setup import prepare
-    from fedhier.train import effective_batch_size
-
+    from fedhier.local.train import effective_batch_size
+    from fedhier.runs.prepare import prepare
     cfg = w1_config(WORKLOADS[workload]["rounds"], workload)
     sizes = prepare(cfg).client_sizes()
     batch = np.array([effective_batch_size(cfg.batch_size, int(m)) for m in sizes])

@@ -4,7 +4,7 @@ gets a spread of dominant labels. Used as ``grouping = "my_grouping:dealt_by_lab
 
 import numpy as np
 
-from fedhier.grouping.base import ClientInfo
+from fedhier.tree.grouping.base import ClientInfo
 
 
 def dealt_by_label(info: ClientInfo, num_groups: int, seed: int) -> np.ndarray:

@@ -20,7 +20,7 @@ import datasets
 import numpy as np
 import pyarrow as pa
 
-from fedhier.errors import DataError
+from fedhier.common.errors import DataError
 
 
 @dataclass(frozen=True, eq=False)

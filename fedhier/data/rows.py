@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 from sklearn.model_selection import train_test_split
 
+from fedhier.common.errors import DataError
 from fedhier.data.bundle import DataBundle, bundle_from_arrays
 from fedhier.data.specs import DatasetSpec
-from fedhier.errors import DataError
 
 
 def _check_width(spec: DatasetSpec, width: int, what: str) -> None:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedhier.errors import DataError
+from fedhier.common.errors import DataError
 
 #: LEAF's character set (``models/utils/language_utils.py``); index = token id.
 LEAF_LETTERS = (

@@ -1,4 +1,4 @@
-"""Dataset cards: the TOML schema of a dataset (shipped ``fedhier/datasets_cfg/<name>.toml`` or
+"""Dataset cards: the TOML schema of a dataset (shipped ``datasets_cfg/<name>.toml`` or
 a user's TOML), its validation (:func:`parse_spec`) and lookup (:func:`resolve_spec`). See
 docs/data.md.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedhier.errors import ConfigError, DamagedFileError, os_reason
+from fedhier.common.errors import ConfigError, DamagedFileError, os_reason
 
 SOURCES = ("sklearn-digits", "idx", "synthetic", "hub", "local", "shakespeare")
 LOCAL_FORMATS = ("auto", "disk", "parquet", "csv", "npz")
@@ -152,8 +152,7 @@ def parse_spec(raw: dict[str, Any], origin: Path, label: str) -> DatasetSpec:
             raise ConfigError(f"{label}: missing required key '{key}' for source '{source}'")
 
     if "defaults" in raw:
-        from fedhier.config import check_card_defaults
-
+        from fedhier.settings.run_config import check_card_defaults
         check_card_defaults(raw["defaults"], label)
     num_classes = raw.get("num_classes", 0)  # 0, (): read from the .npz arrays
     shape = tuple(raw.get("input_shape", ()))
@@ -208,7 +207,6 @@ def _check_shakespeare(
     opts: dict[str, Any], shape: tuple[int, ...], num_classes: int, label: str
 ) -> None:
     from fedhier.data.shakespeare import VOCAB_SIZE
-
     seq_len = opts.get("seq_len", 80)
     if seq_len < 1:
         raise ConfigError(f"{label}: seq_len must be >= 1, got {seq_len}")

@@ -1,6 +1,6 @@
 """Tables read through Hugging Face ``datasets``: a hub dataset, or local files (a
 ``save_to_disk`` folder, parquet or CSV) with the same column keys. A local file that cannot be
-read is a :class:`~fedhier.errors.DamagedFileError` naming it.
+read is a :class:`~fedhier.common.errors.DamagedFileError` naming it.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Any, TypeVar
 import datasets
 import numpy as np
 
+from fedhier.common.errors import ConfigError, DamagedFileError, DataError, FedhierError
 from fedhier.data.bundle import DataBundle
 from fedhier.data.partition import quiet_progress
 from fedhier.data.rows import _bundle, _check_labels, _check_width, _one_line, _split_indices
 from fedhier.data.specs import DatasetSpec
-from fedhier.errors import ConfigError, DamagedFileError, DataError, FedhierError
 
 # --------------------------------------------------------------------------- hub / local
 

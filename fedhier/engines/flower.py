@@ -1,8 +1,8 @@
 """Engine ``flower``: Flower's Simulation Engine (Ray), one virtual SuperNode per client.
 
 The ServerApp runs in this process (so it can write the run folder and show progress); the
-ClientApp ``fedhier_clients.app:app`` runs in Ray actors. ``flwr run .`` from the repository
-root runs the same ServerApp logic through ``fedhier_strategies.server_app:app``.
+ClientApp ``fedhier.clients.app:app`` runs in Ray actors. ``flwr run .`` from the repository
+root runs the same ServerApp logic through ``fedhier.strategies.server_app:app``.
 
 With ``edge_servers`` (``--engine flower --edge-servers``) the virtual SuperNodes are the
 cloud's child servers instead, each running its clients' edge rounds in its actor
@@ -26,11 +26,11 @@ from typing import Any
 from flwr.app import Context, Message
 from flwr.serverapp import Grid, ServerApp
 
-from fedhier.checkpoint import Checkpoint
-from fedhier.config import RunConfig
 from fedhier.engines.grid_run import run_federation
-from fedhier.run_folder import RunFolder
-from fedhier.run_setup import quiet_flower
+from fedhier.runs.checkpoint import Checkpoint
+from fedhier.runs.folder import RunFolder
+from fedhier.runs.prepare import quiet_flower
+from fedhier.settings.run_config import RunConfig
 
 
 def run_simulation_engine(cfg: RunConfig, folder: RunFolder, progress: bool = True,
@@ -44,7 +44,6 @@ def run_simulation_engine(cfg: RunConfig, folder: RunFolder, progress: bool = Tr
     from flwr.simulation import run_simulation
 
     from fedhier.engines.flower_edges import simulation_nodes
-
     client_app, num_nodes = simulation_nodes(cfg)
     quiet_flower()
     summary: dict[str, Any] = {}
@@ -65,8 +64,7 @@ def run_simulation_engine(cfg: RunConfig, folder: RunFolder, progress: bool = Tr
     num_gpus = 1.0 if cfg.device in ("cuda", "auto") and _cuda() else 0.0
     init_args: dict[str, Any] = {"include_dashboard": False, "logging_level": "error"}
     if cfg.ray_address:  # an existing cluster: its CPUs, one actor each
-        from fedhier.engines.vectorized_ray_worker import check_reachable
-
+        from fedhier.engines.vectorized_ray.worker import check_reachable
         check_reachable(cfg.ray_address)
         init_args["address"] = cfg.ray_address
     elif not os.environ.get("RAY_ADDRESS"):  # joining a cluster: Ray refuses num_cpus

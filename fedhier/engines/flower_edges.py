@@ -3,16 +3,16 @@
 With ``edge_servers`` on, each virtual SuperNode of Flower's Simulation Engine is one of the
 cloud's child servers (an edge; a region with ``--groups E,R``), as ``fedhier deploy local
 --edges`` makes each one a process: the ClientApp :data:`edge_node_app`, run in the Ray
-actors, is an :class:`~fedhier_strategies.edge.server.EdgeServer` whose own clients (and, for
+actors, is an :class:`~fedhier.strategies.edge.server.EdgeServer` whose own clients (and, for
 a region, its edge servers) sit on in-process grids
 (:class:`~fedhier.engines.inprocess_grid.InProcessGrid`) inside the actor. The cloud sends
-one message per server and job (:mod:`fedhier_strategies.edge.messages`): a whole cloud
+one message per server and job (:mod:`fedhier.strategies.edge.messages`): a whole cloud
 round of edge rounds of all its clients, instead of one message per client and edge round;
-the server runs them with :func:`fedhier.edge_tier.run_edge_job`. The run equals the
+the server runs them with :func:`fedhier.round.tiers.jobs.run_edge_job`. The run equals the
 one-process run up to the rounding of averaging the edges' averages (1e-5,
 tests/test_edge_tier.py, tests/test_engines.py).
 
-Servers hold no training state between jobs (:mod:`fedhier.edge_tier`), so whichever actor
+Servers hold no training state between jobs (:mod:`fedhier.round.tiers.jobs`), so whichever actor
 a message lands on answers it alike; an actor builds a node's server (its clients' grid,
 profiled once) at the node's first message and keeps it for the run (:data:`_SERVERS`).
 """
@@ -27,14 +27,14 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
-from fedhier.config import RunConfig
+from fedhier.clients.app import app as client_app
+from fedhier.clients.app import run_config_of
+from fedhier.common.errors import ConfigError
 from fedhier.engines.deployment.placement import tree_placement
 from fedhier.engines.inprocess_grid import InProcessGrid
-from fedhier.errors import ConfigError
-from fedhier_clients.app import app as client_app
-from fedhier_clients.app import run_config_of
-from fedhier_strategies.edge.messages import EDGE_KEYS
-from fedhier_strategies.edge.server import EdgeServer
+from fedhier.settings.run_config import RunConfig
+from fedhier.strategies.edge.messages import EDGE_KEYS
+from fedhier.strategies.edge.server import EdgeServer
 
 #: The ClientApp of a Simulation Engine whose nodes are the cloud's child servers.
 edge_node_app = ClientApp()

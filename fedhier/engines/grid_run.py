@@ -1,9 +1,9 @@
 """A fedhier run on a Flower Grid: the ServerApp logic of every Flower engine.
 
-``run_federation`` drives :class:`~fedhier_strategies.HierFedAvg` (the algorithm with a
-:class:`~fedhier_strategies.grid_executor.GridExecutor`) on whatever Grid it is given
+``run_federation`` drives :class:`~fedhier.strategies.HierFedAvg` (the algorithm with a
+:class:`~fedhier.strategies.grid_executor.GridExecutor`) on whatever Grid it is given
 (in-process, Simulation Engine, Deployment Engine), evaluates centrally on the test set, and
-records the run folder (:func:`fedhier.recorded_run.run_recorded`).
+records the run folder (:func:`fedhier.runs.driver.run_recorded`).
 """
 
 from __future__ import annotations
@@ -17,29 +17,29 @@ from flwr.app import ConfigRecord
 from flwr.serverapp import Grid
 from flwr.superlink.grid import HttpGrid
 
-from fedhier.checkpoint import Checkpoint
-from fedhier.config import RunConfig
-from fedhier.edge_tier import EdgeTierHierarchicalSGD
-from fedhier.edge_tier_async import async_edge_tier, with_replayed_arrivals
+from fedhier.common.errors import ConfigError
 from fedhier.engines.prompt_grid import PromptGrid
-from fedhier.errors import ConfigError
-from fedhier.hsgd import HierarchicalSGD, Params
-from fedhier.recorded_run import run_recorded
-from fedhier.run_folder import RunFolder
-from fedhier.run_recorder import RunRecorder
-from fedhier.run_setup import (
+from fedhier.local.train import resolve_device
+from fedhier.round.loop import HierarchicalSGD, Params
+from fedhier.round.tiers.asynchronous import async_edge_tier, with_replayed_arrivals
+from fedhier.round.tiers.jobs import EdgeTierHierarchicalSGD
+from fedhier.runs.checkpoint import Checkpoint
+from fedhier.runs.driver import run_recorded
+from fedhier.runs.folder import RunFolder
+from fedhier.runs.prepare import (
     central_evaluation,
     initial_model,
     prepare,
     quiet_flower,
     settings_for,
 )
-from fedhier.train import resolve_device
-from fedhier_strategies.cloud_step import make_cloud_strategy
-from fedhier_strategies.edge.async_executor import AsyncEdgeServersExecutor
-from fedhier_strategies.edge.cloud_executor import EdgeServersExecutor
-from fedhier_strategies.grid_executor import GridExecutor
-from fedhier_strategies.hierfedavg import HierFedAvg
+from fedhier.runs.recorder import RunRecorder
+from fedhier.settings.run_config import RunConfig
+from fedhier.strategies.cloud_step import make_cloud_strategy
+from fedhier.strategies.edge.async_executor import AsyncEdgeServersExecutor
+from fedhier.strategies.edge.cloud_executor import EdgeServersExecutor
+from fedhier.strategies.grid_executor import GridExecutor
+from fedhier.strategies.hierfedavg import HierFedAvg
 
 #: Set on the cloud SuperLink by ``fedhier deploy local``: the folder of the processes' wire
 #: meters (:mod:`fedhier.engines.deployment.wire`), whose totals each record then carries.
@@ -55,7 +55,6 @@ def with_wire_bytes(evaluate_fn: Callable[[int, Params], dict[str, Any]], wire_d
     received on each measured link so far, as the processes had reported them (every 0.25 s;
     the run's final totals are in wire.json)."""
     from fedhier.engines.deployment.wire import read_wire
-
     def evaluate(cloud_round: int, params: Params) -> dict[str, Any]:
         metrics = evaluate_fn(cloud_round, params)
         for link, totals in sorted(read_wire(wire_dir).items()):
@@ -97,12 +96,12 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
     run_config = ConfigRecord(cfg.to_run_config())
     algorithm: HierarchicalSGD = strategy.algorithm
     executor: GridExecutor
-    if cfg.edge_servers and cfg.asynchronous().active:  # fedhier.edge_tier_async
+    if cfg.edge_servers and cfg.asynchronous().active:  # fedhier.round.tiers.asynchronous
         algorithm = async_edge_tier(strategy.settings, algorithm.cloud_step, folder.path,
                                     resume)
         executor = AsyncEdgeServersExecutor(grid, run_config, cfg.groups[-1], cfg.clients,
                                             cfg.round_timeout, level=len(cfg.periods))
-    elif cfg.edge_servers:  # the edges run their clients' edge rounds (fedhier.edge_tier)
+    elif cfg.edge_servers:  # the edges run their clients' edge rounds (fedhier.round.tiers.jobs)
         algorithm = EdgeTierHierarchicalSGD(strategy.settings, algorithm.cloud_step)
         executor = EdgeServersExecutor(grid, run_config, cfg.groups[-1], cfg.clients,
                                        cfg.round_timeout, level=len(cfg.periods))

@@ -6,12 +6,12 @@ import gc
 import logging
 from typing import Any
 
-from fedhier.checkpoint import Checkpoint
-from fedhier.config import RunConfig
+from fedhier.clients.app import app as client_app
 from fedhier.engines.grid_run import run_federation
 from fedhier.engines.inprocess_grid import InProcessGrid
-from fedhier.run_folder import RunFolder
-from fedhier_clients.app import app as client_app
+from fedhier.runs.checkpoint import Checkpoint
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
 
 log = logging.getLogger("fedhier")
 
@@ -33,7 +33,7 @@ def run_inprocess(cfg: RunConfig, folder: RunFolder, progress: bool = True,
     finally:
         if freeze:
             gc.unfreeze()
-        stuck = grid.close(wait=2.0)  # a late ClientApp call: see fedhier.cli.main
+        stuck = grid.close(wait=2.0)  # a late ClientApp call: see fedhier.cli.commands
         if stuck:
             log.warning("client(s) %s still computing a late reply after the run",
                         stuck[:10])

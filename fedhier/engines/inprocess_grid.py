@@ -32,7 +32,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedhier.rng import generator
+from fedhier.common.rng import generator
 
 #: The name prefix of the threads that run ClientApp calls under a timeout.
 THREAD_PREFIX = "fedhier-node-"

@@ -1,8 +1,8 @@
 """The engine registry: every engine name, in one place, with the function that runs it.
 
-``fedhier run --engine NAME``, :class:`fedhier.config.RunConfig` validation, the experiment
-suites and ``benchmarks/engines.py`` all read the names from :data:`ENGINES`. Each entry names
-its run function as an import string (``"package.module:function"``) that is imported only
+``fedhier run --engine NAME``, :class:`fedhier.settings.run_config.RunConfig` validation, the
+experiment suites and ``benchmarks/engines.py`` all read the names from :data:`ENGINES`. Each entry
+names its run function as an import string (``"package.module:function"``) that is imported only
 when a run starts, so this module imports neither torch nor Flower, and any module (the
 configuration included) can import it without an import cycle.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from fedhier.errors import ConfigError
+from fedhier.common.errors import ConfigError
 
 #: ``(cfg, folder, progress=..., resume=...) -> summary``; typed loosely so that this module
 #: needs no import of the configuration, run folder or checkpoint modules.
@@ -51,9 +51,9 @@ _ENGINES = (
            "Flower strategy + ClientApp in one process"),
     Engine("flower", "fedhier.engines.flower:run_simulation_engine",
            "Flower's Simulation Engine on Ray"),
-    Engine("vectorized", "fedhier.engines.vectorized:run_vectorized",
+    Engine("vectorized", "fedhier.engines.vectorized.engine:run_vectorized",
            "all clients as one batched computation"),
-    Engine("vectorized-ray", "fedhier.engines.vectorized_ray:run_vectorized_ray",
+    Engine("vectorized-ray", "fedhier.engines.vectorized_ray.engine:run_vectorized_ray",
            "the batched engine sharded by edge over a Ray cluster"),
 )
 
@@ -86,8 +86,7 @@ def engine_help() -> str:
 def run_engine(cfg: Any, folder: Any, progress: bool = True,
                resume: Any = None) -> dict[str, Any]:
     """Run ``cfg`` on the engine ``cfg.engine`` names; returns the run's summary."""
-    from fedhier.arrival_order import replay_source
-
+    from fedhier.round.asynchrony.arrival_order import replay_source
     if replay_source() and cfg.engine not in ("inprocess", "flower"):  # grid_run replays
         raise ConfigError(f"FEDHIER_REPLAY_ARRIVALS replays a recorded arrival order on "
                           f"engines inprocess and flower; engine '{cfg.engine}' would ignore "

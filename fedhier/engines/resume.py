@@ -1,8 +1,8 @@
 """Resuming a run folder: its checkpoint, checked before the run folder is touched.
 
 In the engine layer because rehearsing a restore builds the run's cloud step, which may be a
-Flower strategy (:mod:`fedhier_strategies.cloud_step`); importing that module also registers
-the Flower strategies' classes with the checkpoint reader (:func:`fedhier.state_codec.allow`)
+Flower strategy (:mod:`fedhier.strategies.cloud_step`); importing that module also registers
+the Flower strategies' classes with the checkpoint reader (:func:`fedhier.runs.state_codec.allow`)
 before the file is read. fedhier's core imports nothing of the Flower layer.
 """
 
@@ -10,21 +10,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedhier.async_edges import algorithm_for
-from fedhier.checkpoint import (
+from fedhier.round.asynchrony.edges import algorithm_for
+from fedhier.runs.checkpoint import (
     CHECKPOINT,
     Checkpoint,
     check_model,
     load_checkpoint,
     restore_state,
 )
-from fedhier.cli_flags import prepare_data
-from fedhier.config import RunConfig
-from fedhier.errors import FedhierError
-from fedhier.run_folder import read_metrics
-from fedhier.run_setup import initial_model, settings_for
-from fedhier.train import resolve_device
-from fedhier_strategies.cloud_step import as_cloud_step, make_cloud_strategy
+from fedhier.cli.flags import prepare_data
+from fedhier.settings.run_config import RunConfig
+from fedhier.common.errors import FedhierError
+from fedhier.runs.folder import read_metrics
+from fedhier.runs.prepare import initial_model, settings_for
+from fedhier.local.train import resolve_device
+from fedhier.strategies.cloud_step import as_cloud_step, make_cloud_strategy
 
 
 def resumable_checkpoint(path: Path, cfg: RunConfig) -> Checkpoint | None:

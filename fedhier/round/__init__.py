@@ -1,6 +1,6 @@
 """The round of hierarchical SGD as parts (docs/index.md, "The round as parts").
 
-One loop (:class:`fedhier.hsgd.HierarchicalSGD`) asks each part its question and names none of
+One loop (:class:`fedhier.round.loop.HierarchicalSGD`) asks each part its question and names none of
 the features behind it:
 
 * :mod:`~fedhier.round.executor`: the seam to whatever runs the clients;
@@ -9,7 +9,7 @@ the features behind it:
 * :mod:`~fedhier.round.updates`: a client's update on its way up (FedNova scale, screening);
 * :mod:`~fedhier.round.aggregation`: the registry's rule per level, the models nodes hold;
 * :mod:`~fedhier.round.cloud`: the cloud step (plain mean or a Flower Strategy);
-* :mod:`~fedhier.round.records`: the evaluation and diagnostics keys of a record.
+* :mod:`~fedhier.round.record_fields`: the evaluation and diagnostics keys of a record.
 
-The clock is :mod:`fedhier.sim_clock`.
+The clock is :mod:`fedhier.round.clock`.
 """

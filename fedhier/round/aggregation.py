@@ -2,10 +2,10 @@
 
 One part of the round (docs/index.md, "The round as parts"). :func:`aggregate_levels` combines
 the surviving clients' models up to a level with each level's rule from the registry
-(:mod:`fedhier.aggregate`: mean, median, clip, krum, ...); :func:`broadcast` gives each node's
-aggregate to the edges under it, and :class:`NodeModels` keeps what the levels strictly between
-the edges and the cloud hold within a cloud round (the start model of rules that measure from
-one, such as ``clip``). No Flower import.
+(:mod:`fedhier.round.aggregators.averaging`: mean, median, clip, krum, ...); :func:`broadcast` gives
+each node's aggregate to the edges under it, and :class:`NodeModels` keeps what the levels strictly
+between the edges and the cloud hold within a cloud round (the start model of rules that measure
+from one, such as ``clip``). No Flower import.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from fedhier.aggregate import aggregator, check_aggregators, occupied_segments
+from fedhier.round.aggregators.averaging import aggregator, check_aggregators, occupied_segments
 from fedhier.round.executor import Params, device_of
-from fedhier.topology import Hierarchy
+from fedhier.tree.hierarchy import Hierarchy
 
 
 def aggregate_levels(models: dict[str, torch.Tensor], survivors: np.ndarray,

@@ -3,10 +3,11 @@
 One part of the round (docs/index.md, "The round as parts"). Without a :class:`CloudStep` the
 cloud aggregates with the registry's rule of the top level like every other node (the plain
 mean: exact H-SGD, the subtree's clients averaged directly); with one (a Flower Strategy
-through ``fedhier_strategies.cloud_step``: "hierarchical FedAdam") the cloud's children
+through ``fedhier.strategies.cloud_step``: "hierarchical FedAdam") the cloud's children
 aggregate first and the step makes the global model from their aggregates and weights.
 :func:`cloud_update` is the one entry for both; :func:`cloud_update_of_children` starts from
-children's aggregates already made (edge servers, :mod:`fedhier.edge_tier`). No Flower import.
+children's aggregates already made (edge servers, :mod:`fedhier.round.tiers.jobs`). No Flower
+import.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from fedhier.aggregate import aggregator
-from fedhier.faults import RunFailureError
 from fedhier.round.aggregation import aggregate_levels
+from fedhier.round.aggregators.averaging import aggregator
 from fedhier.round.executor import Params, device_of
-from fedhier.topology import Hierarchy
+from fedhier.round.faults import RunFailureError
+from fedhier.tree.hierarchy import Hierarchy
 
 #: (level, node ids int64 [m]) -> name -> [m, *shape]: those nodes' current models.
 Reference = Callable[[int, np.ndarray], Params]

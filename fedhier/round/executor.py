@@ -1,8 +1,9 @@
 """The seam between the round and whatever runs the clients.
 
-:class:`Executor` is everything the round (:class:`fedhier.hsgd.HierarchicalSGD`) needs from
+:class:`Executor` is everything the round (:class:`fedhier.round.loop.HierarchicalSGD`) needs from
 clients, and nothing about the algorithm: Flower Grid messages in
-``fedhier_strategies.grid_executor``, one batched computation in ``fedhier.engines.vectorized``.
+``fedhier.strategies.grid_executor``, one batched computation in
+``fedhier.engines.vectorized.engine``.
 :class:`EdgeRoundWork` is what it is asked to run, :class:`TrainResult` what comes back,
 :class:`ClientEvaluation` the global model on every client's rows. No Flower import here.
 """
@@ -16,7 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from fedhier.grouping import ClientInfo
+from fedhier.tree.grouping import ClientInfo
 
 Params = dict[str, torch.Tensor]
 

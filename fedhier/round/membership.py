@@ -28,11 +28,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from fedhier.errors import ConfigError
-from fedhier.faults import RunFailureError
-from fedhier.grouping import ClientInfo, grouping_needs
-from fedhier.mobility import Mobility
-from fedhier.topology import Hierarchy, build_hierarchy
+from fedhier.common.errors import ConfigError
+from fedhier.round.faults import RunFailureError
+from fedhier.tree.grouping import ClientInfo, grouping_needs
+from fedhier.tree.hierarchy import Hierarchy, build_hierarchy
+from fedhier.tree.mobility import Mobility
 
 #: regroup(seed) -> a hierarchy drawn by the run's grouping (from the current model).
 Regroup = Callable[[int], Hierarchy]
@@ -40,7 +40,7 @@ Regroup = Callable[[int], Hierarchy]
 
 def draw_hierarchy(settings: Any, info: ClientInfo, weights: np.ndarray, seed: int,
                    gradients: Callable[[], torch.Tensor | None]) -> Hierarchy:
-    """A hierarchy drawn by the grouping of ``settings`` (:class:`fedhier.hsgd.HSGDSettings`)
+    """A hierarchy drawn by the grouping of ``settings`` (:class:`fedhier.round.loop.HSGDSettings`)
     with ``seed``: ``gradients()`` gives every client's gradient [n, P] (None: some
     missing), asked only by groupings that need them; ``weights``: float64 [n]."""
     needs = grouping_needs(settings.grouping)
@@ -136,7 +136,7 @@ class Regrouping:
 
 
 class Moving:
-    """Clients move between edges (:class:`fedhier.mobility.Mobility`: by rate or trace):
+    """Clients move between edges (:class:`fedhier.tree.mobility.Mobility`: by rate or trace):
     a cloud round's maps are drawn at its start, each takes effect at its edge round."""
 
     def __init__(self, mobility: Mobility) -> None:
@@ -211,7 +211,7 @@ class Membership:
 
 
 #: (when the settings ask for it, the rule): one line per membership feature, in the order
-#: the rules apply. ``settings`` is an :class:`fedhier.hsgd.HSGDSettings`.
+#: the rules apply. ``settings`` is an :class:`fedhier.round.loop.HSGDSettings`.
 MEMBERSHIP_RULES: tuple[tuple[Callable[[Any], bool], Callable[[Any], MembershipRule]], ...] = (
     (lambda s: bool(s.regroup_every), lambda s: Regrouping(s.regroup_every, s.mobility)),
     (lambda s: s.mobility.active, lambda s: Moving(s.mobility)),

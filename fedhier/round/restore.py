@@ -1,7 +1,7 @@
 """What a resumed run takes back from its checkpoint, checked before it is used.
 
-:meth:`fedhier.hsgd.HierarchicalSGD.load_state_dict` reads a checkpoint's state into a
-:class:`Restored`; :meth:`~fedhier.hsgd.HierarchicalSGD.setup` then puts it back once the
+:meth:`fedhier.round.loop.HierarchicalSGD.load_state_dict` reads a checkpoint's state into a
+:class:`Restored`; :meth:`~fedhier.round.loop.HierarchicalSGD.setup` then puts it back once the
 clients are known. Keys absent from older checkpoints restore nothing (None). No Flower
 import.
 """
@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from fedhier.errors import ConfigError
-from fedhier.grouping import ClientInfo
-from fedhier.topology import Hierarchy
+from fedhier.common.errors import ConfigError
+from fedhier.tree.grouping import ClientInfo
+from fedhier.tree.hierarchy import Hierarchy
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Restored:
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> Restored:
-        """Read a :meth:`~fedhier.hsgd.HierarchicalSGD.state_dict`; TypeError when a part
+        """Read a :meth:`~fedhier.round.loop.HierarchicalSGD.state_dict`; TypeError when a part
         has the wrong shape."""
         sizes, executor_state = state.get("num_examples"), state.get("executor")
         if sizes is not None and (not isinstance(sizes, list) or not all(

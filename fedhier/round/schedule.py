@@ -2,9 +2,9 @@
 
 One part of the round (docs/index.md, "The round as parts"). Per edge round the loop asks
 the run's :class:`Schedule` who trains (:meth:`~Schedule.plan`: partial participation and
-stragglers through :func:`fedhier.plan.plan_edge_round`), from which models
+stragglers through :func:`fedhier.round.participants.plan_edge_round`), from which models
 (:meth:`~Schedule.start_models`), at which level each edge aggregates after it
-(:meth:`~Schedule.levels`: :func:`fedhier.topology.edge_levels_after`, the one schedule of
+(:meth:`~Schedule.levels`: :func:`fedhier.tree.hierarchy.edge_levels_after`, the one schedule of
 every engine), which of the returned models aggregate now (:meth:`~Schedule.settle`,
 which also charges the round to the simulated clock and says how many models went down),
 and when a client's update is complete for FedNova's scaling (:meth:`~Schedule.scale`:
@@ -18,7 +18,7 @@ every edge round, or when the client's edge aggregates).
   aggregates (w_start: the model it started the period from, kept per client).
 
 Buffered asynchronous reports are a schedule of the level above the edges
-(:mod:`fedhier.async_edges`). A new schedule is one class here and one line of
+(:mod:`fedhier.round.asynchrony.edges`). A new schedule is one class here and one line of
 :data:`SCHEDULES`. A schedule's state lives within a cloud round (nothing to checkpoint at its
 boundary).
 """
@@ -31,11 +31,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from fedhier.plan import EdgeRoundPlan, plan_edge_round
+from fedhier.round.clock import SimClock
 from fedhier.round.executor import EdgeRoundWork, Params, device_of
+from fedhier.round.participants import EdgeRoundPlan, plan_edge_round
 from fedhier.round.updates import scale_rows, scale_updates
-from fedhier.sim_clock import SimClock
-from fedhier.topology import Hierarchy, edge_levels_after
+from fedhier.tree.hierarchy import Hierarchy, edge_levels_after
 
 
 class Schedule(Protocol):
@@ -313,7 +313,7 @@ SCHEDULES: tuple[tuple[Callable[[Any], bool], Callable[[Any], Schedule]], ...] =
 
 
 def schedule_for(settings: Any) -> Schedule:
-    """The schedule a run's settings (:class:`fedhier.hsgd.HSGDSettings`) ask for."""
+    """The schedule a run's settings (:class:`fedhier.round.loop.HSGDSettings`) ask for."""
     for wanted, make in SCHEDULES:
         if wanted(settings):
             return make(settings)

@@ -1,9 +1,9 @@
 """A client's update on its way up: FedNova scaling, then screening.
 
 Between the executor's :class:`~fedhier.round.executor.TrainResult` and the aggregation, the
-round (:meth:`fedhier.hsgd.HierarchicalSGD.complete`) scales each client's update by its plan's
-FedNova factor (:class:`fedhier.plan.Workload`, ``normalize_updates``; with per-edge
-periods the schedule does it when the client's edge aggregates,
+round (:meth:`fedhier.round.loop.HierarchicalSGD.complete`) scales each client's update by its
+plan's FedNova factor (:class:`fedhier.round.participants.Workload`, ``normalize_updates``; with
+per-edge periods the schedule does it when the client's edge aggregates,
 :class:`fedhier.round.schedule.EdgePeriods`) and keeps the clients
 whose update is usable: returned and finite (``on_nan``: a non-finite one stops the run naming
 the client, or is dropped). No state; no Flower import.
@@ -16,8 +16,8 @@ import logging
 import numpy as np
 import torch
 
-from fedhier.faults import RunFailureError, non_finite_message
 from fedhier.round.executor import EdgeRoundWork, Params, TrainResult, device_of
+from fedhier.round.faults import RunFailureError, non_finite_message
 
 log = logging.getLogger("fedhier")
 

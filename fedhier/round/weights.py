@@ -1,17 +1,17 @@
 """The clients' averaging weights, from the sizes they claim.
 
 Every aggregation weighs a client by its rows (``samples``) or equally (``uniform``)
-(:func:`fedhier.aggregate.client_weights`), a claim capped where it may not be believed
-(:func:`fedhier.reply_policy.allowed_sizes`); replies can teach the round sizes it did not know
-(docs/contract.md, "Which rows weigh"). Pure functions; no Flower import.
+(:func:`fedhier.round.aggregators.averaging.client_weights`), a claim capped where it may not be
+believed (:func:`fedhier.round.reply_policy.allowed_sizes`); replies can teach the round sizes it
+did not know (docs/contract.md, "Which rows weigh"). Pure functions; no Flower import.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from fedhier.aggregate import client_weights
-from fedhier.reply_policy import allowed_sizes
+from fedhier.round.aggregators.averaging import client_weights
+from fedhier.round.reply_policy import allowed_sizes
 
 
 def weights_of(claimed: np.ndarray, histograms: np.ndarray, weighting: str,

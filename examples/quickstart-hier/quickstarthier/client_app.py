@@ -1,7 +1,7 @@
 """quickstarthier: a Flower / PyTorch app."""
 
 import torch
-from fedhier_clients.adapter import batch_stream, register_profile
+from fedhier.clients.adapter import batch_stream, register_profile
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 

@@ -1,7 +1,7 @@
 """quickstarthier: a Flower / PyTorch app."""
 
 import torch
-from fedhier_strategies import HierFedAvg
+from fedhier.strategies import HierFedAvg
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 

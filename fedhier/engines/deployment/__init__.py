@@ -70,7 +70,7 @@ from fedhier.engines.deployment.processes import (
     executable,
     process_tree,
 )
-from fedhier.grouping.base import contiguous_edges
+from fedhier.tree.grouping.base import contiguous_edges
 
 __all__ = [
     "CONNECTION", "DEFAULT_BASE_PORT", "FLOWER_ENV", "HOST", "NOT_PASSED", "REPO_ROOT",

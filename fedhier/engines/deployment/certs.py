@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedhier.errors import ConfigError
+from fedhier.common.errors import ConfigError
 
 #: Names the server certificate is valid for by default (loopback only).
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")

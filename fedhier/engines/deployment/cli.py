@@ -18,8 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fedhier.arrival_order import REPLAY_ENV, arrivals_path, read_arrivals
-from fedhier.cli_flags import (
+from fedhier.cli.flags import (
     OneLineParser,
     add_config_flags,
     config_from_args,
@@ -27,7 +26,7 @@ from fedhier.cli_flags import (
     resumed_config,
     run_command,
 )
-from fedhier.config import RunConfig
+from fedhier.common.errors import ConfigError
 from fedhier.engines.deployment.connection import run_config_overrides
 from fedhier.engines.deployment.errors import DeployError, DeployTimeoutError
 from fedhier.engines.deployment.local import (
@@ -37,8 +36,9 @@ from fedhier.engines.deployment.local import (
 )
 from fedhier.engines.deployment.polling import DEFAULT_INTERVAL, FLOWER_IDLE
 from fedhier.engines.deployment.ports import check_ports, ports_needed
-from fedhier.errors import ConfigError
-from fedhier.grouping.base import contiguous_edges
+from fedhier.round.asynchrony.arrival_order import REPLAY_ENV, arrivals_path, read_arrivals
+from fedhier.settings.run_config import RunConfig
+from fedhier.tree.grouping.base import contiguous_edges
 
 
 @contextmanager
@@ -118,8 +118,7 @@ def _resumed(args: argparse.Namespace) -> RunConfig:
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     """``fedhier deploy local``: 0 on success, 1 if the run failed, 124 on --timeout."""
-    from fedhier.run_folder import default_run_dir
-
+    from fedhier.runs.folder import default_run_dir
     cfg = resolve_config(args)
     if args.insecure and args.certs is not None:
         raise ConfigError("--insecure and --certs contradict each other; give one")
@@ -130,7 +129,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     if not 0 <= args.poll_interval <= FLOWER_IDLE:
         raise ConfigError(f"--poll-interval must be between 0 and {FLOWER_IDLE:g} seconds, "
                           f"got {args.poll_interval}")
-    if getattr(args, "replay_arrivals", None) is not None:  # fedhier.edge_tier_async
+    if getattr(args, "replay_arrivals", None) is not None:  # fedhier.round.tiers.asynchronous
         if not (cfg.edge_servers and cfg.asynchronous().active):
             raise ConfigError("--replay-arrivals replays asynchronous edge servers: it needs "
                               "--edges and --async-buffer")
@@ -144,10 +143,9 @@ def cmd_deploy(args: argparse.Namespace) -> int:
                           "servers; clients follow docs/contract.md); drop --app")
     run_config_overrides(cfg, app)  # every flag must reach the ServerApp
     out = Path(cfg.out or default_run_dir(f"{cfg.dataset}-deploy")).resolve()
+    from fedhier.local.train import resolve_device
+    from fedhier.runs.folder import RunFolder
     from fedhier.engines.resume import resumable_checkpoint
-    from fedhier.run_folder import RunFolder
-    from fedhier.train import resolve_device
-
     if args.resume is not None:  # the checkpoint fits, and no other run writes the folder
         resumable_checkpoint(out, cfg)
         RunFolder.claim_existing(out).lock.release()
@@ -181,7 +179,6 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         if cfg.edge_servers:
             from fedhier.engines.deployment.edge_servers import EdgeTierDeployment
             from fedhier.engines.deployment.placement import tree_placement
-
             tree = tree_placement(cfg)
             deployment = EdgeTierDeployment(
                 **common, edges=tree[0].tolist(), upper=[p.tolist() for p in tree[1:]],
@@ -226,7 +223,6 @@ def _write_wire(wire_dir: Path, out: Path, echo: Callable[[str], None]) -> None:
     import json
 
     from fedhier.engines.deployment.wire import read_wire
-
     totals = read_wire(wire_dir)
     if not totals or not out.is_dir():
         return

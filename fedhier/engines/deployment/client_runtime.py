@@ -2,7 +2,7 @@
 
 ``python -m fedhier.engines.deployment.client_runtime --node HOST:PORT`` claims every
 ClientApp task of the SuperNode whose runtime API is HOST:PORT (a SuperNode started with
-``--isolation process``) and answers it with :data:`fedhier_clients.app.app`, as Flower's
+``--isolation process``) and answers it with :data:`fedhier.clients.app.app`, as Flower's
 ``flwr-clientapp`` would, but without starting a Python process (imports, data loading) per
 message: ``fedhier deploy local`` uses it for its own app. The context (the client's kept
 state) goes back to the SuperNode with every reply, as in Flower's runtime.
@@ -34,8 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(max(1, args.torch_threads))
+    from fedhier.clients.app import app
     from fedhier.engines.deployment.task_runtime import exit_on_sigterm, serve_tasks
-    from fedhier_clients.app import app
 
     exit_on_sigterm()
     secret = args.superexec_secret.read_bytes() if args.superexec_secret else None

@@ -1,5 +1,6 @@
 """What ``flwr`` is told: the SuperLink connection in ``$FLWR_HOME/config.toml`` and the
-``--run-config`` overrides that carry a :class:`~fedhier.config.RunConfig` to the ServerApp.
+``--run-config`` overrides that carry a :class:`~fedhier.settings.run_config.RunConfig` to the
+ServerApp.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedhier.config import RunConfig
+from fedhier.common.errors import ConfigError
 from fedhier.engines.deployment.ports import HOST
-from fedhier.errors import ConfigError
+from fedhier.settings.run_config import RunConfig
 
 #: The name of the SuperLink connection in ``$FLWR_HOME/config.toml`` (``flwr run APP NAME``).
 CONNECTION = "fedhier-local"

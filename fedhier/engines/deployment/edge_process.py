@@ -13,7 +13,7 @@ docs/deployment.md#edge-servers has the diagram). The server has two faces, both
 * **toward its parent** (the cloud, or a region) it is the ClientApp runtime of a SuperNode
   attached to the parent's SuperLink (also ``--isolation process``): it claims each task the
   parent sends that SuperNode, answers it with
-  :class:`~fedhier_strategies.edge.server.EdgeServer` over the grid, and pushes the reply, as
+  :class:`~fedhier.strategies.edge.server.EdgeServer` over the grid, and pushes the reply, as
   Flower's ``flwr-clientapp`` does for one message.
 
 Flower's ``Message()`` reads the run, node and task ids from the process-global
@@ -39,7 +39,6 @@ from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_htt
 from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.grid import HttpGrid
 
-from fedhier.edge_tier import server_name
 from fedhier.engines.deployment.task_runtime import (
     acquire,
     exit_on_sigterm,
@@ -47,8 +46,9 @@ from fedhier.engines.deployment.task_runtime import (
     serve_tasks,
 )
 from fedhier.engines.prompt_grid import PromptGrid
-from fedhier_strategies.edge.cloud_executor import STARTUP_SECONDS
-from fedhier_strategies.edge.server import EdgeServer
+from fedhier.round.tiers.jobs import server_name
+from fedhier.strategies.edge.cloud_executor import STARTUP_SECONDS
+from fedhier.strategies.edge.server import EdgeServer
 
 
 class Identity:

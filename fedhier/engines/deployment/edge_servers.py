@@ -32,15 +32,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedhier.config import RunConfig
-from fedhier.edge_tier import server_names
+from fedhier.common.errors import ConfigError
 from fedhier.engines.deployment.connection import CONNECTION
 from fedhier.engines.deployment.errors import DeployError
 from fedhier.engines.deployment.local import MAX_RESTARTS, LocalDeployment
 from fedhier.engines.deployment.ports import HOST, check_ports, ports_needed
 from fedhier.engines.deployment.processes import Managed
 from fedhier.engines.deployment.reattach import REATTACH_ENV, ReattachDriver
-from fedhier.errors import ConfigError
+from fedhier.round.tiers.jobs import server_names
+from fedhier.settings.run_config import RunConfig
 
 #: What a SuperNode's log says once it is online at its SuperLink.
 ONLINE = "SuperNode ID:"
@@ -185,7 +185,6 @@ class EdgeTierDeployment(LocalDeployment):
     def _prepare_edge_security(self) -> list[Path]:
         """TLS material and one SuperNode key per client and per server."""
         from fedhier.engines.deployment.certs import make_supernode_key
-
         keys = self._prepare_security()
         if not self.secure:
             return []

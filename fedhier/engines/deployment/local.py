@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedhier.config import RunConfig
+from fedhier.common.errors import ConfigError
 from fedhier.engines.deployment.connection import (
     CONNECTION,
     connection_toml,
@@ -30,7 +30,7 @@ from fedhier.engines.deployment.ports import HOST, check_ports, free_port_block,
 from fedhier.engines.deployment.processes import FLOWER_ENV, Managed, ProcessGroup, executable
 from fedhier.engines.deployment.trace import NAME_ENV, TRACE_ENV
 from fedhier.engines.deployment.wire import wire_env
-from fedhier.errors import ConfigError
+from fedhier.settings.run_config import RunConfig
 
 DEFAULT_BASE_PORT = 9300
 #: How often one process (a server, a client's ClientApp runtime) is restarted before the
@@ -229,7 +229,6 @@ class LocalDeployment:
         env = self.env(name)
         if port == self.superlink_port:  # read by the cloud's ServerApp
             from fedhier.engines.grid_run import RESUME_ENV, WIRE_RECORD_ENV
-
             if self.wire_dir is not None:
                 env[WIRE_RECORD_ENV] = str(self.wire_dir)
             if self.resume_dir is not None:

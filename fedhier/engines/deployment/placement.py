@@ -2,7 +2,7 @@
 drawn before anything starts.
 
 The cloud draws its grouping from the clients' profiles when the run starts
-(:meth:`fedhier.hsgd.HierarchicalSGD.group`); with edge servers the clients must already sit
+(:meth:`fedhier.round.loop.HierarchicalSGD.group`); with edge servers the clients must already sit
 at their edges by then, so ``fedhier deploy local --edges`` draws the same grouping (and the
 levels above, with ``--regions``) from the same data first (:func:`tree_placement`) and the
 cloud checks that it agrees. A grouping by gradients draws from the clients' gradients at
@@ -15,20 +15,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedhier.aggregate import client_weights
-from fedhier.config import RunConfig
-from fedhier.federation import Federation
-from fedhier.grouping import ClientInfo, grouping_needs
-from fedhier.grouping.base import contiguous_edges
-from fedhier.topology import build_hierarchy
+from fedhier.data.federation import Federation
+from fedhier.round.aggregators.averaging import client_weights
+from fedhier.settings.run_config import RunConfig
+from fedhier.tree.grouping import ClientInfo, grouping_needs
+from fedhier.tree.grouping.base import contiguous_edges
+from fedhier.tree.hierarchy import build_hierarchy
 
 
 def tree_placement(cfg: RunConfig) -> tuple[np.ndarray, ...]:
     """The tree under ``cfg``'s grouping, as the cloud will draw it: int64 maps client ->
-    edge, edge -> region, ... (:attr:`fedhier.topology.Hierarchy.parents`; a gradient
+    edge, edge -> region, ... (:attr:`fedhier.tree.hierarchy.Hierarchy.parents`; a gradient
     grouping from the clients' gradients at the initial model, :func:`initial_gradients`)."""
-    from fedhier.run_setup import prepare
-
+    from fedhier.runs.prepare import prepare
     tags = np.asarray(contiguous_edges(cfg.clients, cfg.num_edges), dtype=np.int64)
     if cfg.grouping == "edge-tag" and len(cfg.groups) == 1:  # no data needed
         return (tags,)
@@ -51,9 +50,8 @@ def initial_gradients(cfg: RunConfig, fed: Federation) -> torch.Tensor | None:
     what the cloud collects through the servers when the run starts and groups by."""
     if "gradients" not in grouping_needs(cfg.grouping):
         return None
-    from fedhier.round_diagnostics import direct_client_gradients
-    from fedhier.run_setup import initial_model
-
+    from fedhier.diagnostics.in_rounds import direct_client_gradients
+    from fedhier.runs.prepare import initial_model
     model = initial_model(cfg, fed)
     params = {k: v.detach() for k, v in model.state_dict().items()}
     return direct_client_gradients(model, params, fed, cfg.diagnostics_max_samples, cfg.seed,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import socket
 
+from fedhier.common.errors import ConfigError
 from fedhier.engines.deployment.errors import DeployError
-from fedhier.errors import ConfigError
 
 HOST = "127.0.0.1"  # loopback only: this command never listens on another address
 

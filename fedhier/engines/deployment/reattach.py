@@ -8,7 +8,7 @@ runtime port; its data partition stays where it is (``partition-id`` in the node
 
 Who does what (docs/deployment.md "Moving clients"):
 
-* the **cloud** (its ServerApp, :class:`fedhier.edge_tier.EdgeTierHierarchicalSGD`) decides
+* the **cloud** (its ServerApp, :class:`fedhier.round.tiers.jobs.EdgeTierHierarchicalSGD`) decides
   every move from the seed and, before the edge round a move takes effect in, asks with
   :class:`FileReattacher` (a file ``request-N.json`` in the deployment's ``reattach/``
   folder, :data:`REATTACH_ENV`) and waits for ``done-N.json``;
@@ -18,7 +18,7 @@ Who does what (docs/deployment.md "Moving clients"):
   there and answers with the seconds each took;
 * the **edge servers** follow the job's client -> edge map: an edge looks up the node id of
   a client that arrived by its profile (``partition-id``) and forgets one that left
-  (:func:`fedhier_strategies.edge.follow.follow_clients`).
+  (:func:`fedhier.strategies.edge.follow.follow_clients`).
 """
 
 from __future__ import annotations

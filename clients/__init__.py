@@ -1,0 +1,1 @@
+"""Flower ClientApp side of fedhier (``fedhier.clients.app:app``)."""

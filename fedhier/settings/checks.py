@@ -1,0 +1,131 @@
+"""Validation of a :class:`fedhier.settings.run_config.RunConfig`: the libraries' numeric limits,
+each setting's declared range and names (:mod:`fedhier.settings.ranges`), and the checks that relate
+settings (groups and clients, the periods' schedule, mobility, async edges, edge servers).
+Every failure is one ConfigError line naming the setting.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import fields
+from typing import Any
+
+from fedhier.common.errors import ConfigError
+from fedhier.settings.ranges import check_ranges, choices
+
+#: a :class:`fedhier.settings.run_config.RunConfig` (not imported: that module imports this one)
+RunConfig = Any
+
+#: Largest finite float32: models, learning rates and optimiser state are float32 tensors.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def validate(cfg: RunConfig) -> None:
+    """Raise a one-line ConfigError at the first thing wrong with ``cfg`` (the order is part
+    of the messages users see: limits, ranges, names, then relations)."""
+    check_limits(cfg)  # first: huge or non-finite numbers reach no other check
+    check_ranges(cfg)  # every numeric setting against its one declared range
+    from fedhier.tree.mobility import parse_handoff
+    parse_handoff(cfg.handoff)  # names the bad half of MODEL:ADMISSION
+    for key, allowed in choices().items():  # every closed set of names
+        one_of(key, getattr(cfg, key), allowed)
+    from fedhier.local.devices import check_device_name
+    check_device_name(cfg.device)
+    from fedhier.round.aggregators.averaging import check_aggregators
+    check_aggregators(cfg.aggregator_names, len(cfg.periods) or 2)
+    below, below_name = cfg.clients, "clients"
+    for level, count in enumerate(cfg.groups, start=1):
+        if count < 1:
+            raise ConfigError(f"groups must be at least 1, got {list(cfg.groups)}")
+        if count > below:
+            raise ConfigError(
+                f"more groups ({count}) than {below_name} ({below}) at level {level}: every "
+                "group needs at least one member")
+        below, below_name = count, f"level-{level} groups"
+    from fedhier.tree.hierarchy import check_schedule
+    check_schedule(cfg.periods, cfg.groups, cfg.edge_period_list)
+    if cfg.mobility_rate > 0 and cfg.mobility_trace:
+        raise ConfigError("give mobility_rate or mobility_trace, not both")
+    if cfg.reachability and cfg.num_edges < 2:
+        raise ConfigError("a reachability matrix needs at least 2 edges")
+    from fedhier.round.faults import parse_span
+    parse_span(cfg.dropout_rounds)
+    if not cfg.dataset:
+        raise ConfigError("dataset must not be empty")
+    check_grouping(cfg.grouping)
+    cfg.mobility()  # unreadable or inconsistent mobility files: stop before any output
+    cfg.time_model().check_edges(cfg.num_edges)
+    cfg.asynchronous().check(cfg.num_edges)
+    from fedhier.round.asynchrony.settings import check_region_buffers
+    check_region_buffers(cfg.asynchronous(), cfg.groups)
+    if cfg.edge_servers:
+        check_edge_servers(cfg)
+
+
+def check_grouping(grouping: str) -> None:
+    """A built-in grouping, or a plugin that imports (stop before any output if not)."""
+    from fedhier.tree.grouping import BUILTIN_GROUPINGS, GRADIENT_GROUPING, available_groupings
+    if ":" not in grouping:  # module:function is imported below
+        one_of("grouping", grouping, tuple(available_groupings()))
+    if grouping not in BUILTIN_GROUPINGS and grouping != GRADIENT_GROUPING:
+        from fedhier.tree.grouping import load_plugin
+        load_plugin(grouping)
+
+
+def check_edge_servers(cfg: RunConfig) -> None:
+    """What edge servers as processes do not run (yet), in one line."""
+    if len(cfg.periods) > 2 and cfg.clients_move():
+        check_moves_under_regions(cfg)
+    if cfg.edge_periods and (cfg.mobility_rate > 0 or cfg.mobility_trace):
+        raise ConfigError("edge servers with per-edge periods need static clients (no "
+                          "mobility): a job split at a move would restart an edge's period")
+    if cfg.asynchronous().active:
+        from fedhier.round.tiers.asynchronous import check_async_edge_tier
+        if cfg.clients_move():
+            raise ConfigError("asynchronous edge servers need static clients (no mobility, "
+                              "no regroup_every): clients re-attach between synchronous jobs")
+        if cfg.keeps_client_state():
+            raise ConfigError("asynchronous edge servers need --optimizer-state reset: the "
+                              "clients' kept state is gathered between synchronous jobs")
+        check_async_edge_tier(cfg)
+
+
+def check_moves_under_regions(cfg: RunConfig) -> None:
+    """Moving clients under region servers (fedhier.round.tiers.moves): only clients move."""
+    from fedhier.round.aggregators.averaging import aggregator
+    if cfg.regroup_every:
+        raise ConfigError("edge servers under region servers need a fixed grouping (no "
+                          "regroup_every): a regrouping re-draws the edges' regions too, and "
+                          "an edge server stays under the region server it started under")
+    names = cfg.aggregator_names
+    regional = names if len(names) == 1 else names[1:-1]  # the levels between edge and cloud
+    if any(aggregator(name).needs_reference for name in regional):
+        raise ConfigError("moving clients under region servers need a region rule that does "
+                          "not measure from the region's own model (not clip): a region's "
+                          "job that starts inside its period does not carry its last aggregate")
+
+
+def check_limits(cfg: RunConfig) -> None:
+    """Limits of the libraries below: step counters and row indices are int64, and numbers
+    become float32 tensors (each setting's own range: :mod:`fedhier.settings.ranges`)."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        for item in value if isinstance(value, tuple) else (value,):
+            if isinstance(item, int) and not isinstance(item, bool) and abs(item) >= 2**62:
+                raise ConfigError(f"{f.name} {item} is too large (limit 2**62)")
+        if isinstance(value, float) and f.name != "round_timeout" and not (
+                math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+            raise ConfigError(f"{f.name} {value} is not a finite float32 number "
+                              f"(|x| <= {FLOAT32_MAX:.3g})")
+    if cfg.rounds * cfg.global_period >= 2**62:
+        raise ConfigError(f"rounds x global_period = {cfg.rounds * cfg.global_period} local "
+                          "steps is too many (limit 2**62)")
+
+
+def one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    """A one-line ConfigError (with a "did you mean") unless ``value`` is in ``allowed``."""
+    if value not in allowed:
+        close = difflib.get_close_matches(str(value), list(allowed), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"unknown {key} '{value}'{hint}; choose one of {', '.join(allowed)}")

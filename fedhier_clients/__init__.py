@@ -1,1 +1,0 @@
-"""Flower ClientApp side of fedhier (``fedhier_clients.app:app``)."""
