@@ -262,6 +262,22 @@ def test_fednova_with_per_edge_periods(data, engine, handoff):
     assert gap(r, oracle.hsgd(p, initial(r), rounds=2, **kwargs)) > 1e-4  # FedNova matters
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_fednova_with_whole_periods_is_per_edge_h_sgd(data, engine):
+    """Every client does its edge's whole period (issue 39's case, no stragglers): τ_j =
+    τ_eff, so FedNova is FedAvg (Wang et al. 2020) and the run is the oracle's per-edge
+    H-SGD with FedNova and without it (tests/test_fednova_periods_engines.py: the engines)."""
+    periods = (2, 2, 4, 4)
+    r = run(data, engine, "--groups", "4", "--grouping", "contiguous", "--edge-periods",
+            ",".join(map(str, periods)), "--global-period", "8", "--normalize-updates")
+    p = problem(data, r, (2, 8))
+    want = oracle.hsgd(p, initial(r), rounds=2, edge_periods=periods, fednova=True)
+    assert gap(r, want) <= TOL
+    assert gap(r, oracle.hsgd(p, initial(r), rounds=2, edge_periods=periods)) <= TOL
+    assert moved(r, want) > 1e-2
+    assert gap(r, oracle.hsgd(p, initial(r), rounds=2)) > 1e-4  # the periods matter
+
+
 # --------------------------------------------------------------------------- mobility
 TRACE = "edge_round,client,edge\n2,0,3\n2,5,0\n3,2,0\n4,7,1\n"
 
