@@ -41,6 +41,7 @@ def timed_runs(cfgs: list[Any], feds: list[Any], batched: bool) -> dict[str, Any
     from fedhier.engines.vectorized.seed_batch import run_seeds
     from fedhier.runs.folder import RunFolder
     from fedhier.runs.recorder import RunRecorder
+
     marks: dict[str, list[tuple[float, float]]] = {}  # run folder -> records' (wall, cpu)
     original = RunRecorder.record_round
 
@@ -88,6 +89,7 @@ def seeds_worker(args: argparse.Namespace, w1_config: Callable[..., Any]) -> dic
     import torch
 
     from fedhier.runs.prepare import prepare
+
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
     batched = args.worker == "seeds-batched"

@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedhier.engines.deployment import free_port_block
     from fedhier.engines.deployment import main as deploy
     from fedhier.engines.deployment.ports import ports_needed
+
     out = args.out or Path(tempfile.mkdtemp(prefix="deploy-latency-")) / "run"
     os.environ[TRACE_ENV] = str(out.parent / f"{out.name}-trace")
     port = free_port_block(ports_needed(args.nodes, args.edges))

@@ -49,6 +49,7 @@ def main() -> None:
         return marks.window()["cpu"]
 
     from fedhier.local.train import batch_indices
+
     def per_client(seed: int, num_rows: list[int], *rest: int,
                    first_client: int = 0) -> list[np.ndarray]:
         return [batch_indices(seed, first_client + k, n, *rest) for k, n in enumerate(num_rows)]

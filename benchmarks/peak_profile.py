@@ -128,6 +128,7 @@ def measure(clients: int, args: argparse.Namespace) -> dict[str, Any]:
     med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
     peak = statistics.median(peaks)
     from fedhier.local.train import effective_batch_size
+
     sizes = fed.client_sizes()
     rows = int(sum(effective_batch_size(cfg.batch_size, int(m)) for m in sizes))
     steps = args.rounds * cfg.global_period

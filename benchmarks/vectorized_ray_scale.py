@@ -38,6 +38,7 @@ def one_run(clients: int, workers: int, rounds: int, per_edge: int = 10,
 
     from fedhier.engines.vectorized_ray.engine import run_vectorized_ray
     from fedhier.runs.folder import RunFolder
+
     torch.set_num_threads(1)
     cfg = bench.w1_config(rounds, clients=clients, groups=(max(1, clients // per_edge),),
                           engine="vectorized-ray", ray_workers=workers)

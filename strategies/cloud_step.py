@@ -179,6 +179,7 @@ def _register_checkpoint_types() -> None:
     from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
     from fedhier.runs import state_codec
+
     for obj in (FlowerCloudStep, FedAvg, FedAvgM, FedAdam, FedYogi, FedAdagrad,
                 aggregate_metricrecords):
         state_codec.allow(obj)

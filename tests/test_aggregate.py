@@ -67,6 +67,7 @@ def test_tiles_give_one_calls_result_bit_for_bit(monkeypatch):
 
 def test_tiles_are_wide_and_bounded():
     from fedhier.round.aggregators.averaging import AGGREGATE_BLOCK, MIN_TILE_COLUMNS, _tiles
+
     # 100,000 clients into 10,000 edges: contiguous runs of 256 columns, not 2
     assert _tiles(100_000, 9_610, 10_000) == (MIN_TILE_COLUMNS, AGGREGATE_BLOCK // 256)
     # one member per segment at 100,000: the float64 sum stays at 16 tiles' entries

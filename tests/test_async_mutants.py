@@ -109,6 +109,7 @@ class _Exploding:
 
 def test_a_cloud_step_that_makes_the_model_non_finite_stops_the_run_in_one_line():
     from fedhier.round.faults import RunFailureError
+
     with pytest.raises(RunFailureError) as caught:
         merge_reports(_jobs(2), {"p": W}, WEIGHTS, TREE, ("mean", "mean"), _node_models,
                       _Exploding(), cloud_round=7)
@@ -134,6 +135,7 @@ class _PlainStep:
 
 def test_the_error_names_a_plain_cloud_step_by_its_own_class():
     from fedhier.round.faults import RunFailureError
+
     with pytest.raises(RunFailureError, match=r"^the cloud step \(_PlainStep\) made"):
         merge_reports(_jobs(2), {"p": W}, WEIGHTS, TREE, ("mean", "mean"), _node_models,
                       _PlainStep(), cloud_round=2)
@@ -143,6 +145,7 @@ def test_the_error_names_a_plain_cloud_step_by_its_own_class():
 def test_async_settings_check_their_bounds_exactly():
     from fedhier.common.errors import ConfigError
     from fedhier.round.asynchrony.settings import AsyncEdges
+
     AsyncEdges(2, 0).check(4)  # S = 0 and K = N are allowed
     AsyncEdges(4, 0).check(4)
     AsyncEdges(0, 0, (0,)).check(4)  # 0 = all of a node's children
@@ -161,6 +164,7 @@ def test_async_settings_check_their_bounds_exactly():
 def test_region_buffers_check_the_tree_exactly():
     from fedhier.common.errors import ConfigError
     from fedhier.round.asynchrony.settings import AsyncEdges, check_region_buffers
+
     check_region_buffers(AsyncEdges(2, 4, (2,)), (4, 2))  # K = the children, K = regions
     check_region_buffers(AsyncEdges(1, 4, (3, 1)), (12, 4, 2))
     check_region_buffers(AsyncEdges(3), (4,))  # no regions: nothing to check here

@@ -210,6 +210,7 @@ def test_a_header_length_that_looks_like_a_pickle_is_still_read(tmp_path, first_
     """A safetensors file opens with its header's length: 0x580 starts with 0x80 like a
     pickle, 0x4B50 with "PK" like a zip; the JSON brace after it says safetensors."""
     from fedhier.runs.checkpoint import Checkpoint, checkpoint_bytes
+
     base = Checkpoint(round=3, global_state={"w": torch.arange(6.0).reshape(2, 3)},
                       strategy_state={"note": ""}, wall_seconds=1.5)
     wanted = first_byte if first_byte == 0x80 else 0x4B50

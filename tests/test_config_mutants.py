@@ -192,6 +192,7 @@ def test_a_card_may_not_set_the_runs_own_settings(tmp_path):
 
 def test_a_shipped_cards_defaults():
     from fedhier.settings.run_config import dataset_defaults
+
     assert dataset_defaults("digits") == {}
     assert dataset_defaults("shakespeare") == {
         "model": "lstm", "partition": "natural", "clients": 40, "groups": (2,),
@@ -257,6 +258,7 @@ def test_a_toml_files_errors_name_the_file(tmp_path):
 
 def test_field_metadata_takes_the_flower_app_value_with_its_reason_only():
     from fedhier.settings.run_config import _help
+
     assert _help("h") == {"help": "h"}
     assert _help("h", flower_app=1, flower_app_reason="r") == {
         "help": "h", "flower_app": 1, "flower_app_reason": "r"}
@@ -269,6 +271,7 @@ def test_field_metadata_takes_the_flower_app_value_with_its_reason_only():
 # ----------------------------------------------
 def test_mobility_reads_the_trace_in_edge_rounds_and_the_matrix(files, tmp_path):
     from fedhier.tree.mobility import Mobility
+
     trace = tmp_path / "t3.csv"
     trace.write_text("round,client,edge\n3,1,1\n")
     cfg = RunConfig(local_period=2, global_period=8, rounds=3, clients=4, groups=(2,),
@@ -295,6 +298,7 @@ def test_the_parts_take_each_setting_in_its_place():
     from fedhier.round.faults import FaultModel
     from fedhier.round.participants import Workload
     from fedhier.round.reply_policy import ReplyPolicy
+
     cfg = RunConfig(step_seconds=1.5, compute_spread=0.5, client_edge_mbps=7.0,
                     client_edge_latency_ms=3.0, edge_cloud_mbps=2.0, edge_cloud_latency_ms=9.0,
                     edge_slowdown="1:4", exclude_after=5, max_weight_ratio=2.0,

@@ -52,6 +52,7 @@ def test_vectorized_cuda_keeps_its_tensors_on_the_device():
     the run fail or copy on every step)."""
     from fedhier.engines.vectorized.engine import BatchedExecutor
     from fedhier.runs.prepare import initial_model, prepare
+
     cfg = BASE.replace(engine="vectorized", device="cuda", momentum=0.5,
                        optimizer_state="keep")
     fed = prepare(cfg)

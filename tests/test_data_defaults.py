@@ -43,6 +43,7 @@ def test_auto_min_partition_size_formula():
 
 def test_config_resolves_the_auto_minimum_and_keeps_a_given_one():
     from fedhier.data.federation import resolved
+
     assert RunConfig().min_partition_size == 0  # auto until resolved against the data
     for values, expected in (({"clients": 100, "alpha": 0.5}, 3),
                              ({"clients": 40, "alpha": 0.1}, 1),
@@ -75,8 +76,10 @@ def test_common_digits_settings_run_and_record_the_minimum(tmp_path, capsys, cli
 def test_python_api_auto_minimum_gives_the_same_partition():
     """RunConfig built directly (min_partition_size 0) partitions like the resolved config."""
     from fedhier.data.federation import federation_for
+
     direct = federation_for(RunConfig(clients=40, groups=4, alpha=0.1))
     from fedhier.data.federation import resolved as resolve
+
     resolved = federation_for(resolve(RunConfig.from_mapping({"clients": 40, "alpha": 0.1})))
     assert all(np.array_equal(a, b) for a, b in zip(direct.partitions, resolved.partitions,
                                                      strict=True))

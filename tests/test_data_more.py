@@ -519,6 +519,7 @@ def test_lstm_shapes_and_input_checks() -> None:
 
 def test_lstm_local_sgd_lowers_the_loss() -> None:
     from fedhier.local.train import local_sgd
+
     torch.manual_seed(0)
     model = build_model("lstm", (12,), 81, seed=1)
     params = params_of(model)

@@ -301,6 +301,7 @@ def test_no_task_heartbeat_outlives_the_task_token(monkeypatch):
     Flower's HTTP retry answers that with SIGINT to the runtime, which then served no later
     task (CI hung so: a client's evaluate waited for a runtime that had exited)."""
     from fedhier.engines.deployment import task_runtime
+
     events: list[str] = []
 
     class NoMoreTasksError(Exception):

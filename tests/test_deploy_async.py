@@ -187,6 +187,7 @@ def test_the_sharded_engine_refuses_async_edges_with_moving_clients():
     """The sharded engine runs asynchronous edges (tests/test_vectorized_ray_async.py) but,
     as edge servers, not with clients that move."""
     from fedhier.engines.vectorized_ray.engine import check_sharded
+
     with pytest.raises(ConfigError, match="vectorized-ray with async_buffer needs static"):
         check_sharded(RunConfig(dataset="digits", clients=8, groups=(4,), async_buffer=2,
                                 mobility_rate=0.5))
@@ -232,6 +233,7 @@ def test_the_real_slowdown_sleeps_by_the_edge_the_supernode_names(monkeypatch):
     """S x steps x the factor of the client's edge now (its SuperNode's ``edge`` config,
     renewed when it re-attaches); nothing without edge servers or without S."""
     from fedhier.local import real_slowdown
+
     slept: list[float] = []
     monkeypatch.setattr(real_slowdown.time, "sleep", slept.append)
     monkeypatch.setenv(real_slowdown.STEP_SECONDS_ENV, "0.5")

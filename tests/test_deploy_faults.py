@@ -255,6 +255,7 @@ def test_a_lost_region_job_and_a_lost_edge_job_under_a_region_are_counted_and_na
     2, 3; clients 4-7) fails its job of cloud round 1, edge 1 (under region 0; clients 2, 3)
     its first job of round 2. Each record counts exactly the lost subtree and names it."""
     from fedhier.engines.grid_run import run_federation
+
     down = {(2, 1, 1, 1), (1, 1, 2, 5)}  # (level, node, cloud round, first edge round)
     missed = []
     handle = EdgeServer.handle

@@ -139,6 +139,7 @@ def test_bad_poll_interval_is_one_line_and_exit_2(value, capsys, tmp_path):
 
 def test_wake_returns_when_poked_and_poke_without_listener_is_harmless(monkeypatch, tmp_path):
     from fedhier.engines.deployment.polling import WAKE_ENV, Wake, poke
+
     monkeypatch.setenv(WAKE_ENV, str(tmp_path / "client-0"))
     poke("task")  # nobody listens yet: nothing happens
     wake = Wake.from_env("task")
@@ -174,6 +175,7 @@ class FakeClock:
 
 def test_reply_wait_is_the_interval_then_a_tenth_of_the_elapsed_time():
     from fedhier.engines.deployment.polling import REPLY_LATENESS, reply_wait
+
     assert REPLY_LATENESS == 0.1
     assert reply_wait(0.0, 0.05) == reply_wait(0.49, 0.05) == 0.05
     assert reply_wait(2.0, 0.05) == pytest.approx(0.2)
@@ -221,6 +223,7 @@ def test_a_woken_task_runtime_claims_at_once_and_otherwise_asks_every_3_s(
     fallback AcquireTask is Flower's idle pace, 3 s; a poke makes it ask at once."""
     from fedhier.engines.deployment import task_runtime
     from fedhier.engines.deployment.polling import WAKE_ENV, Wake, poke
+
     monkeypatch.setenv(WAKE_ENV, str(tmp_path / "client-0"))
     wake = Wake.from_env("task")
     answers = iter([None, "task"])

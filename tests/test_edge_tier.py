@@ -131,6 +131,7 @@ def test_what_edge_servers_do_not_run_is_refused_in_one_line(change, message):
 
 def test_the_other_engines_refuse_edge_servers(tmp_path):
     from fedhier.engines.registry import run_engine
+
     with pytest.raises(ConfigError, match="fedhier deploy local --edges"):
         run_engine(BASE.replace(edge_servers=True), RunFolder.create(tmp_path / "r"))
 

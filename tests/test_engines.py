@@ -18,6 +18,7 @@ SMALL = RunConfig(dataset="digits", clients=6, groups=2, local_period=2, global_
 @pytest.mark.slow
 def test_inprocess_equals_simulation_engine(tmp_path):
     from fedhier.engines.flower import run_simulation_engine
+
     run_inprocess(SMALL, RunFolder.create(tmp_path / "inprocess"), progress=False)
     run_simulation_engine(SMALL.replace(engine="flower"), RunFolder.create(tmp_path / "flower"),
                           progress=False)
@@ -45,6 +46,7 @@ def test_flwr_run_dot_completes_and_matches(tmp_path):
 def test_knobs_and_faults_are_the_same_on_the_simulation_engine(tmp_path):
     """Participation, kept momentum, a schedule and injected faults: same numbers on Ray."""
     from fedhier.engines.flower import run_simulation_engine
+
     cfg = SMALL.replace(participation=0.5, momentum=0.9, optimizer_state="keep",
                         lr_schedule="cosine", fail_rate=0.3, client_holdout=0.2)
     run_inprocess(cfg, RunFolder.create(tmp_path / "inprocess"), progress=False)

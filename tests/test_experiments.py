@@ -113,6 +113,7 @@ def test_mobility_suite_sweeps_move_rates_and_times_async_edges(tmp_path):
 
 def test_publishing_some_runs_keeps_the_sections_of_the_others(tmp_path):
     from fedhier.studies.experiments.publish import published_sections
+
     results = tmp_path / "results.md"
     results.write_text("# Results\n\n## Claims at a glance\n\n| run | claim | verdict |\n"
                        "|---|---|---|\n| a-run | x holds | holds |\n\n## a-run: sandwich\n\n"
@@ -128,6 +129,7 @@ def test_a_run_from_before_a_setting_existed_is_reused(tmp_path):
     from fedhier.runs.folder import write_json
     from fedhier.settings.run_config import RunConfig
     from fedhier.studies.experiments.runner import _same_config
+
     cfg = RunConfig(clients=6, groups=(2,))
     saved = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.to_dict().items()
              if k not in ("async_buffer", "max_staleness")}

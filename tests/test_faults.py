@@ -170,6 +170,7 @@ def run_interrupted_at(round_: int, args: list[str], monkeypatch: pytest.MonkeyP
     """``main(args)`` with a KeyboardInterrupt (as Ctrl-C) raised when cloud round ``round_``
     is about to be recorded; returns its exit code."""
     from fedhier.runs.recorder import RunRecorder
+
     record_round = RunRecorder.record_round
 
     def interrupting(self, record):

@@ -6,15 +6,15 @@ lr 0.05, seed 3) 5.4e-5 apart (relative) between the engines. Traced edge round 
 (:func:`trace`), it is not:
 
 - both engines plan the same clients, steps and FedNova scales s_j = tau_eff / tau_j in
-  every edge round (the plan and the schedule's scaling are one code, fedhier.plan and
+  every edge round (the plan and the schedule's scaling are one code, fedhier.round.participants and
   fedhier.round.schedule.EdgePeriods, that both engines' loop runs);
 - in this case every client does its edge's whole period, so s_j is exactly 1 and FedNova
   scales nothing: the run is the run without ``--normalize-updates``, bit for bit, on both
   engines (FedNova with equal local work is FedAvg, Wang et al. 2020);
 - the first tensor that differs is a trained client model of edge round 1, from start models
   equal bit for bit: the vectorized engine's hand-batched ``bmm``/``baddbmm_`` local step
-  (fedhier.engines.batched_kernels) rounds float32 otherwise than the ClientApp's autograd
-  step (fedhier.train.local_sgd). It stays one or two float32 ulps of the largest weight at
+  (fedhier.engines.vectorized.kernels) rounds float32 otherwise than the ClientApp's autograd
+  step (fedhier.local.train.local_sgd). It stays one or two float32 ulps of the largest weight at
   every edge round (it does not grow), and the metrics stay as close.
 
 What is measured here (one torch thread): trained models and edge models <= 2.3e-7 of the
@@ -37,10 +37,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedhier.config import RunConfig
 from fedhier.engines.registry import run_engine
-from fedhier.hsgd import HierarchicalSGD
-from fedhier.run_folder import RunFolder
+from fedhier.round.loop import HierarchicalSGD
+from fedhier.runs.folder import RunFolder
+from fedhier.settings.run_config import RunConfig
 from tests.helpers import IGNORED_KEYS, metrics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -57,7 +57,7 @@ ULPS = 4
 
 @pytest.fixture(autouse=True)
 def _no_plots(monkeypatch: pytest.MonkeyPatch) -> None:
-    import fedhier.plots as plots
+    import fedhier.runs.plots as plots
 
     for name in ("plot_runs", "plot_groups", "plot_groups_history"):
         monkeypatch.setattr(plots, name, lambda *a, **k: None)

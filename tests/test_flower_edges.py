@@ -28,6 +28,7 @@ TOL = 1e-5
 @pytest.mark.slow
 def test_edge_nodes_on_the_simulation_engine_equal_inprocess(tmp_path):
     from fedhier.engines.flower import run_simulation_engine
+
     cfg = SMALL.replace(participation=0.7, fail_rate=0.2)
     run_inprocess(cfg, RunFolder.create(tmp_path / "inprocess"), progress=False)
     run_simulation_engine(cfg.replace(engine="flower", edge_servers=True),
@@ -55,6 +56,7 @@ def test_regions_as_nodes_equal_inprocess(tmp_path):
 
 def test_an_unreachable_ray_address_is_refused_in_one_line(tmp_path):
     from fedhier.engines.flower import run_simulation_engine
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # nothing listens there once closed
@@ -66,6 +68,7 @@ def test_an_unreachable_ray_address_is_refused_in_one_line(tmp_path):
 
 def test_the_engine_registry_lets_flower_run_edge_servers_only():
     from fedhier.engines.registry import run_engine
+
     with pytest.raises(ConfigError, match="--engine flower"):
         run_engine(SMALL.replace(edge_servers=True, engine="vectorized"), None)
 

@@ -195,6 +195,7 @@ def test_from_settings_keeps_every_setting():
     from fedhier.round.reply_policy import ReplyPolicy
     from fedhier.strategies import HierFedAvg
     from fedhier.tree.mobility import Mobility
+
     changed = HSGDSettings(
         periods=(2, 8), groups=(2,), grouping="contiguous", weighting="uniform", seed=5,
         workload=Workload(participation=0.5), min_clients_per_edge=1, on_nan="skip-client",

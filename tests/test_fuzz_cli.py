@@ -728,6 +728,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     the checkpoint of round 1 (a real resumable folder); ``other``: a finished run of another
     model (a foreign checkpoint)."""
     from fedhier.runs.recorder import RunRecorder
+
     base = tmp_path_factory.mktemp("resume-base")
     flags = [item for k, v in BASE.items() for item in (flag(k), v)]
     for name, model in (("other", "logreg"), ("run", "mlp")):
@@ -755,6 +756,7 @@ def read_state(path: Path) -> Any:
 
     from fedhier.runs.checkpoint import FORMAT_KEY, _metadata
     from fedhier.runs.state_codec import decode
+
     blob = path.read_bytes()
     return decode(json.loads(_metadata(blob)[FORMAT_KEY])["state"], load(blob))
 
@@ -765,6 +767,7 @@ def write_state(path: Path, state: Any) -> None:
 
     from fedhier.runs.checkpoint import FORMAT_KEY, FORMAT_VERSION
     from fedhier.runs.state_codec import encode
+
     tree, tensors = encode(state)
     header = json.dumps({"version": FORMAT_VERSION, "state": tree})
     path.write_bytes(save(tensors, metadata={FORMAT_KEY: header}))
@@ -958,6 +961,7 @@ class ReachedError(BaseException):
 
 def stub_experiment_suites(monkeypatch: pytest.MonkeyPatch) -> None:
     from fedhier.studies.experiments import diversity_suite, suites
+
     def reached(*args: Any, **kwargs: Any) -> Any:
         raise ReachedError
 
@@ -1017,6 +1021,7 @@ def test_fuzz_experiment(workdir, monkeypatch, name, options, values):
 def stub_deployment(monkeypatch: pytest.MonkeyPatch) -> None:
     from fedhier.engines.deployment import cli as deploy_cli
     from fedhier.engines.deployment import edge_servers
+
     class Stub:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             raise ReachedError

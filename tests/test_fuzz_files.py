@@ -245,6 +245,7 @@ def test_the_command_exits_2_and_leaves_an_existing_run_folder_alone(originals, 
     existing folder exits 2 with one line naming the file and leaves the folder as it was;
     a damaged csv (in-process, through ``main``) creates no run folder."""
     from fedhier.cli.commands import main
+
     folder = tmp_path / "earlier-run"
     folder.mkdir()
     (folder / "metrics.jsonl").write_text('{"round": 0}\n')

@@ -365,6 +365,7 @@ def test_allowed_sizes_closed_form():
     import numpy as np
 
     from fedhier.round.reply_policy import allowed_sizes
+
     claimed = np.array([100, 10**12, 80, 0, 120, 5000])
     sums = np.array([100, 344, 80, 50, 0, 5000])  # client 1 lies in its claim only
     # min(claim, sum) where both: [100, 344, 80, 0, 120, 5000]; median of the positive
@@ -378,6 +379,7 @@ def test_allowed_sizes_closed_form():
 def test_on_bad_reply_auto_is_drop_on_real_processes_and_stop_in_simulations():
     from fedhier.cli.flags import OneLineParser
     from fedhier.engines.deployment.cli import add_parser, resolve_config
+
     def parse(*argv):
         parser = OneLineParser(prog="fedhier")
         add_parser(parser.add_subparsers(dest="command", required=True))
@@ -403,6 +405,7 @@ def test_an_evaluate_reply_without_metrics_is_named(tmp_path, caplog):
 
 def test_the_reply_guard_state_round_trips_and_refuses_a_damaged_one():
     from fedhier.round.reply_policy import ReplyGuard
+
     guard = ReplyGuard(streak={4: 2, 1: 1}, excluded={3: "3 bad replies in a row"})
     state = guard.state_dict()
     assert state == {"streak": [[1, 1], [4, 2]], "excluded": [[3, "3 bad replies in a row"]]}

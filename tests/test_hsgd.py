@@ -127,6 +127,7 @@ def bare_app(reply_fn=None) -> ClientApp:
         steps, start = int(config["local-steps"]), int(config["start-step"])
         x, y = fed.client_tensors(pid, torch.device("cpu"))
         from fedhier.local.models import build_model
+
         model = build_model(CFG.model, fed.bundle.input_shape, fed.bundle.num_classes)
         params, _, _ = local_sgd(model, dict(msg.content["arrays"].to_torch_state_dict()), x, y,
                                  lr=CFG.lr, indices=batch_indices(CFG.seed, pid, len(y),

@@ -393,6 +393,7 @@ def test_the_cloud_aggregates_edge_servers_aggregates_by_their_weights():
 ])
 def test_the_evaluation_weighs_by_the_rows_each_client_evaluated(weighting, ratio, expected):
     from fedhier.round.reply_policy import ReplyPolicy
+
     evaluation = ClientEvaluation(loss=np.array([1.0, 2.0, 3.0, 4.0]),
                                   accuracy=np.zeros(4),
                                   num_examples=np.array([4, 1, 1, 1], dtype=np.int64))

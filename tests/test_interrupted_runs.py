@@ -49,6 +49,7 @@ def _run_killed(point: int, argv: list[str]) -> None:
     import torch
 
     from fedhier.runs import plots
+
     torch.set_num_threads(1)
     for name in ("plot_runs", "plot_groups"):
         setattr(plots, name, lambda *args, **kwargs: None)

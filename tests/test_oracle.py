@@ -454,6 +454,7 @@ def test_the_schedule_is_the_documented_one(periods, edge_periods):
     """fedhier.tree.hierarchy's schedule (every engine's) against the oracle's reading of the
     docs, step by step: a level off by one fails here with the step that differs."""
     from fedhier.tree.hierarchy import edge_levels_after
+
     p = oracle.Problem(xs=[], ys=[], edge_of=np.arange(4), periods=periods)
     for step in range(3 * periods[-1]):
         want = [p.level_after(step + 1, edge_periods[i] if edge_periods else None)

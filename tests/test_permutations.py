@@ -69,6 +69,7 @@ def test_minibatch_rows_in_blocks_equal_one_block(monkeypatch):
     import fedhier.engines.vectorized.kernels as batched
     from fedhier.runs.prepare import prepare
     from fedhier.settings.run_config import RunConfig
+
     fed = prepare(RunConfig(clients=30, groups=(3,), alpha=0.5, batch_size=4))
     data = batched.ClientRows.build(fed, 4, torch.device("cpu"))
     whole = data.minibatch_rows(3, 4, 7, 10)

@@ -184,6 +184,7 @@ def test_members_by_edge_is_each_edges_flatnonzero():
     """One stable sort gives every edge's clients as ``np.flatnonzero(edge_of == e)`` does
     (increasing ids; an edge without clients empty), so sampling draws the same clients."""
     from fedhier.round.participants import members_by_edge
+
     edge_of = np.random.default_rng(3).integers(0, 7, size=200)
     edge_of[edge_of == 4] = 5  # edge 4 has no clients
     got = members_by_edge(edge_of, 8)

@@ -119,6 +119,7 @@ def test_range_examples_and_wording():
     """The derived cases themselves (computed at collection, where mutation testing cannot
     see them): each end and its neighbour across, in the words the docs use."""
     from fedhier.settings.ranges import AT_LEAST_1, POSITIVE, UNIT, UNIT_OPEN_TOP, Range
+
     assert UNIT.examples(False) == ([0, 1], [-0.5, 1.5])
     assert UNIT_OPEN_TOP.examples(False) == ([0, 0.75], [-0.5, 1])
     assert POSITIVE.examples(False) == ([0.25], [0])

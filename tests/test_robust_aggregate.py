@@ -89,6 +89,7 @@ def test_rule_names_and_parameters_are_checked():
 def test_a_non_finite_krum_parameter_is_a_user_error(tmp_path, capsys):
     """``fedhier run --aggregators krum:nan`` (or inf, 1e400): one line, exit 2 (not 4)."""
     from fedhier.cli.commands import main
+
     for bad in ("krum:nan", "multi-krum:1e400"):
         assert main(["run", "--aggregators", bad, "--out", str(tmp_path / bad),
                      "--no-progress"]) == 2

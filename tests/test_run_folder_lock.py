@@ -312,6 +312,7 @@ def test_device_auto_runs_and_records_the_device_used(tmp_path):
 
 def test_device_names_are_one_list():
     from fedhier.settings.run_config import DEVICES
+
     assert DEVICES == devices.DEVICE_KINDS
 
 

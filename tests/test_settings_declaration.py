@@ -64,6 +64,7 @@ def test_the_flower_apps_own_values_are_declared_with_their_reason():
 
 def test_metadata_for_the_app_comes_with_a_reason():
     from fedhier.settings.run_config import _help
+
     with pytest.raises(TypeError, match="together"):
         _help("x", flower_app=5)
 

@@ -203,6 +203,7 @@ def test_sandwich_suite_as_a_spec_gives_the_suites_numbers(tmp_path, one_torch_t
     from fedhier.settings.run_config import RunConfig
     from fedhier.studies.experiments.cli import QUICK
     from fedhier.studies.experiments.suites import sandwich
+
     table = tomllib.loads((ROOT / "examples/sweeps/sandwich-quick.toml").read_text())
     table["zip"]["rounds"] = [r // 10 for r in table["zip"]["rounds"]]
     table["seeds"] = [0]
@@ -218,6 +219,7 @@ def test_sandwich_suite_as_a_spec_gives_the_suites_numbers(tmp_path, one_torch_t
 
 def test_heatmap_grid_places_each_arms_mean_on_the_two_numeric_axes(tmp_path):
     from fedhier.studies.sweep.report import heatmap_grids, plot_heatmap
+
     spec = build({"base": TINY, "seeds": [0], "grid": {
         "alpha": [0.5, 0.1], "lr": [0.1, 0.2, 0.4], "grouping": ["random", "contiguous"]}},
         "t")
@@ -245,6 +247,7 @@ def test_a_module_function_grouping_is_imported_without_a_package(tmp_path, monk
 
     from fedhier.settings.run_config import RunConfig
     from fedhier.tree.grouping import ClientInfo, assign_groups
+
     monkeypatch.syspath_prepend(str(ROOT / "examples/sweeps"))
     hist = np.eye(3, dtype=np.int64)[[0, 0, 1, 1, 2, 2]] * 5
     info = ClientInfo(hist, hist.sum(1), edge_tags=np.full(6, -1))

@@ -63,6 +63,7 @@ def test_bad_periods_are_refused_with_their_reason(periods, message):
 
 def test_contiguous_build_by_hand():
     from fedhier.tree.grouping import ClientInfo
+
     info = ClientInfo(num_examples=np.full(8, 10), label_histograms=np.zeros((8, 2)))
     tree = build_hierarchy((1, 2, 4), (4, 2), "contiguous", info, seed=0)
     assert tree.edge_of_client().tolist() == [0, 0, 1, 1, 2, 2, 3, 3]

@@ -82,6 +82,7 @@ def test_batch_indices_read_the_stream_of_seeded_epoch_permutations(num_rows, ba
     """Step t takes stream positions t*b .. t*b+b-1 of the concatenated permutations drawn
     from generator(seed, "batches", client, epoch)."""
     from fedhier.common.rng import generator
+
     epochs = (start + steps) * batch_size // num_rows + 1
     stream = np.concatenate([generator(4, "batches", 9, e).permutation(num_rows)
                              for e in range(epochs)])

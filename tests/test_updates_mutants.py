@@ -160,6 +160,7 @@ def test_screen_names_a_chunks_clients_by_their_ids_in_the_whole_federation(capl
     (ChunkTree: clients 4, 5 of edge 2 become 0, 1): the dropped client is named 5, its id
     in the whole federation, as the one-process engine names it, not 1."""
     from fedhier.engines.vectorized.chunks import ChunkTree
+
     whole = work(clients=(0, 1, 4, 5), edge_of=(0, 0, 1, 1, 2, 2))
     chunk = ChunkTree.of(np.array([4, 5]), whole.edge_of_client, [whole])
     part = chunk.work(dataclasses.replace(whole, clients=np.array([4, 5], dtype=I64),

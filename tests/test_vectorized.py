@@ -154,6 +154,7 @@ def test_automatic_chunk_holds_about_two_mib_of_models():
     from types import SimpleNamespace
 
     from fedhier.engines.vectorized.engine import CHUNK_BYTES, BatchedExecutor
+
     net = build_model("mlp", (1, 8, 8), 10, seed=1)  # 64-128-10: 9,610 float32 = 38,440 B
     assert CHUNK_BYTES // 38_440 == 54
 
@@ -231,6 +232,7 @@ def test_minibatch_rows_come_from_batch_indices():
     from fedhier.engines.vectorized.kernels import ClientRows
     from fedhier.local.train import batch_indices
     from fedhier.runs.prepare import prepare
+
     fed = prepare(UNEQUAL)
     rows = ClientRows.build(fed, UNEQUAL.batch_size, torch.device("cpu"))
     block = rows.minibatch_rows(UNEQUAL.seed, UNEQUAL.batch_size, start=6, steps=4)
@@ -248,6 +250,7 @@ def test_cnn_on_cpu_uses_the_client_loop_and_equals_vmap():
     from fedhier.engines.vectorized.engine import client_loop_training, training_for
     from fedhier.engines.vectorized.kernels import EdgeRoundBatches, local_training_for
     from fedhier.local.optimizer import LocalOptimizer
+
     net = build_model("cnn", (1, 8, 8), 10, seed=2)
     assert training_for(net, torch.device("cpu")).__qualname__.startswith("client_loop")
     assert training_for(build_model("mlp", (1, 8, 8), 10), torch.device("cpu")).__qualname__ \

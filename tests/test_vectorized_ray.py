@@ -62,6 +62,7 @@ def run_side_by_side(cfg: RunConfig, tmp_path: Path, inprocess: bool = False) ->
     (``tmp_path / "inprocess"``) and ``vectorized-ray`` (``tmp_path / "ray"``); the sharded
     run's ``sharding``."""
     from fedhier.engines.inprocess import run_inprocess
+
     run_vectorized(cfg.replace(engine="vectorized"), RunFolder.create(tmp_path / "one"),
                    progress=False)
     if inprocess:

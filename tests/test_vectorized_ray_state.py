@@ -84,6 +84,7 @@ def test_chunks_keep_the_state_the_one_process_executor_keeps():
     from fedhier.round.tiers.jobs import EdgeJob, job_rounds, start_job, train_edges
     from fedhier.round.traffic import BatchCommunication
     from fedhier.runs.prepare import settings_for
+
     cfg = STATE.replace(participation=1.0)
     fed = prepare(cfg)
     model = initial_model(cfg, fed)
@@ -116,6 +117,7 @@ def test_kept_momentum_equals_the_one_process_and_inprocess_engines(ray_cluster,
     differs by more than 1e-4, so the kept state is what is compared."""
     from fedhier.engines.vectorized.engine import run_vectorized
     from fedhier.runs.folder import RunFolder
+
     cfg = STATE.replace(ray_address=ray_cluster)
     sharding = run_side_by_side(cfg, tmp_path, inprocess=True)
     assert_equal_runs(tmp_path / "one", tmp_path / "ray")

@@ -40,6 +40,7 @@ class Marks:
 def instrument_recorder(marks: Marks) -> None:
     """Mark every record the engines write through RunRecorder (benchmark-only patch)."""
     from fedhier.runs.recorder import RunRecorder
+
     original = RunRecorder.record_round
 
     def record_round(self: Any, record: dict[str, Any]) -> None:
@@ -54,6 +55,7 @@ def device_name(device: str) -> str:
     import torch
 
     from fedhier.local.train import resolve_device
+
     resolved = resolve_device(device)
     if resolved.type == "cuda":
         return f"{resolved} ({torch.cuda.get_device_name(resolved)})"

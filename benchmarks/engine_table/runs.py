@@ -21,6 +21,7 @@ def plain_loop(cfg: Any, marks: Marks) -> float:
     from fedhier.runs.prepare import initial_model, prepare
     from fedhier.tree.grouping import ClientInfo
     from fedhier.tree.hierarchy import build_hierarchy
+
     fed = prepare(cfg)
     cpu = torch.device("cpu")
     data = [fed.client_tensors(j, cpu) for j in range(cfg.clients)]
@@ -83,6 +84,7 @@ def run_summary(name: str, cfg: Any, federation: Any = None) -> dict[str, Any]:
     for the engines that take one: vectorized, vectorized-ray)."""
     from fedhier.engines.registry import get_engine
     from fedhier.runs.folder import RunFolder
+
     data = {} if federation is None else {"federation": federation}
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
         folder = RunFolder.create(Path(tmp) / "run")

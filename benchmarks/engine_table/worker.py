@@ -114,6 +114,7 @@ def sharded_runs(args: argparse.Namespace, marks: Marks, load_before: float) -> 
     process's wall time less it is this row's whole command (interpreter, imports, the Ray
     start shared by the rows, this row's runs)."""
     from fedhier.engines.vectorized_ray.worker import ray_session
+
     counts = list(args.ray_workers)
     cfg = w1_config(args.rounds, device=args.device, engine=SHARDED)
     start = time.perf_counter()

@@ -70,6 +70,7 @@ def workload_flops(cfg: Any) -> tuple[int, str]:
     :func:`model_macs`."""
     from fedhier.data import load_data
     from fedhier.local.models import build_model
+
     bundle = load_data(cfg.dataset, seed=cfg.seed)
     shape = tuple(bundle.input_shape)
     macs = model_macs(build_model(cfg.model, shape, bundle.num_classes), shape)
@@ -83,6 +84,7 @@ def workload_flops(cfg: Any) -> tuple[int, str]:
 
 def w1_config(rounds: int, workload: str = "w1", **changes: Any) -> Any:
     from fedhier.settings.run_config import RunConfig
+
     return RunConfig(**{**WORKLOADS[workload], "rounds": rounds, **changes})
 
 def replicated_federation(cfg: Any, clients: int) -> Any:
@@ -90,6 +92,7 @@ def replicated_federation(cfg: Any, clients: int) -> Any:
     client j mod 100 (with its own batch order, drawn from its own id)."""
     from fedhier.data.federation import Federation
     from fedhier.runs.prepare import prepare
+
     base = prepare(w1_config(1))
     parts = [base.partitions[j % len(base.partitions)] for j in range(clients)]
     return Federation(bundle=base.bundle, partitions=parts)
@@ -101,6 +104,7 @@ def w1_stats(workload: str = "w1") -> dict[str, Any]:
 
     from fedhier.local.train import effective_batch_size
     from fedhier.runs.prepare import prepare
+
     cfg = w1_config(WORKLOADS[workload]["rounds"], workload)
     sizes = prepare(cfg).client_sizes()
     batch = np.array([effective_batch_size(cfg.batch_size, int(m)) for m in sizes])

@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fedhier.engines.deployment.cli import add_parser as add_deploy_parser
     from fedhier.studies.experiments.cli import add_parser as add_experiment_parser
     from fedhier.studies.sweep.cli import add_parser as add_sweep_parser
+
     add_experiment_parser(sub)
     add_sweep_parser(sub)
     add_deploy_parser(sub)
@@ -94,6 +95,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     on failure remove what a failed start wrote, or mark the folder failed (failed.json)."""
     from fedhier.local.train import resolve_device
     from fedhier.runs.folder import RunFolder, default_run_dir
+
     if getattr(args, "seeds", None) is not None:
         return cmd_run_seeds(args)
     trackers = make_trackers(getattr(args, "tracker", None))  # a missing extra: nothing written
@@ -103,6 +105,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise FedhierError("--resume continues a run in its own folder; drop --overwrite")
         folder = RunFolder.claim_existing(args.resume)  # refused while another run writes it
         from fedhier.engines.resume import resumable_checkpoint
+
         try:
             cfg = resumed_config(args)
             resume = resumable_checkpoint(args.resume, cfg)
@@ -153,6 +156,7 @@ def cmd_run_seeds(args: argparse.Namespace) -> int:
     )
     from fedhier.local.train import resolve_device
     from fedhier.runs.folder import RunFolder, default_run_dir
+
     if args.resume:
         raise FedhierError("--seeds starts new runs; resume a seed on its own: fedhier run "
                            "--resume OUT/seed<S>")
@@ -224,6 +228,7 @@ def cmd_diversity(args: argparse.Namespace) -> int:
     from fedhier.runs.prepare import initial_model, pooled_train_tensors
     from fedhier.tree.grouping import ClientInfo
     from fedhier.tree.hierarchy import build_hierarchy
+
     cfg = config_from_args(args)
     if args.json is not None:
         check_output_file(args.json, "--json")
@@ -294,6 +299,7 @@ def check_output_file(path: Path, flag: str) -> None:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     from fedhier.runs.plots import check_image_path, plot_runs
+
     for run_dir in args.runs:
         if not (run_dir / "metrics.jsonl").is_file():
             raise FedhierError(f"{run_dir} is not a fedhier run folder (no metrics.jsonl)")
@@ -312,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fedhier.engines.deployment.cli import cmd_deploy
     from fedhier.studies.experiments.cli import cmd_experiment
     from fedhier.studies.sweep.cli import cmd_sweep
+
     handlers: dict[str, Any] = {"run": cmd_run, "plot": cmd_plot, "diversity": cmd_diversity,
                                 "experiment": cmd_experiment, "deploy": cmd_deploy,
                                 "sweep": cmd_sweep}
@@ -328,6 +335,7 @@ def leave_if_threads_stuck(code: int) -> None:
     after a successful run): flush output and logs, then ``os._exit``. Nothing to do
     otherwise; library callers close their grid instead (InProcessGrid.close)."""
     from fedhier.engines.inprocess_grid import stuck_client_threads
+
     if not stuck_client_threads():
         return
     import logging

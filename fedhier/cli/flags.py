@@ -56,6 +56,7 @@ def _one_line(text: str) -> str:
 def exit_code_for(exc: BaseException) -> int:
     """The exit code a command ends with when ``exc`` escapes it."""
     from fedhier.runs.folder import WriteError
+
     if isinstance(exc, KeyboardInterrupt):
         return EXIT_INTERRUPTED
     if isinstance(exc, RunFailureError):
@@ -143,6 +144,7 @@ def prepare_data(cfg: RunConfig) -> Any:
     import numpy as np
 
     from fedhier.runs.prepare import prepare
+
     source = (f"--data-path {cfg.data_path}" if cfg.data_path else f"--dataset {cfg.dataset}")
     try:
         with _library_logs_held() as held:

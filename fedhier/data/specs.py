@@ -153,6 +153,7 @@ def parse_spec(raw: dict[str, Any], origin: Path, label: str) -> DatasetSpec:
 
     if "defaults" in raw:
         from fedhier.settings.run_config import check_card_defaults
+
         check_card_defaults(raw["defaults"], label)
     num_classes = raw.get("num_classes", 0)  # 0, (): read from the .npz arrays
     shape = tuple(raw.get("input_shape", ()))
@@ -207,6 +208,7 @@ def _check_shakespeare(
     opts: dict[str, Any], shape: tuple[int, ...], num_classes: int, label: str
 ) -> None:
     from fedhier.data.shakespeare import VOCAB_SIZE
+
     seq_len = opts.get("seq_len", 80)
     if seq_len < 1:
         raise ConfigError(f"{label}: seq_len must be >= 1, got {seq_len}")

@@ -44,6 +44,7 @@ def run_simulation_engine(cfg: RunConfig, folder: RunFolder, progress: bool = Tr
     from flwr.simulation import run_simulation
 
     from fedhier.engines.flower_edges import simulation_nodes
+
     client_app, num_nodes = simulation_nodes(cfg)
     quiet_flower()
     summary: dict[str, Any] = {}
@@ -65,6 +66,7 @@ def run_simulation_engine(cfg: RunConfig, folder: RunFolder, progress: bool = Tr
     init_args: dict[str, Any] = {"include_dashboard": False, "logging_level": "error"}
     if cfg.ray_address:  # an existing cluster: its CPUs, one actor each
         from fedhier.engines.vectorized_ray.worker import check_reachable
+
         check_reachable(cfg.ray_address)
         init_args["address"] = cfg.ray_address
     elif not os.environ.get("RAY_ADDRESS"):  # joining a cluster: Ray refuses num_cpus

@@ -55,6 +55,7 @@ def with_wire_bytes(evaluate_fn: Callable[[int, Params], dict[str, Any]], wire_d
     received on each measured link so far, as the processes had reported them (every 0.25 s;
     the run's final totals are in wire.json)."""
     from fedhier.engines.deployment.wire import read_wire
+
     def evaluate(cloud_round: int, params: Params) -> dict[str, Any]:
         metrics = evaluate_fn(cloud_round, params)
         for link, totals in sorted(read_wire(wire_dir).items()):

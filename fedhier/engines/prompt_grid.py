@@ -34,6 +34,7 @@ class PromptGrid(Grid):
         self.grid = grid
         self.poll_seconds = POLL_SECONDS
         from fedhier.engines.deployment.polling import POLL_ENV, Poll, pace_flower_pulls
+
         if os.environ.get(POLL_ENV):  # started by fedhier deploy: its pace
             pace_flower_pulls()
             self.poll_seconds = min(POLL_SECONDS, Poll.from_env().interval)

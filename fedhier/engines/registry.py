@@ -87,6 +87,7 @@ def run_engine(cfg: Any, folder: Any, progress: bool = True,
                resume: Any = None) -> dict[str, Any]:
     """Run ``cfg`` on the engine ``cfg.engine`` names; returns the run's summary."""
     from fedhier.round.asynchrony.arrival_order import replay_source
+
     if replay_source() and cfg.engine not in ("inprocess", "flower"):  # grid_run replays
         raise ConfigError(f"FEDHIER_REPLAY_ARRIVALS replays a recorded arrival order on "
                           f"engines inprocess and flower; engine '{cfg.engine}' would ignore "

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fedhier.cli.flags import prepare_data
+from fedhier.common.errors import FedhierError
+from fedhier.local.train import resolve_device
 from fedhier.round.asynchrony.edges import algorithm_for
 from fedhier.runs.checkpoint import (
     CHECKPOINT,
@@ -18,12 +21,9 @@ from fedhier.runs.checkpoint import (
     load_checkpoint,
     restore_state,
 )
-from fedhier.cli.flags import prepare_data
-from fedhier.settings.run_config import RunConfig
-from fedhier.common.errors import FedhierError
 from fedhier.runs.folder import read_metrics
 from fedhier.runs.prepare import initial_model, settings_for
-from fedhier.local.train import resolve_device
+from fedhier.settings.run_config import RunConfig
 from fedhier.strategies.cloud_step import as_cloud_step, make_cloud_strategy
 
 

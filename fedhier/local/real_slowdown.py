@@ -39,6 +39,7 @@ def step_seconds() -> float:
 def _factors(edge_slowdown: str) -> dict[int, float]:
     """edge -> its slowdown factor (edges not named: 1)."""
     from fedhier.round.clock import parse_edge_slowdown
+
     return dict(parse_edge_slowdown(edge_slowdown))
 
 

@@ -219,5 +219,6 @@ def resolve_device(device: str) -> torch.device:
     one-line ConfigError naming the available devices if this machine lacks it
     (:func:`fedhier.local.devices.resolve_device`)."""
     from fedhier.local.devices import resolve_device as resolve
+
     resolved: torch.device = resolve(device)
     return resolved

@@ -27,6 +27,7 @@ import torch
 from fedhier.runs.crash_points import crash_point
 from fedhier.common.errors import ConfigError, DamagedFileError, FedhierError, os_reason
 from fedhier.runs.folder import writing
+
 CHECKPOINT = "checkpoint.pt"
 #: The header key (safetensors metadata) holding the JSON part, and its format version.
 FORMAT_KEY = "fedhier_checkpoint"
@@ -47,6 +48,7 @@ def checkpoint_bytes(checkpoint: Checkpoint) -> bytes:
     from safetensors.torch import save
 
     from fedhier.runs.state_codec import encode
+
     tree, tensors = encode(checkpoint.__dict__)
     header = json.dumps({"version": FORMAT_VERSION, "state": tree}, allow_nan=False)
     return save(tensors, metadata={FORMAT_KEY: header})
@@ -76,6 +78,7 @@ def read_checkpoint_file(path: Path) -> Checkpoint:
     from safetensors.torch import load
 
     from fedhier.runs.state_codec import StateFormatError, decode
+
     remedy = "it cannot be resumed; rerun the run from the start"
     try:
         data = Path(path).read_bytes()
@@ -227,6 +230,7 @@ def _check_hierarchy_and_clock(state: dict[str, Any], groups: tuple[int, ...], l
     import numpy as np
 
     from fedhier.tree.hierarchy import Hierarchy
+
     hierarchy = state.get("hierarchy")
     edges = groups[0] if groups else 1
     if hierarchy is not None:

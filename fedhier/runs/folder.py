@@ -34,6 +34,7 @@ from fedhier.runs import crash_points
 from fedhier.common.errors import ConfigError, DamagedFileError, FedhierError
 from fedhier.runs.lock import LOCK_NAME, RunLock, busy_error, live_holder
 from fedhier.runs.trackers import OUTPUT_FOLDERS
+
 FAILED = "failed.json"
 #: Every file a run writes in its folder: ``--overwrite`` removes them all when it claims the
 #: folder, so that the folder describes one run (never an earlier run's model or curves beside

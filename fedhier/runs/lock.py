@@ -21,6 +21,7 @@ from pathlib import Path
 from types import TracebackType
 
 from fedhier.common.errors import ConfigError
+
 LOCK_NAME = ".lock"
 
 

@@ -26,8 +26,10 @@ from fedhier.tree.grouping import ClientInfo
 from fedhier.runs.folder import JsonStream, RunFolder, read_metrics
 from fedhier.tree.hierarchy import Hierarchy
 from fedhier.local.train import resolve_device
+
 if TYPE_CHECKING:
     from fedhier.runs.checkpoint import Checkpoint
+
 WEIGHTING_TEXT = {
     "samples": "clients weighted by their number of training rows (FedAvg practice)",
     "uniform": "clients weighted equally, f = (1/n) sum_j F_j (the papers' objective)",
@@ -86,6 +88,7 @@ class RunRecorder:
         self.bar = tqdm(total=cfg.rounds, desc="cloud rounds", unit="round",
                         disable=not progress, dynamic_ncols=True, initial=resume_round or 0)
         from fedhier.runs.trackers import current
+
         self.callbacks = current()  # trackers attached by the command line (--tracker)
         kept = ([r for r in read_metrics(folder.path) if r["round"] <= resume_round]
                 if resume_round is not None else [])
@@ -149,6 +152,7 @@ class RunRecorder:
                 "pi the global one, P_i the edge's share of rows"),
             "edges": edges})
         from fedhier.runs.plots import plot_groups
+
         plot_groups(self.folder.path / "groups.json", self.folder.path / "groups.png")
 
     def record_round(self, record: dict[str, Any]) -> None:
@@ -194,6 +198,7 @@ class RunRecorder:
         for callback in self.callbacks:
             callback.on_finish(self.folder.path, summary)
         from fedhier.runs.plots import plot_groups_history, plot_runs
+
         plot_runs([self.folder.path], self.folder.path / "curves.png")
         history = groups_history(self.folder.path)
         if history is not None:
@@ -208,6 +213,7 @@ def groups_history(run_dir: Any) -> dict[str, Any] | None:
     ``client_to_edge`` of metrics.jsonl (written in a round where the map changed: a move or
     a regrouping); None when it never changed."""
     from fedhier.runs.folder import read_json
+
     records = read_metrics(run_dir)
     if not any("client_to_edge" in r for r in records):
         return None

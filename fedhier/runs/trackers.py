@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fedhier.common.errors import ConfigError
+
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 #: tracker -> (module it needs, the fedhier extra that installs it)
 MODULES = {"tensorboard": "tensorboardX", "mlflow": "mlflow", "wandb": "wandb"}

@@ -27,12 +27,15 @@ def validate(cfg: RunConfig) -> None:
     check_limits(cfg)  # first: huge or non-finite numbers reach no other check
     check_ranges(cfg)  # every numeric setting against its one declared range
     from fedhier.tree.mobility import parse_handoff
+
     parse_handoff(cfg.handoff)  # names the bad half of MODEL:ADMISSION
     for key, allowed in choices().items():  # every closed set of names
         one_of(key, getattr(cfg, key), allowed)
     from fedhier.local.devices import check_device_name
+
     check_device_name(cfg.device)
     from fedhier.round.aggregators.averaging import check_aggregators
+
     check_aggregators(cfg.aggregator_names, len(cfg.periods) or 2)
     below, below_name = cfg.clients, "clients"
     for level, count in enumerate(cfg.groups, start=1):
@@ -44,12 +47,14 @@ def validate(cfg: RunConfig) -> None:
                 "group needs at least one member")
         below, below_name = count, f"level-{level} groups"
     from fedhier.tree.hierarchy import check_schedule
+
     check_schedule(cfg.periods, cfg.groups, cfg.edge_period_list)
     if cfg.mobility_rate > 0 and cfg.mobility_trace:
         raise ConfigError("give mobility_rate or mobility_trace, not both")
     if cfg.reachability and cfg.num_edges < 2:
         raise ConfigError("a reachability matrix needs at least 2 edges")
     from fedhier.round.faults import parse_span
+
     parse_span(cfg.dropout_rounds)
     if not cfg.dataset:
         raise ConfigError("dataset must not be empty")
@@ -58,6 +63,7 @@ def validate(cfg: RunConfig) -> None:
     cfg.time_model().check_edges(cfg.num_edges)
     cfg.asynchronous().check(cfg.num_edges)
     from fedhier.round.asynchrony.settings import check_region_buffers
+
     check_region_buffers(cfg.asynchronous(), cfg.groups)
     if cfg.edge_servers:
         check_edge_servers(cfg)
@@ -66,10 +72,12 @@ def validate(cfg: RunConfig) -> None:
 def check_grouping(grouping: str) -> None:
     """A built-in grouping, or a plugin that imports (stop before any output if not)."""
     from fedhier.tree.grouping import BUILTIN_GROUPINGS, GRADIENT_GROUPING, available_groupings
+
     if ":" not in grouping:  # module:function is imported below
         one_of("grouping", grouping, tuple(available_groupings()))
     if grouping not in BUILTIN_GROUPINGS and grouping != GRADIENT_GROUPING:
         from fedhier.tree.grouping import load_plugin
+
         load_plugin(grouping)
 
 
@@ -82,6 +90,7 @@ def check_edge_servers(cfg: RunConfig) -> None:
                           "mobility): a job split at a move would restart an edge's period")
     if cfg.asynchronous().active:
         from fedhier.round.tiers.asynchronous import check_async_edge_tier
+
         if cfg.clients_move():
             raise ConfigError("asynchronous edge servers need static clients (no mobility, "
                               "no regroup_every): clients re-attach between synchronous jobs")
@@ -94,6 +103,7 @@ def check_edge_servers(cfg: RunConfig) -> None:
 def check_moves_under_regions(cfg: RunConfig) -> None:
     """Moving clients under region servers (fedhier.round.tiers.moves): only clients move."""
     from fedhier.round.aggregators.averaging import aggregator
+
     if cfg.regroup_every:
         raise ConfigError("edge servers under region servers need a fixed grouping (no "
                           "regroup_every): a regrouping re-draws the edges' regions too, and "

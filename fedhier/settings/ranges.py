@@ -149,6 +149,7 @@ def choices() -> dict[str, tuple[str, ...]]:
     from fedhier.local.optimizer import OPTIMIZER_STATES
     from fedhier.round.reply_policy import ON_BAD_REPLY
     from fedhier.tree.mobility import HANDOFFS
+
     return {"weighting": WEIGHTINGS, "engine": tuple(engine_names()), "model": MODELS,
             "cloud_strategy": CLOUD_STRATEGIES, "partition": PARTITIONS,
             "lr_schedule": LR_SCHEDULES, "handoff": HANDOFFS,

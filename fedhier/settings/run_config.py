@@ -246,6 +246,7 @@ class RunConfig:
             edge_periods = ()
         if edge_periods and min(edge_periods) > 0:
             from fedhier.tree.hierarchy import edge_round_period
+
             g = edge_round_period(edge_periods)
             object.__setattr__(self, "local_period", g)
             object.__setattr__(self, "periods", (g, *self.periods[1:]))
@@ -320,12 +321,14 @@ class RunConfig:
     def learning_rates(self, start_step: int, num_steps: int) -> Any:
         """float64 [num_steps]: the scheduled rates of the given global steps."""
         from fedhier.local.lr_schedules import learning_rates
+
         return learning_rates(start_step, num_steps, lr=self.lr, schedule=self.lr_schedule,
                               decay=self.lr_decay, step_every=self.lr_step_every,
                               total_steps=self.iterations, global_period=self.global_period)
 
     def local_optimizer(self) -> Any:
         from fedhier.local.optimizer import LocalOptimizer
+
         return LocalOptimizer(self.momentum, self.weight_decay, self.clip_norm)
 
     def keeps_client_state(self) -> bool:
@@ -338,16 +341,19 @@ class RunConfig:
 
     def workload(self) -> Any:
         from fedhier.round.participants import Workload
+
         return Workload(self.participation, self.straggler_fraction, self.straggler_min_steps,
                         self.normalize_updates)
 
     def faults(self) -> Any:
         from fedhier.round.faults import FaultModel, parse_span
+
         return FaultModel(self.fail_rate, self.dropout_fraction, parse_span(self.dropout_rounds))
 
     def mobility(self) -> Any:
         """The :class:`fedhier.tree.mobility.Mobility` model of this run (reads its files)."""
         from fedhier.tree.mobility import Mobility, parse_handoff, read_reachability, read_trace
+
         reach = read_reachability(self.reachability, self.num_edges) if self.reachability \
             else None
         trace = read_trace(self.mobility_trace, self.clients, self.num_edges, self.rounds,
@@ -358,6 +364,7 @@ class RunConfig:
     def time_model(self) -> Any:
         """The :class:`fedhier.round.clock.TimeModel` of this run's simulated clock."""
         from fedhier.round.clock import TimeModel, parse_edge_slowdown
+
         return TimeModel(self.step_seconds, self.compute_spread, self.client_edge_mbps,
                          self.client_edge_latency_ms, self.edge_cloud_mbps,
                          self.edge_cloud_latency_ms, parse_edge_slowdown(self.edge_slowdown))
@@ -366,12 +373,14 @@ class RunConfig:
         """The :class:`fedhier.round.reply_policy.ReplyPolicy` of this run (``auto``: drop with
         edge servers, stop otherwise; ``fedhier deploy`` sets drop itself)."""
         from fedhier.round.reply_policy import ReplyPolicy, resolve_on_bad_reply
+
         return ReplyPolicy(resolve_on_bad_reply(self.on_bad_reply, self.edge_servers),
                            self.exclude_after, self.max_weight_ratio, self.max_update_ratio)
 
     def asynchronous(self) -> Any:
         """The :class:`fedhier.round.asynchrony.settings.AsyncEdges` settings of this run."""
         from fedhier.round.asynchrony.settings import AsyncEdges
+
         return AsyncEdges(self.async_buffer, self.max_staleness, self.region_buffer)
 
     @property
@@ -383,6 +392,7 @@ class RunConfig:
     def edge_period_list(self) -> tuple[int, ...]:
         """``edge_periods`` as integers, one per edge; () = off."""
         from fedhier.tree.hierarchy import parse_edge_periods
+
         return parse_edge_periods(self.edge_periods)
 
     @property
@@ -424,6 +434,7 @@ FIELD_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(RunConfig)}
 def check_card_defaults(raw: Mapping[str, Any], label: str) -> dict[str, Any]:
     """The checked ``[defaults]`` table of a dataset card (``label`` names it in errors)."""
     from fedhier.datasets_cfg import NOT_CARD_DEFAULTS
+
     where = f"[defaults] of {label}"
     kwargs = checked(raw, where, _FIELDS)
     for key in kwargs:
@@ -436,6 +447,7 @@ def check_card_defaults(raw: Mapping[str, Any], label: str) -> dict[str, Any]:
 def dataset_defaults(dataset: str) -> dict[str, Any]:
     """The run settings a dataset's card gives by default (snake_case keys), or {}."""
     from fedhier.datasets_cfg import card_defaults
+
     raw, label = card_defaults(dataset)
     return check_card_defaults(raw, label) if raw else {}
 _PERIOD_KEYS = frozenset({"periods", "local_period", "global_period"})

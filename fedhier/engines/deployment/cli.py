@@ -119,6 +119,7 @@ def _resumed(args: argparse.Namespace) -> RunConfig:
 def cmd_deploy(args: argparse.Namespace) -> int:
     """``fedhier deploy local``: 0 on success, 1 if the run failed, 124 on --timeout."""
     from fedhier.runs.folder import default_run_dir
+
     cfg = resolve_config(args)
     if args.insecure and args.certs is not None:
         raise ConfigError("--insecure and --certs contradict each other; give one")
@@ -143,9 +144,9 @@ def cmd_deploy(args: argparse.Namespace) -> int:
                           "servers; clients follow docs/contract.md); drop --app")
     run_config_overrides(cfg, app)  # every flag must reach the ServerApp
     out = Path(cfg.out or default_run_dir(f"{cfg.dataset}-deploy")).resolve()
+    from fedhier.engines.resume import resumable_checkpoint
     from fedhier.local.train import resolve_device
     from fedhier.runs.folder import RunFolder
-    from fedhier.engines.resume import resumable_checkpoint
     if args.resume is not None:  # the checkpoint fits, and no other run writes the folder
         resumable_checkpoint(out, cfg)
         RunFolder.claim_existing(out).lock.release()
@@ -179,6 +180,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         if cfg.edge_servers:
             from fedhier.engines.deployment.edge_servers import EdgeTierDeployment
             from fedhier.engines.deployment.placement import tree_placement
+
             tree = tree_placement(cfg)
             deployment = EdgeTierDeployment(
                 **common, edges=tree[0].tolist(), upper=[p.tolist() for p in tree[1:]],
@@ -223,6 +225,7 @@ def _write_wire(wire_dir: Path, out: Path, echo: Callable[[str], None]) -> None:
     import json
 
     from fedhier.engines.deployment.wire import read_wire
+
     totals = read_wire(wire_dir)
     if not totals or not out.is_dir():
         return

@@ -185,6 +185,7 @@ class EdgeTierDeployment(LocalDeployment):
     def _prepare_edge_security(self) -> list[Path]:
         """TLS material and one SuperNode key per client and per server."""
         from fedhier.engines.deployment.certs import make_supernode_key
+
         keys = self._prepare_security()
         if not self.secure:
             return []

@@ -229,6 +229,7 @@ class LocalDeployment:
         env = self.env(name)
         if port == self.superlink_port:  # read by the cloud's ServerApp
             from fedhier.engines.grid_run import RESUME_ENV, WIRE_RECORD_ENV
+
             if self.wire_dir is not None:
                 env[WIRE_RECORD_ENV] = str(self.wire_dir)
             if self.resume_dir is not None:

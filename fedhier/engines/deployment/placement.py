@@ -28,6 +28,7 @@ def tree_placement(cfg: RunConfig) -> tuple[np.ndarray, ...]:
     edge, edge -> region, ... (:attr:`fedhier.tree.hierarchy.Hierarchy.parents`; a gradient
     grouping from the clients' gradients at the initial model, :func:`initial_gradients`)."""
     from fedhier.runs.prepare import prepare
+
     tags = np.asarray(contiguous_edges(cfg.clients, cfg.num_edges), dtype=np.int64)
     if cfg.grouping == "edge-tag" and len(cfg.groups) == 1:  # no data needed
         return (tags,)
@@ -52,6 +53,7 @@ def initial_gradients(cfg: RunConfig, fed: Federation) -> torch.Tensor | None:
         return None
     from fedhier.diagnostics.in_rounds import direct_client_gradients
     from fedhier.runs.prepare import initial_model
+
     model = initial_model(cfg, fed)
     params = {k: v.detach() for k, v in model.state_dict().items()}
     return direct_client_gradients(model, params, fed, cfg.diagnostics_max_samples, cfg.seed,

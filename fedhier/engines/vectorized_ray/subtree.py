@@ -108,6 +108,7 @@ def run_jobs(settings: HSGDSettings, shard: Any, jobs: Sequence[EdgeJob]) -> lis
     one after the other, each run as its server would run it (:func:`run_edge_job`) on the
     shard's clients of its subtree."""
     from fedhier.engines.vectorized_ray.shard import run_shard_jobs
+
     if not jobs:
         return []
     if all(job.level == 1 for job in jobs):

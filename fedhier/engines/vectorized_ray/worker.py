@@ -44,6 +44,7 @@ class ShardWorker:
     def load(self, cfg: RunConfig, fed: Federation, clients: np.ndarray) -> None:
         """Take the shard of ``fed``'s clients ``clients`` (int64, sorted) of run ``cfg``."""
         from fedhier.engines.vectorized_ray.shard import ShardExecutor
+
         device = resolve_device(cfg.device)
         self.settings = settings_for(cfg)
         self.num_clients = len(clients)
@@ -56,6 +57,7 @@ class ShardWorker:
         (:func:`run_jobs`: only the clients of those edges train; asynchronous edges send
         the edges that start together)."""
         from fedhier.engines.vectorized_ray.subtree import run_jobs
+
         return self._timed(run_jobs, jobs)
 
     def _timed(self, run: Callable[..., list[EdgeReport]],
@@ -71,6 +73,7 @@ class ShardWorker:
     def release(self, clients: Sequence[int]) -> list[Any]:
         """Let ``clients`` go to another shard; their moves (:mod:`.vectorized_ray_moves`)."""
         from fedhier.engines.vectorized_ray.moves import release
+
         self.executor, moves = release(self.executor, clients)
         self.num_clients = len(self.executor.clients)
         return moves
@@ -78,6 +81,7 @@ class ShardWorker:
     def adopt(self, moves: Sequence[Any]) -> None:
         """Take the clients of ``moves`` (released by another shard) into this one."""
         from fedhier.engines.vectorized_ray.moves import adopt
+
         self.executor = adopt(self.executor, moves)
         self.num_clients = len(self.executor.clients)
 

@@ -76,6 +76,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     from fedhier.studies.experiments.hierfavg_suite import hierfavg
     from fedhier.studies.experiments.mobility_noniid import mobility_noniid
     from fedhier.studies.experiments.runner import default_jobs
+
     base = base_config(args)
     if args.seeds < 1:
         raise FedhierError("--seeds must be at least 1")
@@ -93,6 +94,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise FedhierError(f"--out {out} is a file; an experiment writes a folder")
     from fedhier.local.train import resolve_device
+
     resolve_device(base.device)
     prepare_data(base)  # the data and partition of the base configuration are usable
     try:
@@ -104,6 +106,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     started = time.time()
     if args.name == "diversity":
         from fedhier.studies.experiments.diversity_suite import diversity
+
         quick = args.quick
         report = diversity(base, seeds, out,
                            batch_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512]

@@ -52,6 +52,7 @@ def spec_table(args: argparse.Namespace) -> dict[str, Any]:
     """The spec as one table: the file's, with --grid, --seeds, --out and base flags added."""
     from fedhier.settings.run_config import read_toml
     from fedhier.studies.sweep.spec import parse_grid
+
     if args.spec is None and not args.grid:
         raise ConfigError("give a sweep spec (SPEC.toml) or at least one --grid KEY=V1,V2")
     table: dict[str, Any] = dict(read_toml(args.spec)) if args.spec else {}
@@ -82,6 +83,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from fedhier.studies.sweep.report import write_report
     from fedhier.studies.sweep.spec import build
     from fedhier.studies.sweep.trials import load_records, trial_state, trial_units, trials_of
+
     if args.jobs < 0:
         raise FedhierError(f"--jobs must be >= 0 (0 = one per CPU core), got {args.jobs}")
     check_tracker(args.tracker)
@@ -108,6 +110,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
           f"{counts['restart']} to restart, {counts['new']} new")
     if pending:
         from fedhier.studies.sweep.tune_runner import run_on_tune
+
         units = trial_units(pending, states, args.batch_seeds)
         jobs = min(args.jobs or os.cpu_count() or 1, len(units))
         errors = run_on_tune(units, folder, jobs, args.ray_address, args.tracker, paths)
