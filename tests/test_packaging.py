@@ -26,16 +26,38 @@ import pytest
 # flwr's FAB builder uses a pathspec pattern class that pathspec deprecates
 pytestmark = pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning")
 ROOT = Path(__file__).resolve().parents[1]
-#: The import packages: each is the source folder of its name, in the wheel as in the FAB.
-PACKAGE_FOLDERS = ("fedhier", "fedhier.strategies", "fedhier.clients")
+#: Import package -> its folder in the source tree (the FAB holds these folders as they are;
+#: the wheel puts each at its import name's path: strategies/ at fedhier/strategies/, ...).
+PACKAGE_FOLDERS = {"fedhier": "fedhier", "fedhier.strategies": "strategies",
+                   "fedhier.clients": "clients", "fedhier.datasets_cfg": "datasets_cfg",
+                   "fedhier_strategies": "strategies/deprecated_fedhier_strategies",
+                   "fedhier_clients": "clients/deprecated_fedhier_clients"}
 _SKIP = shutil.ignore_patterns(".venv", ".git", "runs", "build", "dist", "*.egg-info",
                                "__pycache__", ".*_cache", "*.fab")
 
 
 def _source_packages() -> set[str]:
-    """Every package folder (one with __init__.py) of the source, as its path in the wheel."""
-    return {str(init.parent.relative_to(ROOT)) for folder in PACKAGE_FOLDERS
-            for init in (ROOT / folder).rglob("__init__.py") if "__pycache__" not in init.parts}
+    """Every package (a folder with __init__.py) of the source, by its import name."""
+    found = set()
+    roots = {ROOT / folder for folder in PACKAGE_FOLDERS.values()}
+    for package, folder in PACKAGE_FOLDERS.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            inner = [r for r in roots if r != ROOT / folder and r in init.parents]
+            if "__pycache__" in init.parts or inner:
+                continue
+            rel = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((package, *rel)))
+    return found
+
+
+def test_pyproject_lists_every_package():
+    """pyproject.toml's explicit ``packages`` (needed beside ``package-dir``) is complete."""
+    import tomllib
+
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert set(listed["packages"]) == _source_packages()
+    mapped = {k: v for k, v in listed["package-dir"].items() if k}
+    assert mapped == {k: v for k, v in PACKAGE_FOLDERS.items() if k != "fedhier"}
 
 
 def test_fab_carries_what_the_apps_import():
@@ -47,7 +69,7 @@ def test_fab_carries_what_the_apps_import():
                    "strategies/server_app.py", "clients/app.py",
                    "datasets_cfg/digits.toml", "datasets_cfg/shakespeare.toml"):
         assert needed in names
-    for folder in PACKAGE_FOLDERS:
+    for folder in PACKAGE_FOLDERS.values():
         for init in (ROOT / folder).rglob("__init__.py"):
             assert str(init.relative_to(ROOT)) in names
     assert not [n for n in names if n.startswith(("tests/", "docs/", "benchmarks/", "runs/"))]
@@ -61,7 +83,7 @@ def test_source_tree_imports_the_packages():
                            f"{str(ROOT)!r}); {code}"], capture_output=True, text=True,
                           cwd="/", timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str(ROOT / "fedhier.strategies" / "__init__.py")
+    assert done.stdout.strip() == str(ROOT / "strategies" / "__init__.py")
 
 
 # --------------------------------------------------------------------------- the wheel
@@ -144,20 +166,22 @@ def test_components_load_from_the_fab_in_two_threads(tmp_path):
         server, client, init, clients = done.stdout.split()
         assert (server, client) == ("ServerApp", "ClientApp")
         assert init == str(fab / "fedhier" / "__init__.py")
-        assert clients == str(fab / "fedhier.clients" / "__init__.py")
+        assert clients == str(fab / "clients" / "__init__.py")
 
 
 @pytest.mark.slow
 def test_wheel_holds_every_package_and_the_cards(wheel_venv):
     wheel, _ = wheel_venv
     names = zipfile.ZipFile(wheel).namelist()
-    packages = {str(Path(n).parent) for n in names if n.endswith("/__init__.py")}
+    packages = {str(Path(n).parent).replace("/", ".") for n in names
+                if n.endswith("/__init__.py")}
     assert packages == _source_packages()
-    cards = {Path(n).name for n in names if n.startswith("datasets_cfg/")
+    cards = {Path(n).name for n in names if n.startswith("fedhier/datasets_cfg/")
              and n.endswith(".toml")}
-    assert cards == {p.name for p in (ROOT / "fedhier" / "datasets_cfg").glob("*.toml")}
+    assert cards == {p.name for p in (ROOT / "datasets_cfg").glob("*.toml")}
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    assert top == set(PACKAGE_FOLDERS)  # nothing else at the top of site-packages
+    # nothing else at the top of site-packages: no `strategies`, no `clients`
+    assert top == {"fedhier", "fedhier_strategies", "fedhier_clients"}
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "fedhier = fedhier.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 

@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from fedhier.diagnostics.measures import label_upward_divergence  # noqa: E402
 from fedhier.runs.folder import read_json  # noqa: E402
 from fedhier.settings.run_config import RunConfig  # noqa: E402
-from fedhier.studies.experiments.runner import Arm, run_arms  # noqa: E402
+from fedhier.studies.experiments.runner import SuiteArm, run_arms  # noqa: E402
 from fedhier.studies.experiments.seed_summary import mean_std  # noqa: E402
 from fedhier.studies.experiments.suites import (  # noqa: E402
     MOVE_RATES,
@@ -42,7 +42,7 @@ from fedhier.studies.experiments.suites import (  # noqa: E402
 ADMIT = "fresh:min-divergence"
 
 
-def _arms(base: RunConfig, total: int, rates: Sequence[float]) -> list[Arm]:
+def _arms(base: RunConfig, total: int, rates: Sequence[float]) -> list[SuiteArm]:
     every = max(1, _rounds_for(total, base) // 5)
     moving = [r for r in rates if r > 0]
     arms = [_arm(f"{kind}-rate{r:g}", f"{label}, move rate {r:g}", base, total,

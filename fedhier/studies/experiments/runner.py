@@ -21,7 +21,7 @@ from fedhier.settings.run_config import FIELD_DEFAULTS, RunConfig
 
 
 @dataclass(frozen=True)
-class Arm:
+class SuiteArm:
     """One configuration of an experiment; ``label`` is what tables and legends show."""
 
     name: str
@@ -52,7 +52,7 @@ def _run_one(cfg: RunConfig, run_dir: str) -> str:
     return run_dir
 
 
-def run_arms(arms: Sequence[Arm], seeds: Sequence[int], out: Path, engine: str = "vectorized",
+def run_arms(arms: Sequence[SuiteArm], seeds: Sequence[int], out: Path, engine: str = "vectorized",
              jobs: int = 1) -> dict[str, dict[int, list[dict[str, Any]]]]:
     """Run every arm for every seed (skipping finished runs); returns metrics by arm, seed."""
     todo: list[tuple[RunConfig, str]] = []

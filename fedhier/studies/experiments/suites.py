@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from fedhier.settings.run_config import RunConfig  # noqa: E402
-from fedhier.studies.experiments.runner import Arm, run_arms  # noqa: E402
+from fedhier.studies.experiments.runner import SuiteArm, run_arms  # noqa: E402
 from fedhier.studies.experiments.seed_summary import curve, final, first_reaching, mean_std  # noqa: E402
 
 
@@ -36,12 +36,12 @@ def _rounds_for(total_iterations: int, cfg: RunConfig) -> int:
     return max(1, total_iterations // cfg.global_period)
 
 
-def _arm(name: str, label: str, base: RunConfig, total: int, **changes: Any) -> Arm:
+def _arm(name: str, label: str, base: RunConfig, total: int, **changes: Any) -> SuiteArm:
     cfg = base.replace(**changes)
-    return Arm(name, label, cfg.replace(rounds=_rounds_for(total, cfg)))
+    return SuiteArm(name, label, cfg.replace(rounds=_rounds_for(total, cfg)))
 
 
-def _summarise(arms: Sequence[Arm], results: dict[str, dict[int, list[dict[str, Any]]]],
+def _summarise(arms: Sequence[SuiteArm], results: dict[str, dict[int, list[dict[str, Any]]]],
                keys: Sequence[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for arm in arms:
