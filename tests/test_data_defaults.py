@@ -131,7 +131,7 @@ def test_cli_shakespeare_defaults_reach_the_run(tmp_path, capsys, monkeypatch):
     """`fedhier run --dataset X` with a card's defaults: the text model and natural clients."""
     _tarball(tmp_path / "sdist", SMALL_PLAYS)
     card = tmp_path / "shk.toml"
-    text = (ROOT / "fedhier" / "datasets_cfg" / "shakespeare.toml").read_text()
+    text = (ROOT / "datasets_cfg" / "shakespeare.toml").read_text()
     for old, new in (('path = "~/.cache/fedhier/shakespeare"', f'path = "{tmp_path / "sdist"}"'),
                      ("seq_len = 80", "seq_len = 10"), ("input_shape = [80]", "input_shape = [10]"),
                      ("min_samples_per_role = 1000", "min_samples_per_role = 5"),
@@ -229,7 +229,7 @@ def test_cli_runs_a_local_npz_without_a_toml(tmp_path, capsys):
 
 
 def _card_in(tmp_path: Path, folder: Path) -> Path:
-    text = (ROOT / "fedhier" / "datasets_cfg" / "shakespeare.toml").read_text()
+    text = (ROOT / "datasets_cfg" / "shakespeare.toml").read_text()
     card = tmp_path / "shk.toml"
     card.write_text(text.replace('path = "~/.cache/fedhier/shakespeare"', f'path = "{folder}"')
                     .replace("min_samples_per_role = 1000", "min_samples_per_role = 5")

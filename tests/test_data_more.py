@@ -33,7 +33,7 @@ from fedhier.data.loaders import resolve_spec
 from fedhier.local.models import LSTM, MODELS, build_model
 from fedhier.local.train import loss_fn, params_of
 
-CFG = Path(__file__).resolve().parents[1] / "fedhier" / "datasets_cfg"
+CFG = Path(__file__).resolve().parents[1] / "datasets_cfg"
 REAL_SDIST = Path(shk.DEFAULT_DIR).expanduser() / shk.SDIST_NAME
 
 

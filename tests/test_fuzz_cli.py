@@ -417,7 +417,7 @@ def place(kind: str, workdir: Path, case_dir: Path) -> Path | str:
         return case_dir / "garbage.bin"
     if kind == "digits.toml":
         (case_dir / "digits.toml").write_text(
-            (Path(__file__).parents[1] / "fedhier" / "datasets_cfg" / "digits.toml").read_text())
+            (Path(__file__).parents[1] / "datasets_cfg" / "digits.toml").read_text())
         return case_dir / "digits.toml"
     return kind
 
