@@ -32,8 +32,15 @@ PACKAGE_FOLDERS = {"fedhier": "fedhier", "fedhier.strategies": "strategies",
                    "fedhier.clients": "clients", "fedhier.datasets_cfg": "datasets_cfg",
                    "fedhier_strategies": "strategies/deprecated_fedhier_strategies",
                    "fedhier_clients": "clients/deprecated_fedhier_clients"}
-_SKIP = shutil.ignore_patterns(".venv", ".git", "runs", "build", "dist", "*.egg-info",
-                               "__pycache__", ".*_cache", "*.fab")
+_SKIP_EVERYWHERE = shutil.ignore_patterns(".venv", ".git", "build", "dist", "*.egg-info",
+                                          "__pycache__", ".*_cache", "*.fab")
+
+
+def _skip(folder: str, names: list[str]) -> set[str]:
+    """What a copy of the source leaves out: caches and builds anywhere, and the root's
+    runs/ (run folders; fedhier/runs/ is a package)."""
+    skipped = set(_SKIP_EVERYWHERE(folder, names))
+    return skipped | ({"runs"} & set(names) if Path(folder) == ROOT else set())
 
 
 def _source_packages() -> set[str]:
@@ -42,7 +49,8 @@ def _source_packages() -> set[str]:
     roots = {ROOT / folder for folder in PACKAGE_FOLDERS.values()}
     for package, folder in PACKAGE_FOLDERS.items():
         for init in (ROOT / folder).rglob("__init__.py"):
-            inner = [r for r in roots if r != ROOT / folder and r in init.parents]
+            inner = [r for r in roots if r != ROOT / folder and r in init.parents
+                     and ROOT / folder in r.parents]
             if "__pycache__" in init.parts or inner:
                 continue
             rel = init.parent.relative_to(ROOT / folder).parts
@@ -105,7 +113,7 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the built wheel, a fresh venv with it installed)."""
     tmp = tmp_path_factory.mktemp("packaging")
     src = tmp / "src"
-    shutil.copytree(ROOT, src, ignore=_SKIP)
+    shutil.copytree(ROOT, src, ignore=_skip)
     pip = [sys.executable, "-m", "pip"]
     built = subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", str(src),
                             "-w", str(tmp / "dist")], capture_output=True, text=True, timeout=300)
@@ -147,11 +155,13 @@ def test_components_load_from_the_fab_in_two_threads(tmp_path):
         fab = {str(fab)!r}
         out = {{}}
         def server():
-            out["server"] = type(load_app("fedhier.strategies.server_app:app", ValueError,
-                                          fab)).__name__
+            out["server"] = type(load_app("fedhier.engines.flower_app:serverapp",
+                                          ValueError, fab)).__name__
         def client():
-            assert validate("fedhier.clients.app:app", project_dir=fab) == (True, None)
-            out["client"] = type(load_app("fedhier.clients.app:app", ValueError, fab)).__name__
+            assert validate("fedhier.engines.flower_app:clientapp",
+                            project_dir=fab) == (True, None)
+            out["client"] = type(load_app("fedhier.engines.flower_app:clientapp", ValueError,
+                                          fab)).__name__
         threads = [threading.Thread(target=server), threading.Thread(target=client)]
         for t in threads: t.start()
         for t in threads: t.join()
@@ -205,7 +215,7 @@ def test_installed_wheel_runs_a_job_from_another_folder(wheel_venv, tmp_path):
     assert Path(seen["fedhier"]).is_relative_to(venv)
     assert Path(seen["strategies"]).is_relative_to(venv)
     assert seen["hier"] == "fedhier.strategies.hierfedavg"
-    cards = ROOT / "fedhier" / "datasets_cfg"
+    cards = ROOT / "datasets_cfg"
     assert seen["cards"] == sorted(p.stem for p in cards.glob("*.toml"))
     assert seen["digits_rows"] == 1437
     out = elsewhere / "run"
