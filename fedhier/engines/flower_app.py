@@ -21,7 +21,7 @@ from typing import Any
 
 import fedhier  # noqa: F401  (waits until another thread's import of fedhier has finished)
 
-__all__ = ["clientapp", "serverapp"]
+__all__ = ["clientapp", "serverapp"]  # noqa: F822  (module __getattr__)
 
 #: component -> "module:attribute" it is
 COMPONENTS = {"serverapp": "fedhier.strategies.server_app:app",

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from fedhier.runs.crash_points import crash_point
 from fedhier.common.errors import ConfigError, DamagedFileError, FedhierError, os_reason
+from fedhier.runs.crash_points import crash_point
 from fedhier.runs.folder import writing
 
 CHECKPOINT = "checkpoint.pt"

@@ -10,11 +10,13 @@ from typing import Any
 
 import torch
 
-from fedhier.runs.checkpoint import Checkpoint, restore_state, save_checkpoint
-from fedhier.settings.run_config import RunConfig
-from fedhier.runs.crash_points import crash_point
 from fedhier.round.loop import Executor, HierarchicalSGD, Params
+from fedhier.runs.checkpoint import Checkpoint, restore_state, save_checkpoint
+from fedhier.runs.crash_points import crash_point
 from fedhier.runs.recorder import RunRecorder
+from fedhier.settings.run_config import RunConfig
+
+
 def run_recorded(algorithm: HierarchicalSGD, executor: Executor, cfg: RunConfig,
                  recorder: RunRecorder, initial: Params,
                  evaluate_fn: Callable[[int, Params], dict[str, Any]],

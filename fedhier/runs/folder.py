@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from fedhier.runs import crash_points
 from fedhier.common.errors import ConfigError, DamagedFileError, FedhierError
+from fedhier.runs import crash_points
 from fedhier.runs.lock import LOCK_NAME, RunLock, busy_error, live_holder
 from fedhier.runs.trackers import OUTPUT_FOLDERS
 

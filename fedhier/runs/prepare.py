@@ -12,14 +12,16 @@ from typing import Any
 
 import torch
 
-from fedhier.settings.run_config import RunConfig
 from fedhier.common.errors import ConfigError
-from fedhier.data.federation import Federation, federation_for
-from fedhier.round.loop import HSGDSettings, Params
-from fedhier.local.models import build_model
 from fedhier.common.rng import torch_seed
+from fedhier.data.federation import Federation, federation_for
 from fedhier.diagnostics.in_rounds import diagnostics_due, sample_diagnostics
+from fedhier.local.models import build_model
 from fedhier.local.train import evaluate
+from fedhier.round.loop import HSGDSettings, Params
+from fedhier.settings.run_config import RunConfig
+
+
 def quiet_flower() -> None:
     """Keep Flower's per-round INFO logs out of the progress bar."""
     logging.getLogger("flwr").setLevel(logging.WARNING)

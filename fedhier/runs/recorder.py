@@ -18,14 +18,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from fedhier.settings.run_config import RunConfig
-from fedhier.runs.crash_points import crash_point
-from fedhier.diagnostics.measures import label_upward_divergence
 from fedhier.data.federation import Federation, resolved
-from fedhier.tree.grouping import ClientInfo
-from fedhier.runs.folder import JsonStream, RunFolder, read_metrics
-from fedhier.tree.hierarchy import Hierarchy
+from fedhier.diagnostics.measures import label_upward_divergence
 from fedhier.local.train import resolve_device
+from fedhier.runs.crash_points import crash_point
+from fedhier.runs.folder import JsonStream, RunFolder, read_metrics
+from fedhier.settings.run_config import RunConfig
+from fedhier.tree.grouping import ClientInfo
+from fedhier.tree.hierarchy import Hierarchy
 
 if TYPE_CHECKING:
     from fedhier.runs.checkpoint import Checkpoint
