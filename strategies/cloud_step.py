@@ -29,7 +29,10 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedhier.clients.wire.array_records import to_record
 from fedhier.common.errors import ConfigError
-from fedhier.settings.ranges import CLOUD_STRATEGIES
+from fedhier.settings.declaration import names_of
+
+#: the cloud steps, as the setting ``cloud_strategy`` declares them
+CLOUD_STRATEGIES = names_of("cloud_strategy")
 
 
 def make_cloud_strategy(name: str, server_lr: float = 0.0,

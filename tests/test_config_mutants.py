@@ -257,13 +257,15 @@ def test_a_toml_files_errors_name_the_file(tmp_path):
 
 
 def test_field_metadata_takes_the_flower_app_value_with_its_reason_only():
-    from fedhier.settings.run_config import _help
+    from fedhier.settings.declaration import setting
 
-    assert _help("h") == {"help": "h"}
-    assert _help("h", flower_app=1, flower_app_reason="r") == {
-        "help": "h", "flower_app": 1, "flower_app_reason": "r"}
+    assert dict(setting(0, "h").metadata) == {"help": "h", "valid": None, "readers": ()}
+    assert dict(setting(0, "h", flower_app=1, flower_app_reason="r").metadata) == {
+        "help": "h", "valid": None, "readers": (), "flower_app": 1, "flower_app_reason": "r"}
+    assert setting(0, "h", part=["a", ("b", "x"), ("c", "y", len)]).metadata["readers"] == (
+        ("a", "", None), ("b", "x", None), ("c", "y", len))
     for half in ({"flower_app": 1}, {"flower_app_reason": "r"}):
-        assert_refused(lambda half=half: _help("h", **half),
+        assert_refused(lambda half=half: setting(0, "h", **half),
                        "give flower_app and flower_app_reason together", TypeError)
 
 

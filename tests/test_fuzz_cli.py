@@ -48,7 +48,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fedhier.cli.commands import main
-from fedhier.settings.ranges import RANGES, choices
+from fedhier.settings.declaration import RANGES, choices
 from fedhier.settings.run_config import RunConfig
 
 PROFILE = os.environ.get("FEDHIER_FUZZ_PROFILE", "fast")

@@ -14,7 +14,7 @@ import pytest
 
 from fedhier.cli.commands import main
 from fedhier.common.errors import ConfigError
-from fedhier.settings.ranges import RANGES, choices
+from fedhier.settings.declaration import RANGES, choices
 from fedhier.settings.run_config import RunConfig
 
 NUMERIC = {f.name: f.type in (int, "int") for f in fields(RunConfig)
@@ -35,6 +35,15 @@ def documented() -> tuple[dict[str, str], set[str]]:
     rows = dict(re.findall(r"^\| `(\w+)` \| (.+?) \|$", section, flags=re.MULTILINE))
     names = section.split("fixed set of names", 1)[1].split("; the grouping", 1)[0]
     return rows, set(re.findall(r"`(\w+)`", names)) - {"choices"}
+
+
+def test_the_documented_section_is_the_generated_one():
+    """docs/cli.md's "Valid values" is generated from the declarations: on failure run
+    `python -m fedhier.settings.table --write-docs docs/cli.md`."""
+    from fedhier.settings.table import valid_values_md
+
+    text = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    assert valid_values_md() in text
 
 
 def test_the_code_checks_the_documented_ranges():

@@ -1,7 +1,8 @@
-"""A run setting is declared once (a field of fedhier.settings.run_config.RunConfig, its range in
-fedhier.settings.ranges); every other view is generated from it or checked against it here:
-pyproject.toml's [tool.flwr.app.config], the CLI flags, the algorithm's settings
-(HSGDSettings, settings_for) and HierFedAvg's keyword defaults."""
+"""A run setting is declared once (fedhier.settings.declaration: name, type, default, help,
+valid values, the part that reads it); every other view is generated from it or checked
+against it here: pyproject.toml's [tool.flwr.app.config], the CLI flags, docs/cli.md's table
+of valid values, the parts' settings objects (HSGDSettings and its parts, built by
+fedhier.settings.views.build_part) and HierFedAvg's keyword defaults."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from fedhier.common.errors import ConfigError
 from fedhier.round.loop import HSGDSettings
 from fedhier.round.participants import Workload
 from fedhier.runs.prepare import settings_for
-from fedhier.settings.ranges import RANGES, choices
+from fedhier.settings.declaration import RANGES, choices
 from fedhier.settings.run_config import FIELD_DEFAULTS, RunConfig
 from fedhier.settings.table import (
     app_key,
@@ -63,10 +64,30 @@ def test_the_flower_apps_own_values_are_declared_with_their_reason():
 
 
 def test_metadata_for_the_app_comes_with_a_reason():
-    from fedhier.settings.run_config import _help
+    from fedhier.settings.declaration import setting
 
     with pytest.raises(TypeError, match="together"):
-        _help("x", flower_app=5)
+        setting(1, "x", flower_app=5)
+
+
+def test_every_attribute_of_every_part_is_fed_by_one_declaration():
+    """Each part's settings object (fedhier.settings.views.PARTS) is built from the settings
+    that declare it as their reader: every attribute of its class is one setting's (or a
+    nested part's), exactly once, and no declaration names a part or attribute that is not
+    there (a typo would otherwise be a setting silently left out)."""
+    from fedhier.settings.views import PARTS, readers, resolve
+
+    fed: dict[str, list[str]] = {part: list(nested) for part, (_, nested) in PARTS.items()}
+    for declaration in fields(RunConfig):
+        for part, attribute, _ in readers(declaration):
+            assert part in PARTS, (declaration.name, part)
+            if attribute == "*":
+                fed[part] += ["handoff", "admission"]  # the one setting with two halves
+            else:
+                fed[part].append(attribute or declaration.name)
+    for part, (reference, _) in PARTS.items():
+        attributes = [f.name for f in fields(resolve(reference))]
+        assert sorted(fed[part]) == sorted(attributes), part
 
 
 def test_every_setting_is_one_row_with_its_range_or_names():

@@ -29,8 +29,10 @@ from flwr_datasets.partitioner.partitioner import Partitioner
 
 from fedhier.common.errors import ConfigError, DataError
 from fedhier.data.bundle import DataBundle
+from fedhier.settings.declaration import names_of
 
-PARTITION_SCHEMES = ("dirichlet", "iid", "shards", "natural", "sorted")
+#: the partition schemes, as the setting ``partition`` declares them
+PARTITION_SCHEMES = names_of("partition")
 _ROW = "__row__"
 
 

@@ -20,6 +20,7 @@ from fedhier.local.models import build_model
 from fedhier.local.train import evaluate
 from fedhier.round.loop import HSGDSettings, Params
 from fedhier.settings.run_config import RunConfig
+from fedhier.settings.views import build_part
 
 
 def quiet_flower() -> None:
@@ -64,15 +65,10 @@ def pooled_train_tensors(fed: Federation,
 
 
 def settings_for(cfg: RunConfig) -> HSGDSettings:
-    """The algorithm's settings of a run configuration."""
-    return HSGDSettings(periods=cfg.periods, groups=cfg.groups, grouping=cfg.grouping,
-                        weighting=cfg.weighting, seed=cfg.seed, workload=cfg.workload(),
-                        min_clients_per_edge=cfg.min_clients_per_edge, on_nan=cfg.on_nan,
-                        diagnostics_every=cfg.diagnostics_every,
-                        regroup_every=cfg.regroup_every, aggregators=cfg.aggregator_names,
-                        mobility=cfg.mobility(), time_model=cfg.time_model(),
-                        asynchronous=cfg.asynchronous(), edge_periods=cfg.edge_period_list,
-                        policy=cfg.reply_policy())
+    """The algorithm's settings of a run configuration: the part every setting declared with
+    ``part="algorithm"`` feeds, with its parts (:func:`fedhier.settings.views.build_part`)."""
+    settings: HSGDSettings = build_part(cfg, "algorithm")
+    return settings
 
 
 def central_evaluation(cfg: RunConfig, fed: Federation, model: torch.nn.Module,

@@ -1,6 +1,6 @@
 """Validation of a :class:`fedhier.settings.run_config.RunConfig`: the libraries' numeric limits,
-each setting's declared range and names (:mod:`fedhier.settings.ranges`), and the checks that relate
-settings (groups and clients, the periods' schedule, mobility, async edges, edge servers).
+each setting's declared range and names (:mod:`fedhier.settings.declaration`), and the checks that
+relate settings (groups and clients, the periods' schedule, mobility, async edges, edge servers).
 Every failure is one ConfigError line naming the setting.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import fields
 from typing import Any
 
 from fedhier.common.errors import ConfigError
-from fedhier.settings.ranges import check_ranges, choices
+from fedhier.settings.declaration import RANGES, choices
 
 #: a :class:`fedhier.settings.run_config.RunConfig` (not imported: that module imports this one)
 RunConfig = Any
@@ -139,3 +139,12 @@ def one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
         close = difflib.get_close_matches(str(value), list(allowed), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(f"unknown {key} '{value}'{hint}; choose one of {', '.join(allowed)}")
+
+
+def check_ranges(values: Any) -> None:
+    """A one-line ConfigError naming the first setting of ``values`` (a RunConfig or any
+    object with these attributes) outside its declared range."""
+    for name, valid in RANGES.items():
+        value = getattr(values, name)
+        if not valid.contains(value):
+            raise ConfigError(f"{name} must be {valid.describe()}, got {value}")

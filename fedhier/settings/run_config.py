@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,9 @@ from fedhier.common.errors import ConfigError
 from fedhier.engines.registry import engine_names
 from fedhier.settings.checks import FLOAT32_MAX
 from fedhier.settings.checks import validate as validate_config
+from fedhier.settings.declaration import DeclaredSettings
 from fedhier.settings.parse import app_key, checked, int_tuple, read_toml, run_config_value
+from fedhier.settings.views import build_part
 
 __all__ = ["DEVICES", "ENGINES", "FIELD_DEFAULTS", "FLOAT32_MAX", "RunConfig",
            "check_card_defaults", "dataset_defaults", "read_toml"]
@@ -32,199 +34,11 @@ ENGINES = engine_names()
 DEVICES = ("cpu", "cuda", "mps", "auto")  # and cuda:N (fedhier.local.devices)
 
 
-def _help(text: str, **flower_app: Any) -> dict[str, Any]:
-    """A field's metadata: its ``help`` (flag help, docs), and optionally ``flower_app`` +
-    ``flower_app_reason``: another value for the Flower app's [tool.flwr.app.config], and why
-    (:mod:`fedhier.settings.table`)."""
-    if flower_app.keys() not in (set(), {"flower_app", "flower_app_reason"}):
-        raise TypeError("give flower_app and flower_app_reason together")
-    return {"help": text, **flower_app}
-
-
 @dataclass(frozen=True)
-class RunConfig:
-    """Everything that determines a run. Same config and seed => same numbers."""
-
-    # data
-    dataset: str = field(default="digits", metadata=_help(
-        "dataset name (digits, fashion-mnist, synthetic, shakespeare, cifar10, femnist, npz) "
-        "or a path to a dataset TOML; its card's [defaults] apply to settings not given"))
-    data_path: str = field(default="", metadata=_help(
-        "folder/file/hub name overriding the dataset's default location; a FILE.npz alone "
-        "picks the npz dataset"))
-    partition: str = field(default="dirichlet", metadata=_help(
-        "client partition: dirichlet, iid, shards, natural, sorted"))
-    alpha: float = field(default=0.5, metadata=_help("Dirichlet concentration (> 0)"))
-    min_partition_size: int = field(default=0, metadata=_help(
-        "Dirichlet: minimum rows per client (resampled until met); 0 = auto: "
-        "min(10, max(1, floor(alpha * train rows / (2 * clients))))"))
-    self_balancing: bool = field(default=False, metadata=_help(
-        "Dirichlet: stop giving a class to clients already above the average size"))
-    classes_per_client: int = field(default=2, metadata=_help("shards: classes per client"))
-    clients: int = field(default=20, metadata=_help("number of clients n"))
-    # hierarchy
-    groups: tuple[int, ...] = field(default=(4,), metadata=_help(
-        "number of edge servers N; for deeper trees one count per level, e.g. 8,2 = 8 edges "
-        "under 2 regions"))
-    grouping: str = field(default="random", metadata=_help(
-        "client -> edge assignment: random, contiguous, or a plugin name"))
-    local_period: int = field(default=5, metadata=_help(
-        "I: edge aggregation period, in local SGD steps"))
-    global_period: int = field(default=20, metadata=_help(
-        "G: cloud aggregation period, in local SGD steps (a multiple of I)"))
-    edge_periods: str = field(default="", metadata=_help(
-        "per-edge periods I_i, comma-separated, one per edge, each dividing the next level's "
-        "period (e.g. 2,4,4,8); the edge period I becomes their gcd ('' = off)"))
-    regroup_every: int = field(default=0, metadata=_help(
-        "regroup clients every K cloud rounds (0 = never); gradient grouping uses the current "
-        "model's gradients"))
-    mobility_rate: float = field(default=0.0, metadata=_help(
-        "client mobility: per cloud round each client moves to another (reachable) edge with "
-        "this probability, at a seeded edge round (0 = static)"))
-    mobility_trace: str = field(default="", metadata=_help(
-        "client mobility from a CSV trace of rows round,client,edge (cloud rounds) or "
-        "edge_round,client,edge (with that header)"))
-    reachability: str = field(default="", metadata=_help(
-        "CSV or .npy edge x edge 0/1 matrix: edge i may send a client to edge j (mobility "
-        "and regrouping respect it)"))
-    handoff: str = field(default="fresh", metadata=_help(
-        "a moved client starts from its new edge's model (fresh) or brings its own (carry); "
-        "MODEL:ADMISSION also says which reachable edge it joins: random (default) or "
-        "min-divergence, e.g. fresh:min-divergence"))
-    diagnostics_every: int = field(default=0, metadata=_help(
-        "record divergences and gradient diversity at the initial model and every K cloud "
-        "rounds (0 = off)"))
-    diagnostics_max_samples: int = field(default=0, metadata=_help(
-        "cap on the rows per client (and pooled, for sample diversity) the diagnostics' "
-        "gradients use (0 = all)"))
-    periods: tuple[int, ...] = field(default=(), metadata=_help(
-        "all aggregation periods P1,...,PL (one more than group levels); default I,G"))
-    cloud_strategy: str = field(default="average", metadata=_help(
-        "cloud update: average (exact H-SGD) or a Flower strategy applied to the edge models: "
-        "fedavg, fedavgm, fedadam, fedyogi, fedadagrad"))
-    aggregators: str = field(default="mean", metadata=_help(
-        "aggregation rule at every level, or one per level edge,...,cloud: mean (exact "
-        "H-SGD), median, trimmed-mean[:b], clip[:C x|:tau] (norm-bounded mean), krum[:f], "
-        "multi-krum[:f] (docs/security.md)"))
-    server_lr: float = field(default=0.0, metadata=_help(
-        "cloud strategy's server learning rate (0 = the strategy's default)"))
-    server_momentum: float = field(default=0.0, metadata=_help("fedavgm server momentum"))
-    rounds: int = field(default=30, metadata=_help(
-        "cloud rounds R; total local steps T = R * G", flower_app=5, flower_app_reason=(
-            "a bare `flwr run .` is a first look at the Flower app on the Simulation Engine, "
-            "where every edge round is a message round through the SuperLink; "
-            "-c rounds=30 gives the default run")))
-    # participation and local work
-    participation: float = field(default=1.0, metadata=_help(
-        "per edge round each edge trains this fraction of its clients (0 < f <= 1), or this "
-        "many clients when > 1"))
-    straggler_fraction: float = field(default=0.0, metadata=_help(
-        "share of clients (seeded) doing fewer than I local steps per edge round"))
-    straggler_min_steps: int = field(default=1, metadata=_help(
-        "fewest local steps a straggler does"))
-    normalize_updates: bool = field(default=False, metadata=_help(
-        "FedNova-style: scale each client's update by tau_eff / tau_j within its edge"))
-    # faults and robustness
-    fail_rate: float = field(default=0.0, metadata=_help(
-        "simulation: a client fails an edge round with this probability (seeded)"))
-    dropout_fraction: float = field(default=0.0, metadata=_help(
-        "simulation: share of clients (seeded) away during --dropout-rounds"))
-    dropout_rounds: str = field(default="", metadata=_help(
-        "simulation: cloud rounds 'A-B' during which the dropout clients are away"))
-    round_timeout: float = field(default=3600.0, metadata=_help(
-        "seconds to wait for client replies in each round"))
-    min_clients_per_edge: int = field(default=0, metadata=_help(
-        "stop the run when an edge round leaves an edge with fewer surviving clients"))
-    on_nan: str = field(default="stop", metadata=_help(
-        "a non-finite client update: stop the run, or skip-client (drop it from the average)"))
-    on_bad_reply: str = field(default="auto", metadata=_help(
-        "a reply that breaks the contract: stop the run, or drop it (the client fails that "
-        "round); auto = drop under fedhier deploy and edge servers, stop in simulations"))
-    exclude_after: int = field(default=3, metadata=_help(
-        "a client whose replies were dropped K rounds in a row is excluded for the rest of "
-        "the run (0 = never)"))
-    max_weight_ratio: float = field(default=10.0, metadata=_help(
-        "a client's size (its weight) is capped at this multiple of the median claimed "
-        "size (0 = no cap; docs/security.md)"))
-    max_update_ratio: float = field(default=1000.0, metadata=_help(
-        "a train reply whose update is longer than this multiple of the round's median "
-        "update is a bad reply (0 = no check; docs/security.md)"))
-    checkpoint_every: int = field(default=0, metadata=_help(
-        "write a checkpoint every K cloud rounds (0 = only on Ctrl-C)"))
-    async_buffer: int = field(default=0, metadata=_help(
-        "asynchronous edges: the cloud aggregates as soon as K edges reported their G steps "
-        "(0 = synchronous; K = number of edges is synchronous H-SGD)"))
-    region_buffer: tuple[int, ...] = field(default=(), metadata=_help(
-        "asynchronous regions (3+ levels): one K per level between the edges and the cloud; "
-        "each node there aggregates its first K children's reports (0 = all of them) and "
-        "async_buffer then counts the cloud's children's reports (0 = all)"))
-    max_staleness: int = field(default=4, metadata=_help(
-        "asynchronous edges: drop a report more than S cloud aggregations old; fresher ones "
-        "weigh 1/sqrt(1+s)"))
-    # simulated time (fedhier.round.clock): metrics.jsonl's sim_seconds
-    step_seconds: float = field(default=0.01, metadata=_help(
-        "simulated time: seconds of compute per local step of a typical client"))
-    compute_spread: float = field(default=0.0, metadata=_help(
-        "simulated time: each client's speed factor is exp(N(0, spread)), drawn with the "
-        "seed (0 = all equal)"))
-    edge_slowdown: str = field(default="", metadata=_help(
-        "simulated time: compute slowdown of some edges' clients, edge:factor pairs such "
-        "as 0:4"))
-    client_edge_mbps: float = field(default=100.0, metadata=_help(
-        "simulated time: bandwidth of each edge's link to its clients, Mbit/s (shared)"))
-    client_edge_latency_ms: float = field(default=5.0, metadata=_help(
-        "simulated time: one-way latency of a client-edge link, ms"))
-    edge_cloud_mbps: float = field(default=10.0, metadata=_help(
-        "simulated time: bandwidth of the cloud's (and each region's) link to its children, "
-        "Mbit/s (shared)"))
-    edge_cloud_latency_ms: float = field(default=50.0, metadata=_help(
-        "simulated time: one-way latency of a link above the edges, ms"))
-    # local training
-    batch_size: int = field(default=16, metadata=_help(
-        "mini-batch size b; 0 = all of a client's rows (gradient descent)"))
-    lr: float = field(default=0.1, metadata=_help("SGD learning rate"))
-    lr_schedule: str = field(default="constant", metadata=_help(
-        "constant, step (x lr_decay every lr_step_every steps), cosine (over T), exponential "
-        "(x lr_decay per cloud round)"))
-    lr_decay: float = field(default=0.1, metadata=_help("decay factor of step/exponential"))
-    lr_step_every: int = field(default=1000, metadata=_help(
-        "step schedule: decay every this many global iterations"))
-    momentum: float = field(default=0.0, metadata=_help("local SGD momentum"))
-    weight_decay: float = field(default=0.0, metadata=_help("local SGD weight decay (L2)"))
-    clip_norm: float = field(default=0.0, metadata=_help(
-        "clip each local gradient to this L2 norm (0 = off)"))
-    optimizer_state: str = field(default="reset", metadata=_help(
-        "momentum buffers: reset at each edge round, or keep per client across rounds"))
-    client_holdout: float = field(default=0.0, metadata=_help(
-        "fraction of each client's rows held out (seeded) for per-client evaluation"))
-    model: str = field(default="mlp", metadata=_help("model: logreg, mlp, cnn, lstm (text)"))
-    weighting: str = field(default="samples", metadata=_help(
-        "averaging weights: samples (by client data size) or uniform (each client equal)"))
-    # execution
-    engine: str = field(default="inprocess", metadata=_help(
-        "inprocess (Flower strategy + ClientApp in one process), flower (Simulation Engine on "
-        "Ray), vectorized (all clients as one batched computation) or vectorized-ray (the "
-        "batched engine sharded by edge over a Ray cluster)"))
-    edge_servers: bool = field(default=False, metadata=_help(
-        "the cloud's nodes are edge servers that run their own clients' edge rounds (set by "
-        "fedhier deploy local --edges; with --engine flower the Simulation Engine's nodes; "
-        "every other engine keeps the edges inside the cloud)"))
-    client_chunk: int = field(default=0, metadata=_help(
-        "vectorized engine: clients per batched chunk (0 = auto: about 2 MiB of models per "
-        "chunk on a CPU, all clients on other devices; K >= clients = all at once)"))
-    ray_address: str = field(default="", metadata=_help(
-        "an existing Ray cluster (host:port of its head, or auto) for the vectorized-ray "
-        "engine's workers, the flower engine's actors and fedhier sweep's trials; empty = a "
-        "local Ray started and "
-        "stopped by the command"))
-    ray_workers: int = field(default=2, metadata=_help(
-        "vectorized-ray engine: workers (Ray actors, one CPU each), each a shard of whole "
-        "edges"))
-    device: str = field(default="cpu", metadata=_help(
-        "cpu, cuda, cuda:N, mps or auto (best available)"))
-    seed: int = field(default=0, metadata=_help("seed for every random draw"))
-    out: str = field(default="", metadata=_help(
-        "run folder (default runs/<timestamp>-<name>)"))
+class RunConfig(DeclaredSettings):
+    """Everything that determines a run (each setting declared once in
+    :class:`fedhier.settings.declaration.DeclaredSettings`). Same config and seed => same
+    numbers."""
 
     def __post_init__(self) -> None:
         for key in ("groups", "periods"):  # RunConfig(groups=4) is accepted too
@@ -327,9 +141,8 @@ class RunConfig:
                               total_steps=self.iterations, global_period=self.global_period)
 
     def local_optimizer(self) -> Any:
-        from fedhier.local.optimizer import LocalOptimizer
-
-        return LocalOptimizer(self.momentum, self.weight_decay, self.clip_norm)
+        """The :class:`fedhier.local.optimizer.LocalOptimizer` of this run."""
+        return build_part(self, "local_optimizer")
 
     def keeps_client_state(self) -> bool:
         """Clients keep optimizer state (momentum buffers) from one edge round to the next."""
@@ -340,53 +153,36 @@ class RunConfig:
         return bool(self.mobility_rate > 0 or self.mobility_trace or self.regroup_every)
 
     def workload(self) -> Any:
-        from fedhier.round.participants import Workload
-
-        return Workload(self.participation, self.straggler_fraction, self.straggler_min_steps,
-                        self.normalize_updates)
+        """The :class:`fedhier.round.participants.Workload` of this run."""
+        return build_part(self, "workload")
 
     def faults(self) -> Any:
-        from fedhier.round.faults import FaultModel, parse_span
-
-        return FaultModel(self.fail_rate, self.dropout_fraction, parse_span(self.dropout_rounds))
+        """The :class:`fedhier.round.faults.FaultModel` of this run."""
+        return build_part(self, "faults")
 
     def mobility(self) -> Any:
         """The :class:`fedhier.tree.mobility.Mobility` model of this run (reads its files)."""
-        from fedhier.tree.mobility import Mobility, parse_handoff, read_reachability, read_trace
-
-        reach = read_reachability(self.reachability, self.num_edges) if self.reachability \
-            else None
-        trace = read_trace(self.mobility_trace, self.clients, self.num_edges, self.rounds,
-                           self.global_period // self.local_period) \
-            if self.mobility_trace else ()
-        return Mobility(self.mobility_rate, reach, trace, *parse_handoff(self.handoff))
+        return build_part(self, "mobility")
 
     def time_model(self) -> Any:
         """The :class:`fedhier.round.clock.TimeModel` of this run's simulated clock."""
-        from fedhier.round.clock import TimeModel, parse_edge_slowdown
-
-        return TimeModel(self.step_seconds, self.compute_spread, self.client_edge_mbps,
-                         self.client_edge_latency_ms, self.edge_cloud_mbps,
-                         self.edge_cloud_latency_ms, parse_edge_slowdown(self.edge_slowdown))
+        return build_part(self, "time_model")
 
     def reply_policy(self) -> Any:
         """The :class:`fedhier.round.reply_policy.ReplyPolicy` of this run (``auto``: drop with
         edge servers, stop otherwise; ``fedhier deploy`` sets drop itself)."""
-        from fedhier.round.reply_policy import ReplyPolicy, resolve_on_bad_reply
-
-        return ReplyPolicy(resolve_on_bad_reply(self.on_bad_reply, self.edge_servers),
-                           self.exclude_after, self.max_weight_ratio, self.max_update_ratio)
+        return build_part(self, "reply_policy")
 
     def asynchronous(self) -> Any:
         """The :class:`fedhier.round.asynchrony.settings.AsyncEdges` settings of this run."""
-        from fedhier.round.asynchrony.settings import AsyncEdges
-
-        return AsyncEdges(self.async_buffer, self.max_staleness, self.region_buffer)
+        return build_part(self, "asynchronous")
 
     @property
     def aggregator_names(self) -> tuple[str, ...]:
         """``aggregators`` as names: one for every level, or one per level."""
-        return tuple(name.strip() for name in self.aggregators.split(","))
+        from fedhier.settings.views import aggregator_names
+
+        return aggregator_names(self.aggregators, self)
 
     @property
     def edge_period_list(self) -> tuple[int, ...]:

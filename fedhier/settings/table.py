@@ -24,8 +24,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from fedhier.settings.declaration import RANGES
 from fedhier.settings.parse import app_key, run_config_value, type_name
-from fedhier.settings.ranges import RANGES, Range
+from fedhier.settings.ranges import Range
 from fedhier.settings.run_config import RunConfig
 
 
@@ -116,13 +117,63 @@ def write_pyproject(path: Path) -> bool:
     return new != text
 
 
+VALID_VALUES = "### Valid values"
+
+
+def valid_values_md() -> str:
+    """docs/cli.md's "Valid values" section, from the declarations."""
+    from fedhier.settings.declaration import choices
+
+    rows = "\n".join(f"| `{s.name}` | {s.valid.describe()} |" for s in settings()
+                     if s.valid is not None)
+    names = ", ".join(f"`{name}`" for name in choices())
+    return f"""{VALID_VALUES}
+
+Every numeric setting has one valid range, declared with the setting itself
+(`valid=` in `fedhier/settings/declaration.py`) and checked by `RunConfig.validate`; a value
+outside it stops with one line naming the setting and exit code 2 (`fedhier run
+--straggler-fraction 1.5`: `straggler_fraction must be in [0, 1], got 1.5`). This section is
+generated: `python -m fedhier.settings.table --write-docs docs/cli.md`;
+`tests/test_ranges.py` checks it against the code, runs each end and refuses the nearest value
+across it.
+
+| setting | valid |
+|---|---|
+{rows}
+
+Settings that take one of a fixed set of names (declared the same way; `choices()` lists
+them): {names}; the grouping also accepts plugins ([grouping.md](grouping.md)). Checks that
+relate settings (G a multiple of I, more groups than clients, per-edge periods dividing G,
+...) are in `fedhier/settings/checks.py`.
+"""
+
+
+def write_docs(path: Path) -> bool:
+    """Replace the "Valid values" section of ``path`` (up to the next heading); True if it
+    changed."""
+    text = path.read_text(encoding="utf-8")
+    section = re.compile(rf"^{re.escape(VALID_VALUES)}\n.*?(?=^#|\Z)", re.MULTILINE | re.DOTALL)
+    if not section.search(text):
+        raise SystemExit(f"{path}: no '{VALID_VALUES}' section followed by a heading")
+    new = section.sub(lambda _: valid_values_md() + "\n", text, count=1)
+    if new != text:
+        path.write_text(new, encoding="utf-8")
+    return new != text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fedhier.settings.table",
                                      description="print (or write) pyproject.toml's "
                                                  "[tool.flwr.app.config] from RunConfig")
     parser.add_argument("--write", type=Path, metavar="PYPROJECT",
                         help="replace the table in this file instead of printing it")
+    parser.add_argument("--write-docs", type=Path, metavar="CLI_MD",
+                        help="replace the 'Valid values' section of this file (docs/cli.md)")
     args = parser.parse_args(argv)
+    if args.write_docs:
+        print(f"{args.write_docs}: "
+              f"{'rewritten' if write_docs(args.write_docs) else 'unchanged'}")
+        return 0
     if args.write:
         print(f"{args.write}: {'rewritten' if write_pyproject(args.write) else 'unchanged'}")
     else:
