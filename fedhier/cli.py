@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedhier.aggregate import client_weights
 from fedhier.cli_flags import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
@@ -30,9 +29,7 @@ from fedhier.cli_flags import (
     resumed_config,
     run_command,
 )
-from fedhier.engines.registry import run_engine
 from fedhier.errors import FedhierError
-from fedhier.run_folder import write_json
 from fedhier.trackers import TRACKERS, attached, make_trackers
 
 
@@ -92,6 +89,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """``fedhier run``: validate everything (flags, config file, data, partition, device, the
     run folder's place) before the run folder is claimed; hold its lock for the run's life;
     on failure remove what a failed start wrote, or mark the folder failed (failed.json)."""
+    from fedhier.engines.registry import run_engine
     from fedhier.run_folder import RunFolder, default_run_dir
     from fedhier.train import resolve_device
 
@@ -213,12 +211,14 @@ def cmd_diversity(args: argparse.Namespace) -> int:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from fedhier.aggregate import client_weights
     from fedhier.grouping import ClientInfo
     from fedhier.round_diagnostics import (
         client_diagnostics,
         direct_client_gradients,
         sample_diagnostics,
     )
+    from fedhier.run_folder import write_json
     from fedhier.run_setup import initial_model, pooled_train_tensors
     from fedhier.topology import build_hierarchy
     from fedhier.train import resolve_device

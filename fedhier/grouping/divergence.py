@@ -25,13 +25,15 @@ U = Σ_i ||S_i||² / (W_i Σ w), and a swap's change is evaluated in O(n) for al
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
-from fedhier.aggregate import client_weights
-from fedhier.diagnostics import label_distributions
+import numpy as np
+
 from fedhier.grouping.base import ClientInfo, Grouping, balanced_sizes, declares
 from fedhier.rng import generator
+
+if TYPE_CHECKING:  # torch is imported where it is used: the CLI answers without it
+    import torch
 
 MAX_SWEEPS = 100
 PROJECTION_DIM = 256
@@ -63,6 +65,8 @@ def weighted_gram(features: np.ndarray | torch.Tensor, weights: np.ndarray, seed
     then preserved in expectation, with relative error of order 1 / sqrt(max_dim)
     (Johnson-Lindenstrauss), so the search optimises an approximation of U.
     """
+    import torch
+
     z = torch.as_tensor(features)
     z = z.reshape(z.shape[0], -1)
     n, dim = int(z.shape[0]), int(z.shape[1])
@@ -168,6 +172,8 @@ def _seeded_order(seed: int, purpose: str, *keys: np.ndarray) -> np.ndarray:
 
 def _label_search(info: ClientInfo, num_groups: int, seed: int, maximise: bool) -> np.ndarray:
     _check_groups(info.num_clients, num_groups)
+    from fedhier.diagnostics import label_distributions
+
     dists = label_distributions(info.label_histograms)
     rows = _positive_weights(np.asarray(info.label_histograms).sum(1))
     if maximise:  # clients sharing a dominant label next to each other, largest first
@@ -200,9 +206,11 @@ def max_divergence_grouping(info: ClientInfo, num_groups: int, seed: int) -> np.
 
 
 def _grouping_weights(info: ClientInfo, weights: str | np.ndarray | torch.Tensor) -> np.ndarray:
+    from fedhier.aggregate import client_weights
+
     if isinstance(weights, str):  # "uniform" or "samples", as the run's --weighting
         return _positive_weights(client_weights(weights, np.asarray(info.num_examples)))
-    w = weights.detach().cpu().numpy() if isinstance(weights, torch.Tensor) else np.asarray(
+    w = weights.detach().cpu().numpy() if hasattr(weights, "detach") else np.asarray(
         weights)
     if w.shape != (info.num_clients,):
         raise ValueError(f"need {info.num_clients} client weights, got shape {w.shape}")

@@ -38,7 +38,6 @@ from fedhier.engines.deployment.local import (
 from fedhier.engines.deployment.polling import DEFAULT_INTERVAL, FLOWER_IDLE
 from fedhier.engines.deployment.ports import check_ports, ports_needed
 from fedhier.errors import ConfigError
-from fedhier.grouping.base import contiguous_edges
 
 
 @contextmanager
@@ -165,6 +164,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         work = Path(tempfile.mkdtemp(prefix=f".{out.name}.deploy-", dir=out.parent))
     except OSError as exc:
         raise ConfigError(f"--out {out}: cannot write beside it ({exc.strerror or exc})") from None
+    from fedhier.grouping.base import contiguous_edges
+
     echo: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731
     edges = (contiguous_edges(args.nodes, cfg.num_edges)
              if cfg.grouping in ("contiguous", "edge-tag") else None)
