@@ -63,9 +63,14 @@ class RunCallback:
 
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
-    """The numeric entries of a record (lists such as client_accuracies and text left out)."""
-    return {k: float(v) for k, v in record.items()
-            if isinstance(v, int | float) and not isinstance(v, bool)}
+    """The numeric entries of a record (lists such as client_accuracies and text left out);
+    a dict of numbers (the clients' own ``train_metrics``) as ``train_metrics/KEY``."""
+    out: dict[str, float] = {}
+    for k, v in record.items():
+        for key, value in (v.items() if isinstance(v, Mapping) else [(None, v)]):
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                out[k if key is None else f"{k}/{key}"] = float(value)
+    return out
 
 
 def hyperparameters(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -332,7 +337,7 @@ def read_wandb_history(run_dir: str | Path) -> list[dict[str, Any]]:
         pending = chunk if kind in (1, 2) else pending + chunk  # FULL, FIRST / MIDDLE, LAST
         if kind not in (1, 4):
             continue
-        record = wandb_internal_pb2.Record.FromString(pending)
+        record = wandb_internal_pb2.Record.FromString(pending)  # type: ignore[attr-defined]
         if record.WhichOneof("record_type") == "history":
             rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                          for item in record.history.item})
