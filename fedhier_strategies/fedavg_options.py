@@ -99,8 +99,10 @@ class FedAvgOptions:
 
     def reply_metrics(self) -> ReplyMetrics:
         """A fresh collector of the clients' own metrics for a run's executor."""
+        named = frozenset(k for k in (self.loss_key, self.accuracy_key, self.train_loss_key)
+                          if k is not None)
         return ReplyMetrics(self.train_metrics_aggr_fn, self.evaluate_metrics_aggr_fn,
-                            self.weighted_by_key)
+                            self.weighted_by_key, named)
 
     def log_summary(self, participation: float) -> None:
         """FedAvg's summary lines (sampling, keys in records), as HierFedAvg reads them."""

@@ -70,9 +70,11 @@ class LevelMetrics:
     """One kind of reply (train or evaluate) of one cloud round at a time, aggregated by
     ``fn`` at every level (None: :func:`own_metrics`, then Flower's weighted mean)."""
 
-    def __init__(self, fn: MetricsAggregation | None, weighted_by_key: str) -> None:
+    def __init__(self, fn: MetricsAggregation | None, weighted_by_key: str,
+                 skip: frozenset[str] = OWN_KEYS) -> None:
         self.fn = fn
         self.weighted_by_key = weighted_by_key
+        self.skip = skip
         self.replies: dict[int, list[tuple[int, int | None, RecordDict]]] = defaultdict(list)
         self.warned = False
 
@@ -85,7 +87,7 @@ class LevelMetrics:
     def _apply(self, contents: list[RecordDict], first_level: bool) -> dict[str, Any] | None:
         if self.fn is None:
             if first_level:
-                contents = own_metrics(contents, self.weighted_by_key)
+                contents = own_metrics(contents, self.weighted_by_key, self.skip)
             if not contents:
                 return None
             try:
@@ -147,9 +149,12 @@ class ReplyMetrics:
 
     def __init__(self, train_fn: MetricsAggregation | None = None,
                  evaluate_fn: MetricsAggregation | None = None,
-                 weighted_by_key: str = NUM_EXAMPLES) -> None:
-        self.train = LevelMetrics(train_fn, weighted_by_key)
-        self.evaluate = LevelMetrics(evaluate_fn, weighted_by_key)
+                 weighted_by_key: str = NUM_EXAMPLES,
+                 named: frozenset[str] = frozenset()) -> None:
+        """``named``: reply keys HierFedAvg was told to read (``loss_key`` ...): not the
+        clients' own metrics either."""
+        self.train = LevelMetrics(train_fn, weighted_by_key, OWN_KEYS | named)
+        self.evaluate = LevelMetrics(evaluate_fn, weighted_by_key, OWN_KEYS | named)
 
     def record(self, cloud_round: int, hierarchy: Hierarchy) -> dict[str, Any]:
         """The record keys of ``cloud_round`` (none when no reply had metrics of its own)."""
