@@ -89,9 +89,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """``fedhier run``: validate everything (flags, config file, data, partition, device, the
     run folder's place) before the run folder is claimed; hold its lock for the run's life;
     on failure remove what a failed start wrote, or mark the folder failed (failed.json)."""
-    from fedhier.engines.registry import run_engine
     from fedhier.run_folder import RunFolder, default_run_dir
-    from fedhier.train import resolve_device
 
     if getattr(args, "seeds", None) is not None:
         return cmd_run_seeds(args)
@@ -115,9 +113,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         out = cfg.out or default_run_dir(name)
         if cfg.out:  # a default name is made unique by claim()
             RunFolder.check_target(out, overwrite=args.overwrite)  # before loading the data
+        from fedhier.train import resolve_device  # torch: only once the flags are valid
+
         resolve_device(cfg.device)  # a device this machine lacks: one line, nothing written
         prepare_data(cfg)  # validate data and partition before anything is written
         folder = RunFolder.claim(out, overwrite=args.overwrite, unique=not cfg.out)
+    from fedhier.engines.registry import run_engine
+
     progress = not args.no_progress
     try:
         with attached(trackers):
@@ -328,6 +330,8 @@ def leave_if_threads_stuck(code: int) -> None:
     still runs (its daemon thread inside torch would abort Python's shutdown: exit 134
     after a successful run): flush output and logs, then ``os._exit``. Nothing to do
     otherwise; library callers close their grid instead (InProcessGrid.close)."""
+    if "fedhier.engines.inprocess_grid" not in sys.modules:  # no in-process grid ran
+        return
     from fedhier.engines.inprocess_grid import stuck_client_threads
 
     if not stuck_client_threads():

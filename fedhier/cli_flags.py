@@ -208,8 +208,13 @@ def config_values(args: argparse.Namespace,
 
 def config_from_args(args: argparse.Namespace,
                      defaults: Mapping[str, Any] | None = None) -> RunConfig:
-    """The validated configuration of :func:`config_values` (TOML file, then flags)."""
-    return RunConfig.from_mapping(config_values(args, defaults), where="command line")
+    """The validated configuration of :func:`config_values` (TOML file, then flags); an
+    unknown dataset name is refused here too, before any data library is loaded."""
+    from fedhier.data.specs import check_name
+
+    cfg = RunConfig.from_mapping(config_values(args, defaults), where="command line")
+    check_name(cfg.dataset)
+    return cfg
 
 
 def resumed_config(args: argparse.Namespace, engine: str | None = None) -> RunConfig:

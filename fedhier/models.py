@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from fedhier.errors import ConfigError
+from fedhier.ranges import MODELS  # the names, declared with the settings' (no torch there)
 
-MODELS = ("logreg", "mlp", "cnn", "lstm")
+__all__ = ["CNN", "LSTM", "MLP", "MODELS", "LogReg", "build_model", "linear_chain"]
 
 
 def _flat_features(input_shape: tuple[int, ...]) -> int:

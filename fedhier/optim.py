@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-Params = dict[str, torch.Tensor]
+from fedhier.ranges import OPTIMIZER_STATES  # noqa: F401  (declared with the settings' names)
 
-OPTIMIZER_STATES = ("reset", "keep")
+Params = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)

@@ -146,8 +146,6 @@ def choices() -> dict[str, tuple[str, ...]]:
     from fedhier.engines.registry import engine_names
     from fedhier.lr_schedules import LR_SCHEDULES
     from fedhier.mobility import HANDOFFS
-    from fedhier.models import MODELS
-    from fedhier.optim import OPTIMIZER_STATES
     from fedhier.reply_policy import ON_BAD_REPLY
 
     return {"weighting": WEIGHTINGS, "engine": tuple(engine_names()), "model": MODELS,
@@ -156,6 +154,11 @@ def choices() -> dict[str, tuple[str, ...]]:
             "optimizer_state": OPTIMIZER_STATES, "on_nan": ON_NAN,
             "on_bad_reply": ON_BAD_REPLY}
 
+
+#: the models (fedhier.models builds them) and what a client's optimizer state does between
+#: rounds (fedhier.optim): declared here so that checking a name needs no torch
+MODELS = ("logreg", "mlp", "cnn", "lstm")
+OPTIMIZER_STATES = ("reset", "keep")
 
 #: the cloud's step: the plain average or a Flower strategy (fedhier_strategies.cloud_step)
 CLOUD_STRATEGIES = ("average", "fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
