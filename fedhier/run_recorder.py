@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from fedhier.config import RunConfig
 from fedhier.crash_points import crash_point
 from fedhier.diagnostics import label_upward_divergence
 from fedhier.federation import Federation, resolved
 from fedhier.grouping import ClientInfo
+from fedhier.progress import round_progress
 from fedhier.run_folder import JsonStream, RunFolder, read_metrics
 from fedhier.topology import Hierarchy
 from fedhier.train import resolve_device
@@ -85,8 +85,8 @@ class RunRecorder:
         self.engine = engine
         self.t_start = time.time() - elapsed
         self.last: dict[str, Any] = {}
-        self.bar = tqdm(total=cfg.rounds, desc="cloud rounds", unit="round",
-                        disable=not progress, dynamic_ncols=True, initial=resume_round or 0)
+        # a bar on a terminal, plain lines in a log (fedhier.progress)
+        self.bar = round_progress(cfg.rounds, resume_round or 0, enabled=progress)
         from fedhier.trackers import current
 
         self.callbacks = current()  # trackers attached by the command line (--tracker)
