@@ -209,6 +209,7 @@ def cmd_run_seeds(args: argparse.Namespace) -> int:
 
 
 def cmd_diversity(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)  # first: a bad flag is refused before any library loads
     import numpy as np
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -225,7 +226,6 @@ def cmd_diversity(args: argparse.Namespace) -> int:
     from fedhier.topology import build_hierarchy
     from fedhier.train import resolve_device
 
-    cfg = config_from_args(args)
     if args.json is not None:
         check_output_file(args.json, "--json")
     if args.model_file and not args.model_file.is_file():
@@ -294,11 +294,11 @@ def check_output_file(path: Path, flag: str) -> None:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from fedhier.plots import check_image_path, plot_runs
-
     for run_dir in args.runs:
         if not (run_dir / "metrics.jsonl").is_file():
             raise FedhierError(f"{run_dir} is not a fedhier run folder (no metrics.jsonl)")
+    from fedhier.plots import check_image_path, plot_runs  # matplotlib: once the input is good
+
     check_image_path(args.out, "--out")
     check_output_file(args.out, "--out")
     print(f"wrote {plot_runs(args.runs, args.out)}")
