@@ -118,31 +118,61 @@ def call_loader(load: Callable[..., Any], context: Context) -> Any:
     return load(*args, **kwargs)
 
 
+def _rows(item: Any) -> int | None:
+    """The rows of an array, tensor or data frame (``.shape[0]``); None for anything else
+    (a plain list is not taken for a split: a list of rows is not told from a list of
+    parts)."""
+    shape = getattr(item, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) else None
+
+
+def training_labels_of_split(data: Any) -> Any:
+    """The training part of a loader's result, as the sklearn / XGBoost examples return it:
+    ``(X_train, y_train, X_test, y_test)`` gives ``(X_train, y_train)``, and
+    ``((X_train, y_train), (X_test, y_test))`` its first pair; anything else as it is."""
+    if isinstance(data, tuple | list) and len(data) == 4:
+        rows = [_rows(item) for item in data]
+        if None not in rows and rows[0] == rows[1] and rows[2] == rows[3]:
+            return tuple(data[:2])
+    if (isinstance(data, tuple | list) and len(data) == 2
+            and all(isinstance(part, tuple | list) and len(part) == 2 for part in data)
+            and all(None not in (_rows(a), _rows(b)) and _rows(a) == _rows(b)
+                    for a, b in data)):
+        return tuple(data[0])
+    return data
+
+
 def _training_part(data: Any) -> Any:
     """``data``, or its first item when it is a tuple of loaders or datasets (a quickstart's
-    ``(trainloader, valloader)``)."""
+    ``(trainloader, valloader)``), or its training arrays (:func:`training_labels_of_split`)."""
     if isinstance(data, tuple | list) and data and (
             isinstance(data[0], DataLoader | torch.utils.data.Dataset)
             or hasattr(data[0], "column_names")):
         return data[0]
-    return data
+    return training_labels_of_split(data)
 
 
 def register_profile(app: ClientApp, load_data: Any, num_classes: int,
-                     *, label_key: str = "label") -> None:
+                     *, label_key: str = "label",
+                     labels: Callable[[Any], Any] | None = None) -> None:
     """Answer HierFedAvg's profile query (``MessageType.QUERY``) on ``app``.
 
     ``load_data`` is this node's training data, or a function returning it: the
     quickstart's ``load_data(partition_id, num_partitions, batch_size)`` as it is (its
     parameters are filled as :func:`call_loader` says). The data may be a DataLoader, a
-    (Hugging Face or torch) dataset, ``(x, y)``, the labels, or a ``(train, validation)``
-    pair of loaders or datasets (the first is used). The reply carries ``partition-id``
-    (from the node config), ``num-examples``, ``label-histogram`` (``num_classes`` counts)
-    and ``edge-tag`` (node config ``edge``, -1 when absent).
+    (Hugging Face or torch) dataset, ``(x, y)``, the labels, a ``(train, validation)``
+    pair of loaders or datasets (the first is used), or the sklearn / XGBoost examples'
+    ``(X_train, y_train, X_test, y_test)`` or ``((X_train, y_train), (X_test, y_test))``
+    (the training rows are used). ``labels``: a function from what ``load_data`` returns
+    to the training labels, for any other shape (it decides alone). The reply carries
+    ``partition-id`` (from the node config), ``num-examples`` (the training rows),
+    ``label-histogram`` (``num_classes`` counts) and ``edge-tag`` (node config ``edge``,
+    -1 when absent).
     """
     @app.query()
     def profile(msg: Message, context: Context) -> Message:
         data = call_loader(load_data, context) if callable(load_data) else load_data
-        labels = labels_of(_training_part(data), label_key)
-        metrics = profile_metrics(context, labels, num_classes)
+        found = labels(data) if labels is not None else _training_part(data)
+        labels_found = labels_of(found, label_key)
+        metrics = profile_metrics(context, labels_found, num_classes)
         return Message(RecordDict({"metrics": metrics}), reply_to=msg)

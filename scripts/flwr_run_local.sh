@@ -36,9 +36,6 @@ default = "local"
 
 [superlink.local]
 address = ":local:"
-options.num-supernodes = $nodes
-options.backend.client-resources.num-cpus = 1
-options.backend.client-resources.num-gpus = 0.0
 TOML
 stop_superlink() {  # ours only: its command line names our FLWR_HOME
   local pids
@@ -50,4 +47,6 @@ stop_superlink() {  # ours only: its command line names our FLWR_HOME
 }
 trap stop_superlink EXIT
 cd "$root"
-flwr run . --run-config "clients=$nodes $overrides" --stream
+# the simulation's size: --federation-config (flwr 1.42 deprecates options.* in config.toml)
+flwr run . --run-config "clients=$nodes $overrides" --stream \
+  --federation-config "num-supernodes=$nodes client-resources-num-cpus=1 client-resources-num-gpus=0.0"

@@ -1,8 +1,10 @@
 """What HierFedAvg says in Flower's log (the ``flwr`` logger, Flower's format).
 
 - :func:`log_cloud_round`: one INFO line per cloud round, as Flower's FedAvg logs its rounds:
-  the clients' loss and accuracy, the ``evaluate_fn`` metrics as given, edge rounds and the
-  bytes sent so far, and the failed client replies of the round when there were any.
+  the clients' loss and accuracy, the cloud's record of the clients' own train and evaluate
+  metrics (:mod:`fedhier.strategies.reply_metrics`, the first six keys), the ``evaluate_fn``
+  metrics as given, edge rounds and the bytes sent so far, and the failed client replies of
+  the round when there were any.
 - :class:`HeldFlowerLog`: holds back what Flower logs while one probe message is out, so
   that an expected error reply (a ClientApp without the optional profile handler) does not
   print Flower's traceback; anything else is let through afterwards.
@@ -28,10 +30,14 @@ def cloud_round_line(record: dict[str, Any], num_rounds: int,
     if record.get("train_loss") is not None:
         parts.append(f"clients: loss {record['train_loss']:.4f}, accuracy "
                      f"{record['train_accuracy']:.4f}")
-    numbers = {k: v for k, v in (central or {}).items()
-               if isinstance(v, int | float) and not isinstance(v, bool)}
-    if numbers:
-        parts.append("evaluate_fn: " + ", ".join(f"{k} {v:.4g}" for k, v in numbers.items()))
+    for label, metrics in (("train metrics", record.get("train_metrics")),
+                           ("evaluate metrics", record.get("evaluate_metrics")),
+                           ("evaluate_fn", central)):
+        numbers = {k: v for k, v in (metrics or {}).items()
+                   if isinstance(v, int | float) and not isinstance(v, bool)}
+        if numbers:
+            shown = list(numbers.items())[:None if label == "evaluate_fn" else 6]
+            parts.append(f"{label}: " + ", ".join(f"{k} {v:.4g}" for k, v in shown))
     sent = record.get("client_edge_bytes", 0) + record.get("edge_cloud_bytes", 0)
     tail = f"{record['edge_rounds']} edge rounds, {sent / 1e6:.3f} MB sent"
     if record.get("failed_clients"):

@@ -27,10 +27,14 @@ from fedhier.round.tiers.moves import ClientStates
 from fedhier.strategies.cloud_failure import TrainOutcomes
 from fedhier.strategies.flower_log import HeldFlowerLog
 from fedhier.strategies.replies import (
+    ACCURACY_KEYS,
     EDGE_ROUND,
     LOCAL_STEPS,
+    LOSS_KEYS,
+    NUM_EXAMPLES,
     SERVER_ROUND,
     START_STEP,
+    TRAIN_LOSS_KEYS,
     ContractError,
     NonFiniteLossError,
     check_histogram,
@@ -41,6 +45,7 @@ from fedhier.strategies.replies import (
     read_train_reply,
     who,
 )
+from fedhier.strategies.reply_metrics import ReplyMetrics
 from fedhier.tree.grouping import ClientInfo
 
 log = logging.getLogger("fedhier")
@@ -69,6 +74,10 @@ class GridExecutor:
         packed_models: send models packed (one object instead of 1 + 2 per tensor:
             :mod:`fedhier.clients.wire.packed_model`) when every client's profile reply says it
             reads them (fedhier's own ClientApp does; a user's app gets ArrayRecords).
+        weighted_by_key: the key of a client's size in its train and evaluate replies.
+        loss_key, accuracy_key, train_loss_key: a key the replies hold their evaluate loss,
+            accuracy or mean train loss under, read before the contract's names.
+        metrics: the clients' own metrics, aggregated per level (None: not collected).
     """
 
     def __init__(self, grid: Grid, train_config: ConfigRecord | None = None,
@@ -76,7 +85,10 @@ class GridExecutor:
                  *, min_available_nodes: int = 1, arrayrecord_key: str = "arrays",
                  configrecord_key: str = "config", keeps_client_state: bool = False,
                  clients: Iterable[int] | None = None, num_clients: int | None = None,
-                 policy: ReplyPolicy | None = None, packed_models: bool = False) -> None:
+                 policy: ReplyPolicy | None = None, packed_models: bool = False,
+                 weighted_by_key: str = NUM_EXAMPLES, loss_key: str | None = None,
+                 accuracy_key: str | None = None, train_loss_key: str | None = None,
+                 metrics: ReplyMetrics | None = None) -> None:
         self.grid = grid
         self.train_config = ConfigRecord() if train_config is None else train_config
         self.evaluate_config = (self.train_config if evaluate_config is None
@@ -95,6 +107,18 @@ class GridExecutor:
         self.packed_models = packed_models
         #: models go packed to the clients: allowed, and every profiled client reads them
         self.packs = False
+        self.weighted_by_key = weighted_by_key
+        self.loss_keys = (loss_key, *LOSS_KEYS) if loss_key else LOSS_KEYS
+        self.accuracy_keys = (accuracy_key, *ACCURACY_KEYS) if accuracy_key else ACCURACY_KEYS
+        self.train_loss_keys = ((train_loss_key, *TRAIN_LOSS_KEYS) if train_loss_key
+                                else TRAIN_LOSS_KEYS)
+        self.metrics = metrics
+
+    def reply_metrics(self, cloud_round: int, hierarchy: Any) -> dict[str, Any]:
+        """The record keys of the clients' own metrics of ``cloud_round``, aggregated at
+        every level of ``hierarchy`` (:mod:`fedhier.strategies.reply_metrics`); {} when
+        none were collected."""
+        return {} if self.metrics is None else self.metrics.record(cloud_round, hierarchy)
 
     def state_dict(self) -> dict[str, Any]:
         """The reply guard's counts for a checkpoint (a resumed run excludes exactly the
@@ -266,7 +290,9 @@ class GridExecutor:
                 continue  # a reply nobody asked for (a late one)
             row = row_of[client]
             try:
-                parsed = read_train_reply(reply, client, self.arrayrecord_key, template)
+                parsed = read_train_reply(reply, client, self.arrayrecord_key, template,
+                                          size_key=self.weighted_by_key,
+                                          loss_keys=self.train_loss_keys)
             except ContractError as exc:
                 self.guard.bad(exc, client)
                 continue
@@ -282,6 +308,13 @@ class GridExecutor:
                 f"median length (max_update_ratio {ratio:g}): outlying"), client)
             params[row] = None
         ok = np.array([p is not None for p in params], dtype=bool)
+        if self.metrics is not None:
+            for row in np.flatnonzero(ok).tolist():
+                client = int(work.clients[row])
+                reply_row = sender[row]
+                assert reply_row is not None
+                self.metrics.train.note(work.cloud_round, client, reply_row.content,
+                                        int(work.edge_of_client[client]))
         self.outcomes.note(work.cloud_round, work.edge_round, failures, bool(ok.any()),
                            defer=self.expected_clients is None)
         models = {key: torch.stack([p[key] if p is not None else torch.zeros_like(value)
@@ -311,7 +344,11 @@ class GridExecutor:
         return [Message(content, message_type=MessageType.EVALUATE, dst_node_id=node)
                 for node in self.node_ids.values()]
 
-    def read_evaluate_replies(self, replies: Iterable[Message]) -> ClientEvaluation | None:
+    def read_evaluate_replies(self, replies: Iterable[Message],
+                              cloud_round: int | None = None) -> ClientEvaluation | None:
+        """The replies' loss, accuracy and rows by client (None: no client answered with
+        both); with ``cloud_round``, each usable reply's metrics are noted for the clients'
+        own metrics of that round."""
         out = ClientEvaluation.unanswered(self.num_clients or 0)
         assert out.holdout_accuracy is not None and out.num_examples is not None
         silent: list[int] = []
@@ -322,14 +359,18 @@ class GridExecutor:
             if client < 0:
                 continue
             try:
-                numbers = read_evaluate_reply(reply, client)
-                size = evaluate_rows(reply, client) if numbers is not None else 0
+                numbers = read_evaluate_reply(reply, client, loss_keys=self.loss_keys,
+                                              accuracy_keys=self.accuracy_keys)
+                size = evaluate_rows(reply, client, self.weighted_by_key) \
+                    if numbers is not None else 0
             except NonFiniteLossError as exc:
                 log.warning("evaluate: %s", exc)
                 continue
             except ContractError as exc:
                 self.guard.bad(exc, client, training=False)
                 continue
+            if self.metrics is not None and cloud_round is not None:
+                self.metrics.evaluate.note(cloud_round, client, reply.content)
             if numbers is None:
                 silent.append(client)
                 continue
@@ -338,8 +379,11 @@ class GridExecutor:
                 out.holdout_accuracy[client] = numbers[2]
             out.num_examples[client] = size
         if silent:
-            log.warning("evaluate: client(s) %s replied without loss and accuracy: left out",
-                        sorted(silent)[:10])
+            log.warning("evaluate: client(s) %s replied without a loss (%s) or an accuracy "
+                        "(%s): left out of train_loss / train_accuracy (name their keys: "
+                        "HierFedAvg(loss_key=..., accuracy_key=...)); their own metrics are "
+                        "aggregated", sorted(silent)[:10], "/".join(self.loss_keys),
+                        "/".join(self.accuracy_keys))
         return out.if_answered()
 
     def evaluate(self, params: Params, cloud_round: int) -> ClientEvaluation | None:
@@ -358,7 +402,7 @@ class GridExecutor:
         replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
         self._missing(f"evaluate (round {cloud_round})",
                       [m.metadata.dst_node_id for m in messages], replies)
-        return self.read_evaluate_replies(replies)
+        return self.read_evaluate_replies(replies, cloud_round)
 
     # ---------------------------------------------------------------- queries
     def client_gradients(self, params: Params) -> torch.Tensor | None:

@@ -12,6 +12,8 @@ inside a cloud round need no change to Flower.
 
 from __future__ import annotations
 
+import io
+import time
 from collections.abc import Callable, Iterable, Sequence
 from logging import INFO
 from typing import Any
@@ -20,6 +22,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy.strategy_utils import log_strategy_start_info
 from flwr.supercore import log
 
 from fedhier.clients.wire.array_records import to_record, to_tensors
@@ -38,6 +41,7 @@ from fedhier.round.reply_policy import ReplyPolicy
 from fedhier.round.traffic import Communication
 from fedhier.settings.run_config import FIELD_DEFAULTS as DEFAULTS
 from fedhier.strategies.cloud_step import as_cloud_step
+from fedhier.strategies.fedavg_options import FedAvgOptions
 from fedhier.strategies.flower_log import log_cloud_round
 from fedhier.strategies.grid_executor import GridExecutor, metric_record
 from fedhier.tree.grouping import ClientInfo
@@ -74,6 +78,15 @@ class HierFedAvg(Strategy):
         Wait until this many nodes are connected before starting.
     arrayrecord_key, configrecord_key : str
         Keys of the ArrayRecord and ConfigRecord in messages ("arrays", "config").
+    fraction_train, min_train_nodes, min_evaluate_nodes, weighted_by_key,
+    train_metrics_aggr_fn, evaluate_metrics_aggr_fn
+        FedAvg's arguments, with their meaning under a hierarchy
+        (:class:`fedhier.strategies.fedavg_options.FedAvgOptions`, docs/contract.md):
+        fraction_train is the fraction of its clients each edge trains per edge round; the
+        metric aggregations are applied at every level (edges, ..., cloud).
+    loss_key, accuracy_key, train_loss_key : str, optional
+        The reply keys of a client's evaluate loss and accuracy and of its mean train loss,
+        when they are not the contract's ("loss" / "eval_loss", ...).
     periods : sequence of int, optional
         For hierarchies deeper than two levels: all periods (P_1, ..., P_L), each a multiple
         of the one below; ``local_period`` and ``global_period`` must equal P_1 and P_L.
@@ -155,32 +168,48 @@ class HierFedAvg(Strategy):
         edge_periods: Sequence[int] = (),
         fraction_evaluate: float = 1.0,
         reply_policy: ReplyPolicy | None = None,
+        fraction_train: float | None = None,
+        min_train_nodes: int | None = None,
+        min_evaluate_nodes: int | None = None,
+        weighted_by_key: str = "num-examples",
+        train_metrics_aggr_fn: Callable[..., MetricRecord] | None = None,
+        evaluate_metrics_aggr_fn: Callable[..., MetricRecord] | None = None,
+        loss_key: str | None = None,
+        accuracy_key: str | None = None,
+        train_loss_key: str | None = None,
     ) -> None:
+        options = FedAvgOptions(
+            fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
+            min_train_nodes=min_train_nodes, min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes, weighted_by_key=weighted_by_key,
+            arrayrecord_key=arrayrecord_key, configrecord_key=configrecord_key,
+            train_metrics_aggr_fn=train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn, loss_key=loss_key,
+            accuracy_key=accuracy_key, train_loss_key=train_loss_key)
         all_periods = tuple(periods) if periods else (local_period, global_period)
         if all_periods[0] != local_period or all_periods[-1] != global_period:
             raise ConfigError("periods must start with local_period and end with global_period")
         groups = (num_groups,) if isinstance(num_groups, int) else tuple(num_groups)
         self._adopt(HSGDSettings(
             periods=all_periods, groups=groups, grouping=grouping, weighting=weighting,
-            seed=seed, workload=workload or Workload(),
+            seed=seed, workload=options.workload(workload),
             min_clients_per_edge=min_clients_per_edge, on_nan=on_nan,
             diagnostics_every=diagnostics_every, regroup_every=regroup_every,
             aggregators=tuple(aggregators), mobility=mobility or Mobility(),
             time_model=time_model or TimeModel(), asynchronous=asynchronous or AsyncEdges(),
             edge_periods=tuple(edge_periods), policy=reply_policy or ReplyPolicy()),
-            cloud_strategy, min_available_nodes, fraction_evaluate, arrayrecord_key,
-            configrecord_key)
+            cloud_strategy, options)
 
     def _adopt(self, settings: HSGDSettings, cloud_strategy: Strategy | None,
-               min_available_nodes: int, fraction_evaluate: float = 1.0,
-               arrayrecord_key: str = "arrays", configrecord_key: str = "config") -> None:
+               options: FedAvgOptions) -> None:
         """Hold ``settings`` (validated when they were made) and the Flower-side options."""
         self.settings = settings
         self.algorithm = algorithm_for(settings, as_cloud_step(cloud_strategy))
-        self.min_available_nodes = min_available_nodes
-        self.fraction_evaluate = fraction_evaluate
-        self.arrayrecord_key = arrayrecord_key
-        self.configrecord_key = configrecord_key
+        self.options = options
+        self.min_available_nodes = options.nodes_to_wait_for
+        self.fraction_evaluate = options.fraction_evaluate
+        self.arrayrecord_key = options.arrayrecord_key
+        self.configrecord_key = options.configrecord_key
         self.keeps_client_state = False  # set by fedhier's ServerApp for exact checkpoints
         self.executor: GridExecutor | None = None
         self._pending: tuple[EdgeRoundWork, EdgeRoundPlan] | None = None
@@ -192,7 +221,8 @@ class HierFedAvg(Strategy):
         """A HierFedAvg running ``settings`` (e.g. ``fedhier.runs.prepare.settings_for(cfg)``):
         held as they are, not listed field by field nor validated again."""
         strategy = cls.__new__(cls)
-        strategy._adopt(settings, cloud_strategy, min_available_nodes)
+        strategy._adopt(settings, cloud_strategy,
+                        FedAvgOptions(min_available_nodes=min_available_nodes))
         return strategy
 
     # ------------------------------------------------------------------ what it holds
@@ -229,8 +259,9 @@ class HierFedAvg(Strategy):
         return to_record(params) if params else None
 
     def summary(self) -> None:
-        """Log the strategy's configuration."""
+        """Log the strategy's configuration (FedAvg's lines, then the hierarchy's)."""
         s = self.settings
+        self.options.log_summary(s.workload.participation)
         log(INFO, "\t├──> Hierarchy: periods %s (edge every %d, cloud every %d steps)",
             list(s.periods), s.local_period, s.global_period)
         log(INFO, "\t├──> Groups per level: %s, grouping '%s'", list(s.groups), s.grouping)
@@ -242,12 +273,15 @@ class HierFedAvg(Strategy):
     # ------------------------------------------------------------------ Flower's hooks
     def executor_for(self, grid: Grid, config: ConfigRecord, timeout: float = 3600,
                   evaluate_config: ConfigRecord | None = None) -> GridExecutor:
+        o = self.options
         return GridExecutor(grid, config, evaluate_config, timeout,
                             min_available_nodes=self.min_available_nodes,
                             arrayrecord_key=self.arrayrecord_key,
                             configrecord_key=self.configrecord_key,
                             keeps_client_state=self.keeps_client_state,
-                            policy=self.settings.policy)
+                            policy=self.settings.policy, weighted_by_key=o.weighted_by_key,
+                            loss_key=o.loss_key, accuracy_key=o.accuracy_key,
+                            train_loss_key=o.train_loss_key, metrics=o.reply_metrics())
 
     def setup(self, grid: Grid, config: ConfigRecord, timeout: float,
               arrays: ArrayRecord) -> None:
@@ -299,6 +333,8 @@ class HierFedAvg(Strategy):
                                  "level": outcome["level"], "train-loss": outcome["train_loss"]})
         hierarchy = self.algorithm.hierarchy
         assert hierarchy is not None
+        own = self._require_executor().reply_metrics(work.cloud_round, hierarchy)
+        metrics.update(own.get("train_metrics", {}))  # this edge round's, all levels up
         if outcome["level"] == hierarchy.num_levels:
             return to_record(self.algorithm.global_params), metrics
         return None, metrics
@@ -317,11 +353,15 @@ class HierFedAvg(Strategy):
         """The global model over all clients: weighted loss/accuracy on their training rows
         (the global objective f(w)) and, when clients hold out rows, each client's held-out
         accuracy (``client-accuracies``, ordered by client; NaN for a client that failed)."""
-        evaluation = self._require_executor().read_evaluate_replies(replies)
+        executor = self._require_executor()
+        evaluation = executor.read_evaluate_replies(replies, server_round)
+        assert self.algorithm.hierarchy is not None
+        own = executor.reply_metrics(server_round, self.algorithm.hierarchy)
         if evaluation is None:
-            return None
+            return MetricRecord(own["evaluate_metrics"]) if own else None
         numbers = evaluation_metrics(evaluation, self.algorithm.evaluation_weights(evaluation))
-        record = MetricRecord({"loss": numbers["train_loss"],
+        record = MetricRecord({**own.get("evaluate_metrics", {}),
+                               "loss": numbers["train_loss"],
                                "accuracy": numbers["train_accuracy"]})
         if evaluation.holdout_accuracy is not None:
             record["client-accuracies"] = evaluation.holdout_accuracy.tolist()
@@ -371,22 +411,37 @@ class HierFedAvg(Strategy):
             cloud_round = record["round"]
             log_cloud_round(record, num_rounds,
                             result.evaluate_metrics_serverapp.get(cloud_round))
+            evaluated = dict(record.get("evaluate_metrics", {}))
             if "train_loss" in record:
-                result.evaluate_metrics_clientapp[cloud_round] = MetricRecord(
-                    {"loss": record["train_loss"], "accuracy": record["train_accuracy"]})
+                evaluated.update(loss=record["train_loss"], accuracy=record["train_accuracy"])
+            if evaluated:
+                result.evaluate_metrics_clientapp[cloud_round] = MetricRecord(evaluated)
             if cloud_round > 0:
                 result.train_metrics_clientapp[cloud_round] = MetricRecord(
-                    {"failed-clients": record["failed_clients"],
+                    {**record.get("train_metrics", {}),
+                     "failed-clients": record["failed_clients"],
                      "failed-edges": record["failed_edges"]})
             if on_cloud_round is not None:
                 on_cloud_round(record)
 
+        log(INFO, "Starting %s strategy:", type(self).__name__)
+        log_strategy_start_info(num_rounds, initial_arrays, train_config, evaluate_config)
         self.summary()
+        log(INFO, "")
+        t_start = time.time()
         final = self.algorithm.run(
             self.executor, to_tensors(initial_arrays), num_rounds, first_round=first_round,
             evaluate_fn=central if evaluate_fn is not None else None, on_record=on_record,
             client_state=self._restored_client_states)
         result.arrays = to_record(final)
+        log(INFO, "")  # Flower's closing lines, as FedAvg's start() ends
+        log(INFO, "Strategy execution finished in %.2fs", time.time() - t_start)
+        log(INFO, "")
+        log(INFO, "Final results:")
+        log(INFO, "")
+        for line in io.StringIO(str(result)):
+            log(INFO, "\t%s", line.strip("\n"))
+        log(INFO, "")
         return result
 
     # ------------------------------------------------------------------ checkpoints

@@ -76,35 +76,39 @@ def _metric(reply: Message, keys: tuple[str, ...], client: int | None,
     return None
 
 
-def num_examples_of(reply: Message, client: int | None) -> int:
-    """The reply's ``num-examples``: a positive whole number."""
-    value = _metric(reply, (NUM_EXAMPLES,), client, required=True)
+def num_examples_of(reply: Message, client: int | None, key: str = NUM_EXAMPLES) -> int:
+    """The reply's ``num-examples`` (or the size under ``key``, HierFedAvg's
+    ``weighted_by_key``): a positive whole number."""
+    value = _metric(reply, (key,), client, required=True)
     assert value is not None
     if not math.isfinite(value) or value != int(value) or value <= 0:
-        raise ContractError(f"{who(reply, client)} replied '{NUM_EXAMPLES}' = {value}: it must "
+        raise ContractError(f"{who(reply, client)} replied '{key}' = {value}: it must "
                             "be a positive whole number")
     return int(value)
 
 
-def train_rows(reply: Message, client: int) -> int:
+def train_rows(reply: Message, client: int, key: str = NUM_EXAMPLES) -> int:
     """Which number is a client's weight this round: the rows it trained on, as its train
     reply's ``num-examples`` says (docs/contract.md, "Which rows weigh"). Read from every
     train reply, so a client whose data change size is re-weighted; the one place that
-    decides it (checks on claimed sizes wrap this function)."""
-    return num_examples_of(reply, client)
+    decides it (checks on claimed sizes wrap this function). ``key``: HierFedAvg's
+    ``weighted_by_key``."""
+    return num_examples_of(reply, client, key)
 
 
-def evaluate_rows(reply: Message, client: int) -> int:
+def evaluate_rows(reply: Message, client: int, key: str = NUM_EXAMPLES) -> int:
     """The weight of a client's evaluation in the round's means: the rows it evaluated, as
-    its evaluate reply's ``num-examples`` says (never its training weight)."""
-    return num_examples_of(reply, client)
+    its evaluate reply's ``num-examples`` (``key``) says (never its training weight)."""
+    return num_examples_of(reply, client, key)
 
 
 def read_train_reply(reply: Message, client: int, arrays_key: str,
-                     expected: dict[str, torch.Tensor]) -> TrainReply:
+                     expected: dict[str, torch.Tensor], *, size_key: str = NUM_EXAMPLES,
+                     loss_keys: tuple[str, ...] = TRAIN_LOSS_KEYS) -> TrainReply:
     """Parse a (non-error) train reply; its arrays (an ArrayRecord, or a packed model when
     one was sent: :mod:`fedhier.clients.wire.packed_model`) must match ``expected`` in keys and
-    shapes (the model that was sent)."""
+    shapes (the model that was sent). ``size_key``, ``loss_keys``: where its size and mean
+    loss are (HierFedAvg's ``weighted_by_key``, ``train_loss_key``)."""
     if not has_model(reply.content, arrays_key):
         raise ContractError(f"{who(reply, client)} replied without ArrayRecord "
                             f"'{arrays_key}' (the trained model; docs/contract.md)")
@@ -120,17 +124,20 @@ def read_train_reply(reply: Message, client: int, arrays_key: str,
                 f"{who(reply, client)} replied '{key}' as {str(value.dtype)[6:]} "
                 f"{tuple(value.shape)}, expected the model's {str(expected[key].dtype)[6:]} "
                 f"{tuple(expected[key].shape)}")
-    loss = _metric(reply, TRAIN_LOSS_KEYS, client)
-    return TrainReply(params=params, num_examples=train_rows(reply, client),
+    loss = _metric(reply, loss_keys, client)
+    return TrainReply(params=params, num_examples=train_rows(reply, client, size_key),
                       train_loss=loss)
 
 
-def read_evaluate_reply(reply: Message,
-                        client: int) -> tuple[float, float, float | None] | None:
+def read_evaluate_reply(reply: Message, client: int, *,
+                        loss_keys: tuple[str, ...] = LOSS_KEYS,
+                        accuracy_keys: tuple[str, ...] = ACCURACY_KEYS,
+                        ) -> tuple[float, float, float | None] | None:
     """(loss, accuracy, held-out accuracy or None) of an evaluate reply; None when the reply
-    carries no loss/accuracy (a client that does not evaluate)."""
-    loss = _metric(reply, LOSS_KEYS, client)
-    accuracy = _metric(reply, ACCURACY_KEYS, client)
+    carries no loss or no accuracy (under ``loss_keys`` / ``accuracy_keys``: the contract's
+    names, or those named by HierFedAvg's ``loss_key`` / ``accuracy_key`` first)."""
+    loss = _metric(reply, loss_keys, client)
+    accuracy = _metric(reply, accuracy_keys, client)
     if loss is None or accuracy is None:
         return None
     holdout = _metric(reply, ("holdout-accuracy",), client)

@@ -10,10 +10,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.waits import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = Path(sys.executable).parent / "ray"
@@ -50,15 +51,14 @@ def _stop(nodes: list[subprocess.Popen], temp_dir: str) -> None:
                 os.kill(int(entry.name), signal.SIGKILL)
 
 
-def _wait_for_port(port: int, seconds: float = 120) -> None:
-    """Until the head's GCS accepts connections on ``port``."""
-    deadline = time.time() + seconds
-    while True:
+def _wait_for_port(port: int, head: subprocess.Popen) -> None:
+    """Until the head's GCS accepts connections on ``port`` (fails at once if the head
+    exits; tests/waits.py)."""
+    def accepts() -> bool:
         with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        assert time.time() < deadline, "the Ray head did not start"
-        time.sleep(0.2)
+            return sock.connect_ex(("127.0.0.1", port)) == 0
+
+    wait_for(accepts, what="the Ray head", alive=lambda: head.poll() is None, poll=0.2)
 
 
 @pytest.fixture(scope="session")
@@ -76,16 +76,14 @@ def ray_cluster():
     nodes = [_ray_node("--head", f"--port={port}", "--node-ip-address=127.0.0.1",
                        "--include-dashboard=false", f"--temp-dir={temp_dir}", env=env)]
     try:
-        _wait_for_port(port)
+        _wait_for_port(port, nodes[0])
         nodes.append(_ray_node(f"--address={address}", "--node-ip-address=127.0.0.1",
                                env=env))
         # this process stays connected, so the runs share their workers (started once)
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
         try:
-            deadline = time.time() + 120
-            while sum(n["Alive"] for n in ray.nodes()) < 2:
-                assert time.time() < deadline, "the second Ray node did not join"
-                time.sleep(0.5)
+            wait_for(lambda: sum(n["Alive"] for n in ray.nodes()) >= 2,
+                     what="the second Ray node", alive=lambda: nodes[1].poll() is None)
             yield address
         finally:
             ray.shutdown()

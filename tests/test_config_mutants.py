@@ -262,8 +262,8 @@ def test_field_metadata_takes_the_flower_app_value_with_its_reason_only():
     assert dict(setting(0, "h").metadata) == {"help": "h", "valid": None, "readers": ()}
     assert dict(setting(0, "h", flower_app=1, flower_app_reason="r").metadata) == {
         "help": "h", "valid": None, "readers": (), "flower_app": 1, "flower_app_reason": "r"}
-    assert setting(0, "h", part=["a", ("b", "x"), ("c", "y", len)]).metadata["readers"] == (
-        ("a", "", None), ("b", "x", None), ("c", "y", len))
+    assert setting(0, "h", part=["a", ("b", "x"), ("c", "y", "m:f")]).metadata["readers"] == (
+        ("a", "", None), ("b", "x", None), ("c", "y", "m:f"))
     for half in ({"flower_app": 1}, {"flower_app_reason": "r"}):
         assert_refused(lambda half=half: setting(0, "h", **half),
                        "give flower_app and flower_app_reason together", TypeError)

@@ -11,6 +11,7 @@ import contextlib
 import difflib
 import importlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -288,7 +289,8 @@ def test_example_under_flwr_run_matches_in_process(example, tmp_path):
     log = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, log
     assert final.exists(), log
-    assert "failed" not in proc.stdout + proc.stderr, log
+    # no failure line (the final results' train metrics name 'failed-clients', 'failed-edges')
+    assert not re.search(r"failed(?!-clients|-edges)", proc.stdout + proc.stderr), log
     in_process = run_example_main(example, tmp_path / "inprocess.pt")
     assert max_abs_diff(torch.load(final), in_process) < 1e-5
     assert not _superlink_pids(flwr_home), "flwr run left a SuperLink running"

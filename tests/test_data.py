@@ -543,7 +543,8 @@ def test_dirichlet_min_size_and_impossible(digits: DataBundle) -> None:
         partition_clients(digits, "dirichlet", 50, seed=0, alpha=0.01, min_partition_size=10)
     assert one_line(exc) == (
         "Dirichlet partition failed: could not give every one of 50 clients at least 10 rows "
-        "with alpha=0.01; raise --alpha, lower --min-partition-size or use fewer clients"
+        "with alpha=0.01 (1437 training rows); raise --alpha, lower --min-partition-size, use "
+        "fewer clients or use --partition iid"
     )
     with pytest.raises(DataError):  # more rows asked for than exist: fails without sampling
         partition_clients(digits, "dirichlet", 100, seed=0, min_partition_size=15)

@@ -36,6 +36,7 @@ from fedhier.engines.inprocess import run_inprocess
 from fedhier.runs.folder import RunFolder
 from fedhier.settings.run_config import RunConfig
 from tests.helpers import assert_same_run, interruptible, metrics
+from tests.waits import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 # Small enough for a 2-core machine: every message starts a fresh ClientApp process.
@@ -360,10 +361,9 @@ def test_simulation_engine_joins_an_existing_ray_cluster(tmp_path):
            "--include-dashboard", "false", "--temp-dir", str(temp_dir)]
     head = group.start("ray-head", ray, env, tmp_path / "ray.log", tmp_path)
     try:
-        deadline = time.time() + 120
-        while "Ray runtime started" not in head.log_text():
-            assert head.popen.poll() is None and time.time() < deadline, head.log_tail()
-            time.sleep(0.5)
+        wait_for(lambda: "Ray runtime started" in head.log_text(), what="the Ray head",
+                 progress=lambda: len(head.log_text()),
+                 alive=lambda: head.popen.poll() is None, detail=head.log_tail)
         run_inprocess(TINY, RunFolder.create(tmp_path / "inprocess"), progress=False)
         out = tmp_path / "flwr"
         overrides = ("groups=2 local-period=2 global-period=4 rounds=1 batch-size=8 seed=11 "
@@ -374,17 +374,22 @@ def test_simulation_engine_joins_an_existing_ray_cluster(tmp_path):
                                        str(TINY.clients), overrides],
                           run_env, tmp_path / "flwr-run.log", ROOT)
         actors_in_cluster = False
-        deadline = time.time() + 400
-        while run.popen.poll() is None:
-            assert time.time() < deadline, run.log_tail()
+
+        def progress() -> tuple[int, tuple[int, ...]]:
+            """The run's log and the cluster's processes (ClientApp actors noted)."""
+            nonlocal actors_in_cluster
             group.snapshot()  # the detached local SuperLink that `flwr run` starts
-            for pid in deploy.process_tree([head.pid]):
+            tree = deploy.process_tree([head.pid])
+            for pid in tree:
                 try:
                     name = Path(f"/proc/{pid}/cmdline").read_bytes()
                 except OSError:
                     continue
                 actors_in_cluster |= b"ClientAppActor" in name
-            time.sleep(0.5)
+            return len(run.log_text()), tuple(sorted(tree))
+
+        wait_for(lambda: run.popen.poll() is not None, what="flwr run on the cluster",
+                 progress=progress, detail=run.log_tail)
         assert run.popen.returncode == 0, run.log_tail(30)
         assert actors_in_cluster, "the ClientApp actors did not run in the existing cluster"
         assert_same_run(tmp_path / "inprocess", out, TINY.rounds)

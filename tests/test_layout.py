@@ -19,8 +19,9 @@ PRODUCT = ("fedhier", "strategies", "clients", "datasets_cfg")
 
 
 def tracked(*paths: str) -> list[str]:
-    return subprocess.run(["git", "ls-files", *paths], cwd=ROOT, capture_output=True,
-                          text=True, check=True).stdout.split()
+    listed = subprocess.run(["git", "ls-files", *paths], cwd=ROOT, capture_output=True,
+                            text=True, check=True).stdout.split()
+    return sorted(set(listed))  # once each (a merge in progress lists a file per stage)
 
 
 @pytest.fixture(scope="module")

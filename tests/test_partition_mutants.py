@@ -122,22 +122,23 @@ def test_dirichlet_is_flwr_datasets_with_the_documented_arguments():
 
 
 def test_dirichlet_failures():
+    # 5 x 10 > 40 rows: impossible at any alpha, so only fewer clients or a smaller minimum
     _refused(lambda: partition_clients(_bundle(), "dirichlet", 5, seed=0, alpha=100.0,
                                        min_partition_size=0),
-             "Dirichlet partition failed: could not give every one of 5 clients at least 10 "
-             "rows with alpha=100; raise --alpha, lower --min-partition-size or use fewer "
-             "clients", DataError)
+             "Dirichlet partition impossible: 5 clients x at least 10 rows each is more than "
+             "the 40 training rows; use at most 4 clients, or lower --min-partition-size",
+             DataError)
     _refused(lambda: partition_clients(_bundle(), "dirichlet", 4, seed=0, alpha=0.5,
                                        min_partition_size=11),
-             "Dirichlet partition failed: could not give every one of 4 clients at least 11 "
-             "rows with alpha=0.5; raise --alpha, lower --min-partition-size or use fewer "
-             "clients", DataError)
+             "Dirichlet partition impossible: 4 clients x at least 11 rows each is more than "
+             "the 40 training rows; use at most 3 clients, or lower --min-partition-size",
+             DataError)
     # 4 x 9 = 36 <= 40 rows, but alpha 0.01 never gives every client 9: the sampler fails
     _refused(lambda: partition_clients(_bundle(), "dirichlet", 4, seed=0, alpha=0.01,
                                        min_partition_size=9),
              "Dirichlet partition failed: could not give every one of 4 clients at least 9 "
-             "rows with alpha=0.01; raise --alpha, lower --min-partition-size or use fewer "
-             "clients", DataError)
+             "rows with alpha=0.01 (40 training rows); raise --alpha, lower "
+             "--min-partition-size, use fewer clients or use --partition iid", DataError)
     # exactly 4 x 10 = 40 rows: not refused up front (no cause), the sampler tries and fails
     with pytest.raises(DataError) as tried:
         partition_clients(_bundle(), "dirichlet", 4, seed=0, alpha=100.0, min_partition_size=10)
@@ -206,9 +207,9 @@ def test_shards_with_too_few_rows_per_class():
 def test_defaults():
     # alpha 0.5 and at least 10 rows per client by default (5 x 10 > 40 rows)
     _refused(lambda: partition_clients(_bundle(), "dirichlet", 5, seed=0),
-             "Dirichlet partition failed: could not give every one of 5 clients at least 10 "
-             "rows with alpha=0.5; raise --alpha, lower --min-partition-size or use fewer "
-             "clients", DataError)
+             "Dirichlet partition impossible: 5 clients x at least 10 rows each is more than "
+             "the 40 training rows; use at most 4 clients, or lower --min-partition-size",
+             DataError)
     big = _bundle(np.tile(LABELS, 5), name="big")  # 200 rows
     assert [p.tolist() for p in partition_clients(big, "dirichlet", 4, seed=2)] == \
         [p.tolist() for p in partition_clients(_bundle(np.tile(LABELS, 5), name="big"),

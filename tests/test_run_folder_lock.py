@@ -184,12 +184,13 @@ def test_failed_start_leaves_no_folder(tmp_path, capsys, monkeypatch):
 
 
 def test_internal_error_is_one_line_with_exit_4(tmp_path, capsys, monkeypatch):
-    import fedhier.cli.commands
+    import fedhier.engines.registry
 
     def broken(*args, **kwargs):
         raise AssertionError("Torch not compiled with CUDA enabled")
 
-    monkeypatch.setattr(fedhier.cli.commands, "run_engine", broken)
+    # fedhier.cli.commands imports run_engine when a run starts (not at import: a fast CLI)
+    monkeypatch.setattr(fedhier.engines.registry, "run_engine", broken)
     out = tmp_path / "run"
     assert main(["run", *TINY, "--out", str(out)]) == 4
     line = one_line(capsys.readouterr().err)

@@ -1,11 +1,14 @@
 """The one Ray Tune sweep of the suite (Ray's start-up is slow): 2 arms x 2 seeds of tiny
-runs on a local Ray with 2 jobs, with --tracker tensorboard. Then the same command again:
-every run is skipped (nothing rerun, Ray not started) and the report is the same."""
+runs on a local Ray with 2 jobs, with --tracker tensorboard; one line per finished run, as it
+finishes. Then the same command again: every run is skipped (nothing rerun, Ray not started)
+and the report is the same."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import time
+import re
 
 import numpy as np
 import pytest
@@ -20,12 +23,27 @@ ARGV = ["sweep", "--grid", "grouping=random,contiguous", "--seeds", "2", "--clie
         "--target-accuracy", "0.3", "--tracker", "tensorboard"]
 
 
+PRINTED: dict[str, str] = {}
+
+
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep") / "s"
-    code = main([*ARGV, "--out", str(out)])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main([*ARGV, "--out", str(out)])
+    PRINTED["first"] = printed.getvalue()
     assert code == 0
     return out
+
+
+def test_one_line_per_finished_run_with_its_final_accuracy(sweep):
+    lines = re.findall(r"^\[(\d)/4\] (grouping=\w+)/seed(\d): final test accuracy "
+                       r"([\d.]+) \([\d.]+ s\)$", PRINTED["first"], re.M)
+    assert sorted(int(done) for done, *_ in lines) == [1, 2, 3, 4], PRINTED["first"]
+    for _, arm, seed, accuracy in lines:
+        summary = json.loads((sweep / "runs" / arm / f"seed{seed}" / "summary.json").read_text())
+        assert accuracy == f"{summary['final_test_accuracy']:.4f}"
 
 
 def test_every_run_is_a_finished_run_folder_and_the_report_holds_their_intervals(sweep):
@@ -63,11 +81,14 @@ def test_tensorboard_events_hold_the_round_by_round_metrics(sweep):
     assert list((run / "tensorboard").glob("hparams/events.out.tfevents.*"))  # the config
 
 
-def test_the_same_command_again_skips_every_finished_run(sweep, capsys):
+def test_the_same_command_again_skips_every_finished_run(sweep, capsys, monkeypatch):
     metrics = sorted(sweep.glob("runs/*/seed*/metrics.jsonl"))
     before = [p.stat().st_mtime_ns for p in metrics]
-    started = time.perf_counter()
-    assert main([*ARGV, "--out", str(sweep)]) == 0
-    assert time.perf_counter() - started < 20  # no Ray start, no run
+
+    def no_tune(*args, **kwargs):  # no Ray start, no run: Tune is never called
+        raise AssertionError("Ray Tune started for a sweep with nothing to run")
+
+    monkeypatch.setattr("fedhier.studies.sweep.tune_runner.run_on_tune", no_tune)
+    assert main([*ARGV, "--out", str(sweep), "--no-progress"]) == 0
     assert "4 finished (skipped), 0 to resume, 0 to restart, 0 new" in capsys.readouterr().out
     assert [p.stat().st_mtime_ns for p in metrics] == before

@@ -31,9 +31,6 @@ from fedhier.cli.flags import (
     run_command,
 )
 from fedhier.common.errors import FedhierError
-from fedhier.engines.registry import run_engine
-from fedhier.round.aggregators.averaging import client_weights
-from fedhier.runs.folder import write_json
 from fedhier.runs.trackers import TRACKERS, attached, make_trackers
 
 
@@ -93,7 +90,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     """``fedhier run``: validate everything (flags, config file, data, partition, device, the
     run folder's place) before the run folder is claimed; hold its lock for the run's life;
     on failure remove what a failed start wrote, or mark the folder failed (failed.json)."""
-    from fedhier.local.train import resolve_device
     from fedhier.runs.folder import RunFolder, default_run_dir
 
     if getattr(args, "seeds", None) is not None:
@@ -118,9 +114,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         out = cfg.out or default_run_dir(name)
         if cfg.out:  # a default name is made unique by claim()
             RunFolder.check_target(out, overwrite=args.overwrite)  # before loading the data
+        from fedhier.local.train import resolve_device  # torch: only once the flags are valid
+
         resolve_device(cfg.device)  # a device this machine lacks: one line, nothing written
         prepare_data(cfg)  # validate data and partition before anything is written
         folder = RunFolder.claim(out, overwrite=args.overwrite, unique=not cfg.out)
+    from fedhier.engines.registry import run_engine
+
     progress = not args.no_progress
     try:
         with attached(trackers):
@@ -215,6 +215,7 @@ def cmd_run_seeds(args: argparse.Namespace) -> int:
 
 
 def cmd_diversity(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)  # first: a bad flag is refused before any library loads
     import numpy as np
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -225,11 +226,12 @@ def cmd_diversity(args: argparse.Namespace) -> int:
         sample_diagnostics,
     )
     from fedhier.local.train import resolve_device
+    from fedhier.round.aggregators.averaging import client_weights
+    from fedhier.runs.folder import write_json
     from fedhier.runs.prepare import initial_model, pooled_train_tensors
     from fedhier.tree.grouping import ClientInfo
     from fedhier.tree.hierarchy import build_hierarchy
 
-    cfg = config_from_args(args)
     if args.json is not None:
         check_output_file(args.json, "--json")
     if args.model_file and not args.model_file.is_file():
@@ -298,11 +300,11 @@ def check_output_file(path: Path, flag: str) -> None:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from fedhier.runs.plots import check_image_path, plot_runs
-
     for run_dir in args.runs:
         if not (run_dir / "metrics.jsonl").is_file():
             raise FedhierError(f"{run_dir} is not a fedhier run folder (no metrics.jsonl)")
+    from fedhier.runs.plots import check_image_path, plot_runs  # matplotlib: once the input is good
+
     check_image_path(args.out, "--out")
     check_output_file(args.out, "--out")
     print(f"wrote {plot_runs(args.runs, args.out)}")
@@ -334,6 +336,8 @@ def leave_if_threads_stuck(code: int) -> None:
     still runs (its daemon thread inside torch would abort Python's shutdown: exit 134
     after a successful run): flush output and logs, then ``os._exit``. Nothing to do
     otherwise; library callers close their grid instead (InProcessGrid.close)."""
+    if "fedhier.engines.inprocess_grid" not in sys.modules:  # no in-process grid ran
+        return
     from fedhier.engines.inprocess_grid import stuck_client_threads
 
     if not stuck_client_threads():

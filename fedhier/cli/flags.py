@@ -41,11 +41,38 @@ EXIT_INTERRUPTED = 130  # Ctrl-C (or SIGTERM during fedhier deploy)
 
 class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line on stderr (exit code 2), not the usage of
-    every flag followed by the error."""
+    every flag followed by the error; an unknown flag gets the closest flags of the
+    (sub)command it was given to ("did you mean --dataset?")."""
+
+    #: the innermost parser of the command line being parsed (a subcommand's)
+    active: OneLineParser | None = None
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        OneLineParser.active = self
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {_one_line(message)} (see "
-                                  f"{self.prog} --help)\n")
+        hint = _close_flags(message, OneLineParser.active or self)
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {_one_line(message)}{hint} (see "
+                                  f"{(OneLineParser.active or self).prog} --help)\n")
+
+
+def _close_flags(message: str, parser: argparse.ArgumentParser) -> str:
+    """'; did you mean --dataset?' for the unrecognized flags of ``message`` that are close to
+    one of ``parser``'s ('' when none is)."""
+    import difflib
+
+    if not message.startswith("unrecognized arguments:"):
+        return ""
+    known = [flag for action in parser._actions for flag in action.option_strings]
+    hints = []
+    for word in message.split(":", 1)[1].split():
+        if word.startswith("--"):
+            flag = word.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+            if close:
+                hints.append(f"{flag}: did you mean {close[0]}?")
+    return f"; {'; '.join(hints)}" if hints else ""
 
 
 def _one_line(text: str) -> str:
@@ -208,8 +235,13 @@ def config_values(args: argparse.Namespace,
 
 def config_from_args(args: argparse.Namespace,
                      defaults: Mapping[str, Any] | None = None) -> RunConfig:
-    """The validated configuration of :func:`config_values` (TOML file, then flags)."""
-    return RunConfig.from_mapping(config_values(args, defaults), where="command line")
+    """The validated configuration of :func:`config_values` (TOML file, then flags); an
+    unknown dataset name is refused here too, before any data library is loaded."""
+    from fedhier.data.specs import check_name
+
+    cfg = RunConfig.from_mapping(config_values(args, defaults), where="command line")
+    check_name(cfg.dataset)
+    return cfg
 
 
 def resumed_config(args: argparse.Namespace, engine: str | None = None) -> RunConfig:

@@ -228,13 +228,22 @@ def _dirichlet(
     if min_partition_size < 0:
         raise ConfigError(f"min partition size must be >= 0, got {min_partition_size}")
     min_size = min_partition_size or auto_min_partition_size(len(bundle.train), num_clients, alpha)
+    rows = len(bundle.train)
+    if num_clients * min_size > rows:  # no alpha helps: say what can
+        fewer = f"use at most {rows // min_size} clients"
+        raise DataError(
+            f"Dirichlet partition impossible: {num_clients} clients x at least {min_size} rows "
+            f"each is more than the {rows} training rows; {fewer}"
+            + (", or lower --min-partition-size" if min_size > 1 else ""))
+    # what can help: a larger alpha (more even shares), a smaller minimum (only when it is
+    # above one row), fewer clients, or a partition that does not draw by label
+    hints = ["raise --alpha"] + (["lower --min-partition-size"] if min_size > 1 else []) + [
+        "use fewer clients", "use --partition iid"]
     failure = DataError(
         f"Dirichlet partition failed: could not give every one of {num_clients} clients at "
-        f"least {min_size} rows with alpha={alpha:g}; raise --alpha, lower "
-        "--min-partition-size or use fewer clients"
+        f"least {min_size} row{'s' if min_size > 1 else ''} with alpha={alpha:g} ({rows} "
+        f"training rows); {', '.join(hints[:-1])} or {hints[-1]}"
     )
-    if num_clients * min_size > len(bundle.train):
-        raise failure
     partitioner = DirichletPartitioner(
         num_partitions=num_clients,
         partition_by="label",

@@ -247,6 +247,14 @@ def available_datasets() -> list[str]:
     return sorted(_shipped())
 
 
+def check_name(dataset: str | os.PathLike[str]) -> None:
+    """Refuse an unknown dataset name (:func:`resolve_spec`'s one line) without reading any
+    card: what the command line checks with the flags, before loading any library."""
+    name = os.fspath(dataset)
+    if name not in _shipped() and not name.endswith(".toml"):
+        resolve_spec(name)
+
+
 def resolve_spec(dataset: str | os.PathLike[str]) -> DatasetSpec:
     """Find and validate the TOML for a shipped name or a path to a user ``.toml``."""
     name = os.fspath(dataset)

@@ -9,8 +9,12 @@ import torch
 from torch import nn
 
 from fedhier.common.errors import ConfigError
+from fedhier.settings.declaration import names_of
 
-MODELS = ("logreg", "mlp", "cnn", "lstm")
+#: the models by name, as the setting ``model`` declares them (checking a name needs no torch)
+MODELS = names_of("model")
+
+__all__ = ["CNN", "LSTM", "MLP", "MODELS", "LogReg", "build_model", "linear_chain"]
 
 
 def _flat_features(input_shape: tuple[int, ...]) -> int:

@@ -15,9 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from fedhier.settings.declaration import names_of
+
 Params = dict[str, torch.Tensor]
 
-OPTIMIZER_STATES = ("reset", "keep")
+#: what a client's optimizer state does between rounds, as the setting declares it
+OPTIMIZER_STATES = names_of("optimizer_state")
 
 
 @dataclass(frozen=True)

@@ -388,6 +388,9 @@ class HierarchicalSGD:
                              trained=False)
             record.update(evaluation_metrics(evaluation, self.evaluation_weights(evaluation)))
         record.update(trained)
+        own = getattr(executor, "reply_metrics", None)  # the clients' own metrics, per level
+        if own is not None:
+            record.update(own(cloud_round, self._hierarchy()))
         excluded = getattr(executor, "excluded_clients", None)
         if excluded:
             record["excluded_clients"] = sorted(excluded)

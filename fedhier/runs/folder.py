@@ -24,16 +24,17 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from safetensors.torch import save_file
 
 from fedhier.common.errors import ConfigError, DamagedFileError, FedhierError
 from fedhier.runs import crash_points
 from fedhier.runs.lock import LOCK_NAME, RunLock, busy_error, live_holder
 from fedhier.runs.trackers import OUTPUT_FOLDERS
+
+if TYPE_CHECKING:  # torch is imported where a model is saved: the CLI answers without it
+    import torch
 
 FAILED = "failed.json"
 #: Every file a run writes in its folder: ``--overwrite`` removes them all when it claims the
@@ -342,6 +343,8 @@ class RunFolder:
         atomic_write_bytes(self.path / "metrics.jsonl", text.encode())
 
     def save_model(self, name: str, state: Mapping[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
         tmp = self.path / f".{name}.tmp"
         with writing(self.path / name):
             try:

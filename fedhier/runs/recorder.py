@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from fedhier.data.federation import Federation, resolved
 from fedhier.diagnostics.measures import label_upward_divergence
 from fedhier.local.train import resolve_device
 from fedhier.runs.crash_points import crash_point
 from fedhier.runs.folder import JsonStream, RunFolder, read_metrics
+from fedhier.runs.progress import round_progress
 from fedhier.settings.run_config import RunConfig
 from fedhier.tree.grouping import ClientInfo
 from fedhier.tree.hierarchy import Hierarchy
@@ -85,8 +85,8 @@ class RunRecorder:
         self.engine = engine
         self.t_start = time.time() - elapsed
         self.last: dict[str, Any] = {}
-        self.bar = tqdm(total=cfg.rounds, desc="cloud rounds", unit="round",
-                        disable=not progress, dynamic_ncols=True, initial=resume_round or 0)
+        # a bar on a terminal, plain lines in a log (fedhier.runs.progress)
+        self.bar = round_progress(cfg.rounds, resume_round or 0, enabled=progress)
         from fedhier.runs.trackers import current
 
         self.callbacks = current()  # trackers attached by the command line (--tracker)

@@ -7,9 +7,13 @@ the summary (the final model as an artifact where the tracker keeps artifacts). 
 line attaches trackers around a run with :func:`attached`; the recorder picks them up with
 :func:`current`, so no engine knows about trackers.
 
-Each tracker is an optional extra: ``pip install 'fedhier[tensorboard]'`` (tensorboardX),
-``fedhier[mlflow]`` (to ``RUN_DIR/mlruns``), ``fedhier[wandb]`` (offline, to
-``RUN_DIR/wandb``). TensorBoard's event files go to ``RUN_DIR/tensorboard``.
+Each tracker is an optional extra (pyproject.toml pins the tested ranges):
+``pip install 'fedhier[tensorboard]'`` (tensorboardX to write, tensorboard for the
+``tensorboard`` command) writes ``RUN_DIR/tensorboard``; ``fedhier[mlflow]`` an SQLite store
+``RUN_DIR/mlflow/mlflow.db`` with artifacts in ``RUN_DIR/mlflow/artifacts`` (mlflow 3 refuses
+its old file store), or the server ``MLFLOW_TRACKING_URI`` names; ``fedhier[wandb]`` an
+offline run in ``RUN_DIR/wandb``. :func:`read_tensorboard_scalars`, :func:`mlflow_uri` and
+:func:`read_wandb_history` read them back (tests/test_trackers.py).
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import importlib.util
 import json
+import logging
+import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -28,8 +35,11 @@ from fedhier.common.errors import ConfigError
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 #: tracker -> (module it needs, the fedhier extra that installs it)
 MODULES = {"tensorboard": "tensorboardX", "mlflow": "mlflow", "wandb": "wandb"}
-#: The folders the trackers write in the run folder (``--overwrite`` removes them).
-OUTPUT_FOLDERS = ("tensorboard", "mlruns", "wandb")
+#: The folders the trackers write in the run folder (``--overwrite`` removes them; ``mlruns``
+#: is where fedhier's MLflow tracker wrote before mlflow 3 refused the file store).
+OUTPUT_FOLDERS = ("tensorboard", "mlflow", "mlruns", "wandb")
+#: The MLflow experiment fedhier's runs are logged under.
+MLFLOW_EXPERIMENT = "fedhier"
 
 
 class RunCallback:
@@ -53,9 +63,14 @@ class RunCallback:
 
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
-    """The numeric entries of a record (lists such as client_accuracies and text left out)."""
-    return {k: float(v) for k, v in record.items()
-            if isinstance(v, int | float) and not isinstance(v, bool)}
+    """The numeric entries of a record (lists such as client_accuracies and text left out);
+    a dict of numbers (the clients' own ``train_metrics``) as ``train_metrics/KEY``."""
+    out: dict[str, float] = {}
+    for k, v in record.items():
+        for key, value in (v.items() if isinstance(v, Mapping) else [(None, v)]):
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                out[k if key is None else f"{k}/{key}"] = float(value)
+    return out
 
 
 def hyperparameters(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -108,45 +123,85 @@ class TensorBoardTracker(RunCallback):
             self.writer = None
 
 
+def mlflow_uri(run_dir: str | Path) -> str:
+    """The MLflow tracking URI of a run: ``MLFLOW_TRACKING_URI`` when set (e.g. a started
+    ``mlflow server``), else the SQLite store ``RUN_DIR/mlflow/mlflow.db``."""
+    given = os.environ.get("MLFLOW_TRACKING_URI", "")
+    return given or f"sqlite:///{Path(run_dir).resolve() / 'mlflow' / 'mlflow.db'}"
+
+
 class MLflowTracker(RunCallback):
-    """An MLflow run in the local store ``RUN_DIR/mlruns``: params, metrics per round (step =
-    iteration), model_final.safetensors and summary.json as artifacts."""
+    """An MLflow run (:func:`mlflow_uri`): params, metrics per round (step = iteration),
+    model_final.safetensors and summary.json as artifacts. The run is tagged
+    ``fedhier.run_dir`` (the run folder's absolute path); a resumed run continues it."""
 
     def __init__(self) -> None:
-        self.run: Any = None
+        self.client: Any = None
+        self.run_id: str | None = None
 
     def on_start(self, run_dir: Path, config: Mapping[str, Any], resumed: bool,
                  purge_from: int | None = None) -> None:
         import mlflow
 
-        mlflow.set_tracking_uri((Path(run_dir).resolve() / "mlruns").as_uri())
-        mlflow.set_experiment("fedhier")
-        self.run = mlflow.start_run(run_name=Path(run_dir).name)
-        if not resumed:
-            mlflow.log_params({k: str(v) for k, v in hyperparameters(config).items()})
+        uri = mlflow_uri(run_dir)
+        local = uri.startswith("sqlite:///")
+        if local:
+            (Path(run_dir) / "mlflow").mkdir(exist_ok=True)
+        # creating the SQLite store logs its schema migrations at INFO: not the run's news
+        quiet = [logging.getLogger(n) for n in ("mlflow.store.db.utils", "alembic")]
+        levels = [q.level for q in quiet]
+        for q in quiet:
+            q.setLevel(logging.WARNING)
+        try:
+            self.client = mlflow.MlflowClient(tracking_uri=uri)
+            experiment = self.client.get_experiment_by_name(MLFLOW_EXPERIMENT)
+            experiment_id = experiment.experiment_id if experiment else \
+                self.client.create_experiment(
+                    MLFLOW_EXPERIMENT, artifact_location=(
+                        (Path(run_dir).resolve() / "mlflow" / "artifacts").as_uri()
+                        if local else None))
+        finally:
+            for q, level in zip(quiet, levels, strict=True):
+                q.setLevel(level)
+        where = str(Path(run_dir).resolve())
+        earlier = self.client.search_runs(
+            [experiment_id], filter_string=f"tags.`fedhier.run_dir` = '{where}'",
+            max_results=1) if resumed else []
+        if earlier:
+            self.run_id = earlier[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
+        run = self.client.create_run(experiment_id, run_name=Path(run_dir).name,
+                                     tags={"fedhier.run_dir": where})
+        self.run_id = run.info.run_id
+        params = [mlflow.entities.Param(k, str(v))
+                  for k, v in hyperparameters(config).items()]
+        for start in range(0, len(params), 100):  # MLflow's limit per batch
+            self.client.log_batch(self.run_id, params=params[start:start + 100])
 
     def on_round(self, record: Mapping[str, Any]) -> None:
         import mlflow
 
-        mlflow.log_metrics(scalars(record), step=int(record["iteration"]))
+        step, now = int(record["iteration"]), int(time.time() * 1000)
+        metrics = [mlflow.entities.Metric(k, v, now, step) for k, v in scalars(record).items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
 
     def on_finish(self, run_dir: Path, summary: Mapping[str, Any]) -> None:
-        import mlflow
-
         for name in ("model_final.safetensors", "summary.json"):
-            mlflow.log_artifact(str(Path(run_dir) / name))
+            self.client.log_artifact(self.run_id, str(Path(run_dir) / name))
+        self.client.set_terminated(self.run_id, "FINISHED")
+        self.run_id = None
 
     def close(self) -> None:
-        if self.run is not None:
-            import mlflow
-
-            mlflow.end_run()
-            self.run = None
+        if self.run_id is not None:  # the run failed or was interrupted
+            self.client.set_terminated(self.run_id, "FAILED")
+            self.run_id = None
 
 
 class WandbTracker(RunCallback):
     """An offline W&B run in ``RUN_DIR/wandb`` (``wandb sync`` uploads it later): config,
-    metrics per round (step = iteration), the final model as a ``model`` artifact."""
+    metrics per round (step = iteration), the final model as a ``model`` artifact. Quiet:
+    no console capture, no system metrics."""
 
     def __init__(self) -> None:
         self.run: Any = None
@@ -155,8 +210,12 @@ class WandbTracker(RunCallback):
                  purge_from: int | None = None) -> None:
         import wandb
 
+        (Path(run_dir) / "wandb").mkdir(exist_ok=True)
+        settings = wandb.Settings(silent=True, console="off", x_disable_stats=True,
+                                  x_save_requirements=False, disable_git=True)
         self.run = wandb.init(mode="offline", dir=str(run_dir), project="fedhier",
-                              name=Path(run_dir).name, config=hyperparameters(config))
+                              name=Path(run_dir).name, config=hyperparameters(config),
+                              settings=settings)
 
     def on_round(self, record: Mapping[str, Any]) -> None:
         self.run.log(scalars(record), step=int(record["iteration"]))
@@ -185,11 +244,13 @@ def check_tracker(name: str | None) -> None:
         return
     if name not in CLASSES:
         raise ConfigError(f"unknown tracker '{name}'; choose one of {', '.join(TRACKERS)}")
-    try:
-        importlib.import_module(MODULES[name])
-    except ImportError:
+    try:  # found, not imported: mlflow's import alone takes seconds
+        found = importlib.util.find_spec(MODULES[name]) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
         raise ConfigError(f"--tracker {name} needs the optional extra: pip install "
-                          f"'fedhier[{name}]' (the {MODULES[name]} package)") from None
+                          f"'fedhier[{name}]' (the {MODULES[name]} package)")
 
 
 def make_trackers(name: str | None) -> list[RunCallback]:
@@ -245,3 +306,42 @@ def read_tensorboard_scalars(logdir: str | Path) -> dict[str, list[tuple[int, fl
                 if value.HasField("simple_value"):
                     out.setdefault(value.tag, []).append((int(event.step), value.simple_value))
     return out
+
+
+def read_wandb_history(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows an offline W&B run in ``run_dir/wandb`` logged (``run.log``), in order, each
+    {key: value} with W&B's ``_step``, plus, as the last row under ``"summary"``, the run's
+    final summary updates. Read from the run's transaction log (``run-<id>.wandb``: W&B's
+    header, then LevelDB log records of 32 KiB blocks, each a ``wandb_internal_pb2.Record``),
+    the file ``wandb sync`` uploads; the newest run when there are several."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    logs = sorted(Path(run_dir, "wandb").glob("offline-run-*/run-*.wandb"))
+    if not logs:
+        raise FileNotFoundError(f"no offline W&B run under {Path(run_dir, 'wandb')}")
+    data = logs[-1].read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{logs[-1]} is not a W&B transaction log")
+    block, pos, pending = 32768, 7, b""
+    rows: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {}
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if left < 7 or (length == 0 and kind == 0):  # the block's padding
+            pos += left
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk  # FULL, FIRST / MIDDLE, LAST
+        if kind not in (1, 4):
+            continue
+        record = wandb_internal_pb2.Record.FromString(pending)  # type: ignore[attr-defined]
+        if record.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item})
+        elif record.WhichOneof("record_type") == "summary":
+            summary.update({item.key: json.loads(item.value_json)
+                            for item in record.summary.update if item.key})
+    return [*rows, {"summary": summary}]

@@ -12,26 +12,18 @@ reads is one :func:`setting` line here, the part's attribute and the code that u
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fedhier.settings.ranges import AT_LEAST_0, AT_LEAST_1, POSITIVE, UNIT, UNIT_OPEN_TOP, Range
-from fedhier.settings.views import (
-    aggregator_names,
-    edge_periods,
-    edge_slowdown,
-    handoff,
-    mobility_trace,
-    on_bad_reply,
-    parse_span,
-    reachability,
-)
 
 #: Valid values: a numeric range, a closed set of names, or "module:NAMES" (a set defined by
 #: the module that implements them, imported when checked).
 Valid = Range | tuple[str, ...] | str | None
 #: The part that reads a setting: its name (:data:`fedhier.settings.views.PARTS`), or
-#: (part, attribute[, conversion from the setting's value]); a list for several parts.
+#: (part, attribute[, "module:function" converting the setting's value: function(value, cfg)]);
+#: a list for several parts.
 Reader = str | tuple[Any, ...]
 
 
@@ -99,7 +91,7 @@ class DeclaredSettings:
     edge_periods: str = setting(
         "", "per-edge periods I_i, comma-separated, one per edge, each dividing the next level's "
         "period (e.g. 2,4,4,8); the edge period I becomes their gcd ('' = off)",
-        part=("algorithm", "edge_periods", edge_periods))
+        part=("algorithm", "edge_periods", "fedhier.settings.views:edge_periods"))
     regroup_every: int = setting(
         0, "regroup clients every K cloud rounds (0 = never); gradient grouping uses the current "
         "model's gradients",
@@ -111,17 +103,18 @@ class DeclaredSettings:
     mobility_trace: str = setting(
         "", "client mobility from a CSV trace of rows round,client,edge (cloud rounds) or "
         "edge_round,client,edge (with that header)",
-        part=("mobility", "trace", mobility_trace))
+        part=("mobility", "trace", "fedhier.settings.views:mobility_trace"))
     reachability: str = setting(
         "", "CSV or .npy edge x edge 0/1 matrix: edge i may send a client to edge j (mobility "
         "and regrouping respect it)",
-        part=("mobility", "reachability", reachability))
+        part=("mobility", "reachability", "fedhier.settings.views:reachability"))
     handoff: str = setting(
         "fresh",
         "a moved client starts from its new edge's model (fresh) or brings its own (carry); "
         "MODEL:ADMISSION also says which reachable edge it joins: random (default) or "
         "min-divergence, e.g. fresh:min-divergence",
-        valid="fedhier.tree.mobility:HANDOFFS", part=("mobility", "*", handoff))
+        valid="fedhier.tree.mobility:HANDOFFS",
+        part=("mobility", "*", "fedhier.settings.views:handoff"))
     diagnostics_every: int = setting(
         0, "record divergences and gradient diversity at the initial model and every K cloud "
         "rounds (0 = off)",
@@ -142,7 +135,7 @@ class DeclaredSettings:
         "mean", "aggregation rule at every level, or one per level edge,...,cloud: mean (exact "
         "H-SGD), median, trimmed-mean[:b], clip[:C x|:tau] (norm-bounded mean), krum[:f], "
         "multi-krum[:f] (docs/security.md)",
-        part=("algorithm", "aggregators", aggregator_names))
+        part=("algorithm", "aggregators", "fedhier.settings.views:aggregator_names"))
     server_lr: float = setting(
         0.0, "cloud strategy's server learning rate (0 = the strategy's default)",
         valid=AT_LEAST_0)
@@ -179,7 +172,7 @@ class DeclaredSettings:
         valid=UNIT, part="faults")
     dropout_rounds: str = setting(
         "", "simulation: cloud rounds 'A-B' during which the dropout clients are away",
-        part=("faults", "dropout_span", parse_span))
+        part=("faults", "dropout_span", "fedhier.settings.views:parse_span"))
     round_timeout: float = setting(
         3600.0, "seconds to wait for client replies in each round",
         valid=POSITIVE)
@@ -194,7 +187,7 @@ class DeclaredSettings:
         "auto", "a reply that breaks the contract: stop the run, or drop it (the client fails that "
         "round); auto = drop under fedhier deploy and edge servers, stop in simulations",
         valid="fedhier.round.reply_policy:ON_BAD_REPLY",
-        part=("reply_policy", "on_bad_reply", on_bad_reply))
+        part=("reply_policy", "on_bad_reply", "fedhier.settings.views:on_bad_reply"))
     exclude_after: int = setting(
         3, "a client whose replies were dropped K rounds in a row is excluded for the rest of "
         "the run (0 = never)",
@@ -234,7 +227,7 @@ class DeclaredSettings:
     edge_slowdown: str = setting(
         "", "simulated time: compute slowdown of some edges' clients, edge:factor pairs such "
         "as 0:4",
-        part=("time_model", "edge_slowdown", edge_slowdown))
+        part=("time_model", "edge_slowdown", "fedhier.settings.views:edge_slowdown"))
     client_edge_mbps: float = setting(
         100.0, "simulated time: bandwidth of each edge's link to its clients, Mbit/s (shared)",
         valid=POSITIVE, part="time_model")
@@ -277,13 +270,13 @@ class DeclaredSettings:
         valid=AT_LEAST_0, part="local_optimizer")
     optimizer_state: str = setting(
         "reset", "momentum buffers: reset at each edge round, or keep per client across rounds",
-        valid="fedhier.local.optimizer:OPTIMIZER_STATES")
+        valid=("reset", "keep"))
     client_holdout: float = setting(
         0.0, "fraction of each client's rows held out (seeded) for per-client evaluation",
         valid=UNIT_OPEN_TOP)
     model: str = setting(
         "mlp", "model: logreg, mlp, cnn, lstm (text)",
-        valid="fedhier.local.models:MODELS")
+        valid=("logreg", "mlp", "cnn", "lstm"))
     weighting: str = setting(
         "samples",
         "averaging weights: samples (by client data size) or uniform (each client equal)",
@@ -329,13 +322,12 @@ RANGES: dict[str, Range] = {f.name: f.metadata["valid"] for f in fields(Declared
 def choices() -> dict[str, tuple[str, ...]]:
     """setting -> its valid names, for every setting that takes one of a fixed set (the
     grouping, open to plugins, is checked on its own)."""
-    from fedhier.settings.views import resolve
-
     out = {}
     for f in fields(DeclaredSettings):
         valid = f.metadata["valid"]
-        if isinstance(valid, str):
-            found = resolve(valid)
+        if isinstance(valid, str):  # "module:NAMES" (or a function returning them)
+            module, attribute = valid.split(":")
+            found = getattr(importlib.import_module(module), attribute)
             valid = tuple(found() if callable(found) else found)
         if isinstance(valid, tuple):
             out[f.name] = valid

@@ -2,12 +2,13 @@
 
 A setting's declaration (:mod:`fedhier.settings.declaration`) names the part that reads it:
 ``part="workload"`` (the part's attribute of the same name), ``part=("asynchronous",
-"buffer")`` (another attribute name) or ``part=("faults", "dropout_span", parse_span)`` (with
-the conversion from the setting's value, here ``"A-B"`` to a pair). :func:`build_part` makes a
-part's settings object from exactly the settings that name it, so no list of settings is
-written twice: a new setting that one part reads is its declaration, the part's attribute and
-the code that uses it. Each part's class is named here as ``"module:Class"`` and imported when
-first built, so reading settings imports no engine.
+"buffer")`` (another attribute name) or ``part=("faults", "dropout_span",
+"fedhier.settings.views:parse_span")`` (with the conversion from the setting's value, here ``"A-B"``
+to a pair; named, not imported, so that the declarations import nothing). :func:`build_part` makes a
+part's settings object from exactly the settings that name it, so no list of settings is written
+twice: a new setting that one part reads is its declaration, the part's attribute and the code that
+uses it. Each part's class is named here as ``"module:Class"`` and imported when first built, so
+reading settings imports no engine.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def build_part(cfg: Any, part: str) -> Any:
             if reader != part:
                 continue
             value = getattr(cfg, declaration.name)
-            value = convert(value, cfg) if convert is not None else value
+            value = resolve(convert)(value, cfg) if convert is not None else value
             if attribute == "*":  # one setting, several attributes (the handoff's two halves)
                 values.update(value)
             else:

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from fedhier.common.errors import ConfigError
-from fedhier.round.aggregators.averaging import segment_weighted_mean
 from fedhier.tree.grouping import (
     ClientInfo,
     Grouping,
@@ -29,6 +28,9 @@ from fedhier.tree.grouping import (
     grouping_needs,
     make_gradient_grouping,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 
 def validate_periods(periods: tuple[int, ...]) -> None:
@@ -224,6 +226,10 @@ def build_hierarchy(periods: tuple[int, ...], groups: tuple[int, ...], grouping:
     ``gradient`` grouping needs ``client_grads`` [n, P] and ``weights`` [n]; a node above the
     clients is then described by the weighted mean gradient of its members.
     """
+    import torch  # here, not at the top: checking a configuration needs no torch
+
+    from fedhier.round.aggregators.averaging import segment_weighted_mean
+
     parents = []
     level_info = info
     level_grads, level_weights = client_grads, weights

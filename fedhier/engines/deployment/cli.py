@@ -38,7 +38,6 @@ from fedhier.engines.deployment.polling import DEFAULT_INTERVAL, FLOWER_IDLE
 from fedhier.engines.deployment.ports import check_ports, ports_needed
 from fedhier.round.asynchrony.arrival_order import REPLAY_ENV, arrivals_path, read_arrivals
 from fedhier.settings.run_config import RunConfig
-from fedhier.tree.grouping.base import contiguous_edges
 
 
 @contextmanager
@@ -147,6 +146,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from fedhier.engines.resume import resumable_checkpoint
     from fedhier.local.train import resolve_device
     from fedhier.runs.folder import RunFolder
+
     if args.resume is not None:  # the checkpoint fits, and no other run writes the folder
         resumable_checkpoint(out, cfg)
         RunFolder.claim_existing(out).lock.release()
@@ -164,6 +164,8 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         work = Path(tempfile.mkdtemp(prefix=f".{out.name}.deploy-", dir=out.parent))
     except OSError as exc:
         raise ConfigError(f"--out {out}: cannot write beside it ({exc.strerror or exc})") from None
+    from fedhier.tree.grouping.base import contiguous_edges
+
     echo: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731
     edges = (contiguous_edges(args.nodes, cfg.num_edges)
              if cfg.grouping in ("contiguous", "edge-tag") else None)

@@ -9,10 +9,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported where it is used: the CLI checks names without it
+    import torch
 
 from fedhier.common.errors import ConfigError
 from fedhier.round.aggregators.robust import Params, clipped_mean, krum, trimmed_mean
@@ -39,6 +41,8 @@ def segment_weighted_mean(
     so on the CPU the result is bit for bit that of one ``index_add_`` over all rows
     (tests/test_aggregate.py).
     """
+    import torch
+
     w = weights.to(device=values.device, dtype=torch.float64)
     seg = segments.to(device=values.device, dtype=torch.int64)
     totals = torch.zeros(num_segments, dtype=torch.float64, device=values.device)
@@ -140,6 +144,8 @@ def median_aggregate(values: torch.Tensor, weights: torch.Tensor, segments: torc
     """Coordinate-wise median of each segment's members (weights are ignored): for an even
     count the mean of the two middle values, as ``numpy.median``. Robust to a minority of
     arbitrary (e.g. poisoned) updates in each segment."""
+    import torch
+
     out = torch.empty(num_segments, *values.shape[1:], dtype=values.dtype,
                       device=values.device)
     seg = segments.to(values.device)
@@ -205,6 +211,7 @@ def _trimmed(fraction: float) -> Aggregator:
 
 
 def _clip(arg: str) -> Aggregator:
+
     relative = arg.endswith("x")
     bound = _number("clip", arg[:-1] if relative else arg)
     if not bound > 0:
@@ -221,6 +228,7 @@ def _clip(arg: str) -> Aggregator:
 
 
 def _krum(arg: str, multi: bool) -> Aggregator:
+
     f = _number("krum", arg)
     if f != int(f) or f < 0:
         raise ConfigError(f"krum:{arg}: f (hostile members per node) must be a whole "

@@ -20,14 +20,18 @@ is registered by name in :data:`fedhier.round.aggregators.averaging.AGGREGATORS`
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: the CLI checks names without it
+    import torch
 
-Params = dict[str, torch.Tensor]
+Params = dict[str, "torch.Tensor"]
 
 
 def _flat(values: Params, rows: torch.Tensor) -> torch.Tensor:
     """float64 [len(rows), P]: the members' models concatenated in sorted key order."""
+    import torch
+
     return torch.cat([values[k].index_select(0, rows).reshape(len(rows), -1).to(torch.float64)
                       for k in sorted(values)], dim=1)
 
@@ -42,11 +46,15 @@ def _unflat(flat: torch.Tensor, like: Params, s: int, out: Params) -> None:
 
 
 def _empty(values: Params, num_segments: int) -> Params:
+    import torch
+
     return {k: torch.empty(num_segments, *v.shape[1:], dtype=v.dtype, device=v.device)
             for k, v in values.items()}
 
 
 def _members(segments: torch.Tensor, s: int, rule: str) -> torch.Tensor:
+    import torch
+
     rows = torch.nonzero(segments == s).reshape(-1)
     if len(rows) == 0:
         raise ValueError(f"{rule}: a segment has no members")
@@ -59,6 +67,8 @@ def _take(weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def _weighted_mean(flat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """float64 [P]: sum_i w_i x_i / sum_i w_i over the rows of ``flat``."""
+    import torch
+
     w = weights.to(device=flat.device, dtype=torch.float64)
     return (flat * w[:, None]).sum(0) / w.sum()
 
@@ -68,6 +78,8 @@ def trimmed_mean(values: torch.Tensor, segments: torch.Tensor, num_segments: int
     """Coordinate-wise trimmed mean of each segment: values [k, *shape] -> [num_segments,
     *shape]; b = floor(fraction k) members cut at each end per coordinate (fewer when
     2b >= k would leave none)."""
+    import torch
+
     out = torch.empty(num_segments, *values.shape[1:], dtype=values.dtype,
                       device=values.device)
     seg = segments.to(values.device)
@@ -86,6 +98,8 @@ def clipped_mean(values: Params, weights: torch.Tensor, segments: torch.Tensor,
     """The norm-bounded mean: each member's update v_i - r_s (whole model, r_s = segment
     s's start model ``reference[k][s]``) scaled down to norm at most tau, then the weighted
     mean added to r_s. tau = ``bound`` x median norm when ``relative``, else ``bound``."""
+    import torch
+
     out = _empty(values, num_segments)
     seg = segments.to(next(iter(values.values())).device)
     for s in range(num_segments):
@@ -106,6 +120,8 @@ def clipped_mean(values: Params, weights: torch.Tensor, segments: torch.Tensor,
 def krum_scores(flat: torch.Tensor, byzantine: int) -> torch.Tensor:
     """float64 [k]: each row's sum of squared distances to its ``max(1, k - f - 2)`` nearest
     other rows (k = 1: 0)."""
+    import torch
+
     k = len(flat)
     if k == 1:
         return torch.zeros(1, dtype=torch.float64, device=flat.device)
@@ -119,6 +135,8 @@ def krum(values: Params, weights: torch.Tensor, segments: torch.Tensor, num_segm
          byzantine: int, multi: bool) -> Params:
     """Krum (one member) or multi-Krum (weighted mean of the ``k - f`` best members, at
     least one) of each segment, scores by :func:`krum_scores`."""
+    import torch
+
     out = _empty(values, num_segments)
     seg = segments.to(next(iter(values.values())).device)
     for s in range(num_segments):

@@ -72,12 +72,12 @@ def base_config(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
+    base = base_config(args)  # first: a bad flag is refused before any library loads
     from fedhier.studies.experiments import suites
     from fedhier.studies.experiments.hierfavg_suite import hierfavg
     from fedhier.studies.experiments.mobility_noniid import mobility_noniid
     from fedhier.studies.experiments.runner import default_jobs
 
-    base = base_config(args)
     if args.seeds < 1:
         raise FedhierError("--seeds must be at least 1")
     if args.jobs < 0:

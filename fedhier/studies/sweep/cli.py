@@ -44,6 +44,8 @@ def add_parser(sub: Any) -> None:
                         "(fedhier run --seeds: one Tune trial per arm; same run folders)")
     parser.add_argument("--config", type=Path, metavar="FILE.toml",
                         help="base configuration keys (under the spec's [base])")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no line per finished run (as fedhier run's progress bar)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     add_config_flags(parser)
 
@@ -113,7 +115,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
         units = trial_units(pending, states, args.batch_seeds)
         jobs = min(args.jobs or os.cpu_count() or 1, len(units))
-        errors = run_on_tune(units, folder, jobs, args.ray_address, args.tracker, paths)
+        errors = run_on_tune(units, folder, jobs, args.ray_address, args.tracker, paths,
+                             progress=not args.no_progress)
         if errors:
             print(f"fedhier: run stopped: {len(errors)} of {len(pending)} runs failed; first: "
                   f"{errors[0]}; rerun the same command to retry them", file=sys.stderr)

@@ -12,12 +12,52 @@ way resumes by running the same command.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fedhier.common.errors import FedhierError
+from fedhier.runs.progress import trial_line
 from fedhier.studies.sweep.trials import Unit, run_unit
+
+
+def unit_name(unit: Unit) -> str:
+    """A trial's name (arm/seed), or a batch's first ... last."""
+    if isinstance(unit, tuple):
+        return unit[0].name if len(unit) == 1 else f"{unit[0].name} .. {unit[-1].name}"
+    return unit.name
+
+
+def progress_callback(total: int) -> Any:
+    """A Tune callback printing one line per finished (or failed) trial on stdout:
+    ``[3/45] alpha=0.1,grouping=random/seed2: final test accuracy 0.8206 (12.3 s)``."""
+    from ray.tune import Callback
+
+    class TrialLines(Callback):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.done = 0
+            self.started: dict[str, float] = {}
+
+        def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+            self.started[trial.trial_id] = time.time()
+
+        def _line(self, trial: Any, error: str | None) -> None:
+            self.done += 1
+            seconds = time.time() - self.started.get(trial.trial_id, time.time())
+            print(trial_line(self.done, total, unit_name(trial.config["trial"]),
+                             trial.last_result, error, seconds), flush=True)
+
+        def on_trial_complete(self, iteration: int, trials: list, trial: Any,
+                              **info: Any) -> None:
+            self._line(trial, None)
+
+        def on_trial_error(self, iteration: int, trials: list, trial: Any,
+                           **info: Any) -> None:
+            lines = str(getattr(trial, "error_msg", None) or "see its run folder").splitlines()
+            self._line(trial, lines[-1][:200] if lines else "?")
+
+    return TrialLines()
 
 
 def _tune_trial(config: dict[str, Any]) -> None:
@@ -32,10 +72,11 @@ def _tune_trial(config: dict[str, Any]) -> None:
 
 
 def run_on_tune(trials: Sequence[Unit], folder: Path, jobs: int, address: str | None,
-                tracker: str | None, paths: Sequence[str] = ()) -> list[str]:
+                tracker: str | None, paths: Sequence[str] = (),
+                progress: bool = True) -> list[str]:
     """Run ``trials`` (trials, or batches of seeds) on Ray Tune; returns the one-line errors
     of those that failed. ``paths`` join the local workers' PYTHONPATH (where a spec's own
-    plugin module lies)."""
+    plugin module lies). ``progress``: one line per finished trial on stdout."""
     import ray
     from ray import tune
 
@@ -66,7 +107,9 @@ def run_on_tune(trials: Sequence[Unit], folder: Path, jobs: int, address: str | 
             tune_config=tune.TuneConfig(num_samples=1, max_concurrent_trials=jobs or None,
                                         reuse_actors=True),
             run_config=tune.RunConfig(name="tune", storage_path=str(folder), verbose=0,
-                                      failure_config=tune.FailureConfig(max_failures=0)))
+                                      failure_config=tune.FailureConfig(max_failures=0),
+                                      callbacks=[progress_callback(len(trials))]
+                                      if progress else None))
         grid = tuner.fit()
         errors = []
         for index in range(len(grid)):

@@ -26,13 +26,15 @@ U = Σ_i ||S_i||² / (W_i Σ w), and a swap's change is evaluated in O(n) for al
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from fedhier.common.rng import generator
-from fedhier.diagnostics.measures import label_distributions
-from fedhier.round.aggregators.averaging import client_weights
 from fedhier.tree.grouping.base import ClientInfo, Grouping, balanced_sizes, declares
+
+if TYPE_CHECKING:  # torch is imported where it is used: the CLI answers without it
+    import torch
 
 MAX_SWEEPS = 100
 PROJECTION_DIM = 256
@@ -64,6 +66,8 @@ def weighted_gram(features: np.ndarray | torch.Tensor, weights: np.ndarray, seed
     then preserved in expectation, with relative error of order 1 / sqrt(max_dim)
     (Johnson-Lindenstrauss), so the search optimises an approximation of U.
     """
+    import torch
+
     z = torch.as_tensor(features)
     z = z.reshape(z.shape[0], -1)
     n, dim = int(z.shape[0]), int(z.shape[1])
@@ -169,6 +173,8 @@ def _seeded_order(seed: int, purpose: str, *keys: np.ndarray) -> np.ndarray:
 
 def _label_search(info: ClientInfo, num_groups: int, seed: int, maximise: bool) -> np.ndarray:
     _check_groups(info.num_clients, num_groups)
+    from fedhier.diagnostics.measures import label_distributions
+
     dists = label_distributions(info.label_histograms)
     rows = _positive_weights(np.asarray(info.label_histograms).sum(1))
     if maximise:  # clients sharing a dominant label next to each other, largest first
@@ -201,9 +207,11 @@ def max_divergence_grouping(info: ClientInfo, num_groups: int, seed: int) -> np.
 
 
 def _grouping_weights(info: ClientInfo, weights: str | np.ndarray | torch.Tensor) -> np.ndarray:
+    from fedhier.round.aggregators.averaging import client_weights
+
     if isinstance(weights, str):  # "uniform" or "samples", as the run's --weighting
         return _positive_weights(client_weights(weights, np.asarray(info.num_examples)))
-    w = weights.detach().cpu().numpy() if isinstance(weights, torch.Tensor) else np.asarray(
+    w = weights.detach().cpu().numpy() if hasattr(weights, "detach") else np.asarray(
         weights)
     if w.shape != (info.num_clients,):
         raise ValueError(f"need {info.num_clients} client weights, got shape {w.shape}")
