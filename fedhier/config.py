@@ -193,6 +193,13 @@ class RunConfig:
     weight_decay: float = field(default=0.0, metadata=_help("local SGD weight decay (L2)"))
     clip_norm: float = field(default=0.0, metadata=_help(
         "clip each local gradient to this L2 norm (0 = off)"))
+    langevin_temperature: float = field(default=0.0, metadata=_help(
+        "Langevin dynamics (SGLD): every local step adds sqrt(2 lr T) N(0, I) to the "
+        "parameters at this temperature T (0 = off)"))
+    quantize_bits: int = field(default=0, metadata=_help(
+        "clients send their update (model minus start model) QSGD-quantised to this many "
+        "bits per value, 2..16: a sign and 2**(b-1) - 1 levels, unbiased stochastic "
+        "rounding; counted so on the client-edge link (0 = off: float32)"))
     optimizer_state: str = field(default="reset", metadata=_help(
         "momentum buffers: reset at each edge round, or keep per client across rounds"))
     client_holdout: float = field(default=0.0, metadata=_help(
@@ -330,6 +337,12 @@ class RunConfig:
         from fedhier.optim import LocalOptimizer
 
         return LocalOptimizer(self.momentum, self.weight_decay, self.clip_norm)
+
+    def langevin(self) -> Any:
+        """The :class:`fedhier.langevin.Langevin` noise of this run's local steps."""
+        from fedhier.langevin import Langevin
+
+        return Langevin(self.langevin_temperature, self.seed)
 
     def keeps_client_state(self) -> bool:
         """Clients keep optimizer state (momentum buffers) from one edge round to the next."""

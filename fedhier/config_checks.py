@@ -56,6 +56,7 @@ def validate(cfg: RunConfig) -> None:
     from fedhier.faults import parse_span
 
     parse_span(cfg.dropout_rounds)
+    check_mechanisms(cfg)
     if not cfg.dataset:
         raise ConfigError("dataset must not be empty")
     check_grouping(cfg.grouping)
@@ -67,6 +68,18 @@ def validate(cfg: RunConfig) -> None:
     check_region_buffers(cfg.asynchronous(), cfg.groups)
     if cfg.edge_servers:
         check_edge_servers(cfg)
+
+
+def check_mechanisms(cfg: RunConfig) -> None:
+    """Stochastic quantisation of the updates: 0 or 2..16 bits, and an update per edge
+    round (per-edge periods carry unaggregated models across edge rounds)."""
+    from fedhier.quantization import check_bits
+
+    check_bits(cfg.quantize_bits)
+    if cfg.quantize_bits and cfg.edge_periods:
+        raise ConfigError("quantize_bits quantises each edge round's update; with "
+                          "edge_periods a client sends one only when its edge aggregates: "
+                          "give one or the other")
 
 
 def check_grouping(grouping: str) -> None:

@@ -44,6 +44,7 @@ from fedhier.faults import failed_edges
 from fedhier.grouping import ClientInfo
 from fedhier.mobility import Mobility
 from fedhier.plan import EdgeRoundPlan, Workload
+from fedhier.quantization import upload_bytes
 from fedhier.reply_policy import ReplyPolicy
 from fedhier.round.aggregation import NodeModels, aggregate_levels, broadcast, needs_node_models
 from fedhier.round.cloud import CloudStep, cloud_update, cloud_update_of_children
@@ -98,6 +99,7 @@ class HSGDSettings:
     asynchronous: AsyncEdges = field(default_factory=AsyncEdges)
     edge_periods: tuple[int, ...] = ()
     policy: ReplyPolicy = field(default_factory=ReplyPolicy)
+    quantize_bits: int = 0  # clients' uploads counted at b bits per value (0: float32)
 
     def __post_init__(self) -> None:
         check_schedule(self.periods, self.groups, self.edge_periods)
@@ -149,6 +151,7 @@ class HierarchicalSGD:
         self.inner_nodes = NodeModels()  # the levels between the edges and the cloud
         self.communication = Communication()
         self.model_bytes = 0
+        self.upload_bytes = 0  # one client's upload: model_bytes, or quantised
         self.clock: SimClock | None = None  # simulated time (fedhier.sim_clock)
         self._restored = Restored()  # what a checkpoint gives back (load_state_dict)
         self._executor: Executor | None = None
@@ -168,6 +171,7 @@ class HierarchicalSGD:
         self.weights = self._weights_of(self.info.num_examples)
         self.global_params = dict(initial)
         self.model_bytes = executor.model_bytes(initial)
+        self.upload_bytes = upload_bytes(initial, self.model_bytes, s.quantize_bits)
         if hierarchy is not None:
             self.hierarchy = hierarchy
         elif self._restored.hierarchy is not None:  # a resumed run keeps its grouping
@@ -175,7 +179,7 @@ class HierarchicalSGD:
         else:
             self.hierarchy = self.group(executor, initial, s.seed)
         self.clock = SimClock(s.time_model, s.seed, self.hierarchy.num_clients,
-                              self.hierarchy.num_nodes(1))
+                              self.hierarchy.num_nodes(1), upload_bytes=self.upload_bytes)
         if self._restored.clock is not None:
             self.clock.load_state_dict(self._restored.clock)
 
@@ -312,7 +316,8 @@ class HierarchicalSGD:
         clock = self._clock()
         models, survivors, sent = self.schedule.settle(
             work, models, survivors, work.clients[~alive], levels, clock, self.model_bytes)
-        self.communication.add_edge_round(sent, len(survivors), self.model_bytes)
+        self.communication.add_edge_round(sent, len(survivors), self.model_bytes,
+                                          self.upload_bytes)
         if not len(survivors):
             return outcome  # nothing came back: every edge keeps its model
         if (hold_cloud and level == hierarchy.num_levels) or 0 < hold_level <= level:

@@ -134,6 +134,8 @@ RANGES: dict[str, Range] = {
     "momentum": UNIT_OPEN_TOP,
     "weight_decay": AT_LEAST_0,
     "clip_norm": AT_LEAST_0,  # 0 = off
+    "langevin_temperature": AT_LEAST_0,  # 0 = off
+    "quantize_bits": Range(0, 16),  # 0 = off; 1 is refused in validate (no level)
     # execution
     "client_chunk": AT_LEAST_0,  # 0 = auto
     "ray_workers": AT_LEAST_1,

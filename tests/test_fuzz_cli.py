@@ -364,6 +364,8 @@ FLAG_VALUES: dict[str, list[str]] = {
     "momentum": ["0", "0.9", "1", *FLOAT_NOISE],
     "weight_decay": ["0", "0.01", *FLOAT_NOISE],
     "clip_norm": ["0", "1", "1e-30", *FLOAT_NOISE],
+    "langevin_temperature": ["0", "0", "1e-4", "1", *FLOAT_NOISE],
+    "quantize_bits": ["0", "0", "2", "8", "16", "1", "17", *INT_NOISE],
     "optimizer_state": ["reset", "keep", "global"],
     "client_holdout": ["0", "0.2", "0.99", "1", *FLOAT_NOISE],
     "model": ["mlp", "mlp", "logreg", "cnn", "lstm", "resnet", ""],
