@@ -151,7 +151,7 @@ class HierarchicalSGD:
         self.inner_nodes = NodeModels()  # the levels between the edges and the cloud
         self.communication = Communication()
         self.model_bytes = 0
-        self.upload_bytes = 0  # one client's upload: model_bytes, or quantised
+        self.upload_bytes: int | None = None  # one client's upload (None: model_bytes)
         self.clock: SimClock | None = None  # simulated time (fedhier.sim_clock)
         self._restored = Restored()  # what a checkpoint gives back (load_state_dict)
         self._executor: Executor | None = None

@@ -251,3 +251,26 @@ def test_batched_seeds_refuse_langevin():
 def test_config_json_records_the_mechanisms(plain_and_quantised):
     saved = json.loads((plain_and_quantised / "q4" / "config.json").read_text())
     assert saved["quantize_bits"] == 4 and saved["langevin_temperature"] == 0.0
+
+
+def test_the_suites_per_example_mechanisms():
+    """The diversity suite's mechanisms on per-example gradients: QSGD rows on their own
+    norm's grid (the option's quantiser), Gaussian noise of variance sigma^2 (chi-square at
+    1e-12), and d sigma^2 = the mean squared gradient norm for the matched sigma."""
+    from fedhier.experiments.per_example import langevin, matched_sigma, quantized
+
+    g = torch.Generator().manual_seed(3)
+    grads = {"w": torch.randn(50, 10, 8, generator=g), "b": torch.randn(50, 10, generator=g)}
+    flat = torch.cat([grads["b"], grads["w"].reshape(50, -1)], dim=1).double()  # sorted names
+    q = quantized(3)(grads, seed=1, step=7)
+    steps = torch.cat([q["b"], q["w"].reshape(50, -1)], dim=1).double()
+    grid = steps * levels(3) / flat.norm(dim=1, keepdim=True)
+    assert float((grid - grid.round()).abs().max()) < 1e-4
+    sigma = matched_sigma(grads)
+    assert 90 * sigma**2 == pytest.approx(float(flat.pow(2).sum(1).mean()), rel=1e-9)
+    noisy = langevin(sigma)(grads, seed=1, step=7)
+    noise = torch.cat([noisy["b"] - grads["b"], (noisy["w"] - grads["w"]).reshape(50, -1)],
+                      dim=1).double()
+    n, x = noise.numel(), math.log(2 / DELTA)
+    chi = float(noise.pow(2).sum()) / sigma**2
+    assert abs(chi - n) <= 2 * math.sqrt(n * x) + 2 * x + n * 1e-5  # float32 rounding

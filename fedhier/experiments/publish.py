@@ -41,7 +41,7 @@ RUNS: list[tuple[str, list[str]]] = [
     ("levels-fmnist-a0.5", ["experiment", "levels", "--dataset", "fashion-mnist",
                             "--alpha", "0.5", "--groups", "10"]),
     ("levels-digits", ["experiment", "levels", "--dataset", "digits", "--groups", "10"]),
-    ("diversity-digits", ["experiment", "diversity", "--dataset", "digits"]),
+    ("diversity-digits", ["experiment", "diversity", "--dataset", "digits", "--seeds", "5"]),
     ("time-fmnist-a0.5", ["experiment", "time", "--dataset", "fashion-mnist",
                           "--alpha", "0.5", "--iterations", "400"]),
     ("mobility-fmnist-a0.5", ["experiment", "mobility", "--dataset", "fashion-mnist",
