@@ -81,6 +81,9 @@ class RunConfig:
     mobility_rate: float = field(default=0.0, metadata=_help(
         "client mobility: per cloud round each client moves to another (reachable) edge with "
         "this probability, at a seeded edge round (0 = static)"))
+    mobility_every: str = field(default="cloud-round", metadata=_help(
+        "mobility_rate per cloud-round (at most one move per cloud round) or per edge-round "
+        "(a chance to move before every edge round: Chen et al.'s moving vehicles)"))
     mobility_trace: str = field(default="", metadata=_help(
         "client mobility from a CSV trace of rows round,client,edge (cloud rounds) or "
         "edge_round,client,edge (with that header)"))
@@ -204,7 +207,8 @@ class RunConfig:
         "momentum buffers: reset at each edge round, or keep per client across rounds"))
     client_holdout: float = field(default=0.0, metadata=_help(
         "fraction of each client's rows held out (seeded) for per-client evaluation"))
-    model: str = field(default="mlp", metadata=_help("model: logreg, mlp, cnn, lstm (text)"))
+    model: str = field(default="mlp", metadata=_help(
+        "model: logreg, mlp, cnn, lenet5 (28x28 or 32x32 images), lstm (text)"))
     weighting: str = field(default="samples", metadata=_help(
         "averaging weights: samples (by client data size) or uniform (each client equal)"))
     # execution
@@ -372,7 +376,8 @@ class RunConfig:
         trace = read_trace(self.mobility_trace, self.clients, self.num_edges, self.rounds,
                            self.global_period // self.local_period) \
             if self.mobility_trace else ()
-        return Mobility(self.mobility_rate, reach, trace, *parse_handoff(self.handoff))
+        return Mobility(self.mobility_rate, reach, trace, *parse_handoff(self.handoff),
+                        every=self.mobility_every)
 
     def time_model(self) -> Any:
         """The :class:`fedhier.sim_clock.TimeModel` of this run's simulated clock."""

@@ -51,6 +51,9 @@ def validate(cfg: RunConfig) -> None:
     check_schedule(cfg.periods, cfg.groups, cfg.edge_period_list)
     if cfg.mobility_rate > 0 and cfg.mobility_trace:
         raise ConfigError("give mobility_rate or mobility_trace, not both")
+    if cfg.mobility_every == "edge-round" and cfg.mobility_trace:
+        raise ConfigError("mobility_every edge-round sets how often mobility_rate moves "
+                          "clients; a mobility_trace gives its own moves")
     if cfg.reachability and cfg.num_edges < 2:
         raise ConfigError("a reachability matrix needs at least 2 edges")
     from fedhier.faults import parse_span

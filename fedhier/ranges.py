@@ -147,7 +147,7 @@ def choices() -> dict[str, tuple[str, ...]]:
     grouping, open to plugins, is checked on its own)."""
     from fedhier.engines.registry import engine_names
     from fedhier.lr_schedules import LR_SCHEDULES
-    from fedhier.mobility import HANDOFFS
+    from fedhier.mobility import HANDOFFS, MOBILITY_EVERY
     from fedhier.models import MODELS
     from fedhier.optim import OPTIMIZER_STATES
     from fedhier.reply_policy import ON_BAD_REPLY
@@ -156,7 +156,7 @@ def choices() -> dict[str, tuple[str, ...]]:
             "cloud_strategy": CLOUD_STRATEGIES, "partition": PARTITIONS,
             "lr_schedule": LR_SCHEDULES, "handoff": HANDOFFS,
             "optimizer_state": OPTIMIZER_STATES, "on_nan": ON_NAN,
-            "on_bad_reply": ON_BAD_REPLY}
+            "on_bad_reply": ON_BAD_REPLY, "mobility_every": MOBILITY_EVERY}
 
 
 #: the cloud's step: the plain average or a Flower strategy (fedhier_strategies.cloud_step)
