@@ -82,7 +82,11 @@ def publish(root: Path, only: list[str] | None = None) -> None:
              "(`python -m fedhier.experiments.publish`); each section names its exact command "
              "and the machine time it took. Claims that do not hold are reported as measured.",
              "", "Sections appear for the runs that have been made; `make experiments` runs all "
-             "of them (`python -m fedhier.experiments.publish NAME ...` runs some).", ""]
+             "of them (`python -m fedhier.experiments.publish NAME ...` runs some). The "
+             "sensitivity of each \"does not hold\" verdict (5 seeds, 95% intervals of paired "
+             "differences; `python -m fedhier.experiments.sensitivity`) and the paper "
+             "settings are in [baselines.md](baselines.md#paper-settings-and-sensitivity).",
+             ""]
     claims: list[str] = []
     old_sections, old_claims = published_sections(docs / "results.md")
     for name, args in RUNS:

@@ -25,6 +25,7 @@ command is repeated (so settings can be run a few at a time with ``--only``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -138,8 +139,11 @@ def hierfavg_sensitivity(keys: Sequence[str], seeds: Sequence[int], out: Path,
     return rows, "\n".join(md)
 
 
-def mobility_sensitivity(keys: Sequence[str], seeds: Sequence[int], out: Path,
-                         jobs: int) -> tuple[dict[str, Any], str]:
+STARTS = {"non-IID": "max-divergence", "IID": "min-divergence"}
+
+
+def mobility_sensitivity(keys: Sequence[str], seeds: Sequence[int], out: Path, jobs: int,
+                         starts: Sequence[str] = tuple(STARTS)) -> tuple[dict[str, Any], str]:
     rows, md = {}, [
         "One class per client, 50 clients on 5 edges, I = 5, G = 20, batch 16, lr 0.05, MLP; "
         "edges start non-IID (max-divergence) or IID (min-divergence), never regrouped; "
@@ -151,7 +155,7 @@ def mobility_sensitivity(keys: Sequence[str], seeds: Sequence[int], out: Path,
     for key in keys:
         label, changes = MOBILITY_SETTINGS[key]
         base = _config(MOBILITY_BASE, **changes)
-        for start, grouping in (("non-IID", "max-divergence"), ("IID", "min-divergence")):
+        for start, grouping in ((k, STARTS[k]) for k in starts):
             arms = [Arm("static", "rate 0", base.replace(grouping=grouping))]
             arms += [Arm(name, lab, base.replace(grouping=grouping, mobility_rate=RATE, **over))
                      for name, (lab, over) in MOBILITY_MODELS.items()]
@@ -187,8 +191,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--only", default="", help="setting keys, e.g. A,B (default all)")
     parser.add_argument("--out", default="")
+    parser.add_argument("--starts", default=",".join(STARTS),
+                        help="mobility: the edges' starts, non-IID and/or IID")
     args = parser.parse_args(argv)
     function, settings = SENSITIVITIES[args.claim]
+    starts = [k for k in args.starts.split(",") if k]
+    if args.claim == "mobility":
+        if not starts or set(starts) - set(STARTS):
+            print(f"fedhier: --starts takes {', '.join(STARTS)}", file=sys.stderr)
+            return 2
+        function = functools.partial(mobility_sensitivity, starts=starts)
     keys = [k for k in args.only.split(",") if k] or list(settings)
     unknown = [k for k in keys if k not in settings]
     if unknown or args.seeds < 1:
@@ -206,7 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m fedhier.experiments.sensitivity " + " ".join(argv or sys.argv[1:])
     (out / "results.json").write_text(json.dumps({**previous, "command": command},
                                                  indent=1, default=str))
-    (out / f"results-{'-'.join(keys)}.md").write_text(
+    suffix = "" if args.claim != "mobility" or len(starts) == 2 else "-" + "-".join(starts)
+    (out / f"results-{'-'.join(keys)}{suffix}.md").write_text(
         f"Command: `{command}` ({seconds / 60:.1f} min wall clock, including runs reused "
         f"from an earlier invocation)\n\n{md}\n")
     print(md)
