@@ -274,3 +274,18 @@ def test_the_suites_per_example_mechanisms():
     n, x = noise.numel(), math.log(2 / DELTA)
     chi = float(noise.pow(2).sum()) / sigma**2
     assert abs(chi - n) <= 2 * math.sqrt(n * x) + 2 * x + n * 1e-5  # float32 rounding
+
+
+def test_the_suites_mechanisms_pool_seeds_under_one_name():
+    """Each seed matches its own sigma, but the variants' names (which pool the seeds in the
+    suite's tables) do not depend on the seed."""
+    from fedhier.experiments.diversity_suite import mechanisms_for
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(30, 1, 8, 8, generator=g), torch.randint(0, 10, (30,), generator=g)
+    names = []
+    for seed in (1, 2):
+        model = build_model("logreg", (1, 8, 8), 10, seed=seed)
+        start = {k: v.detach() for k, v in model.state_dict().items()}
+        names.append([m.name for m in mechanisms_for(model, start, x, y)])
+    assert names[0] == names[1] and len(set(names[0])) == 3

@@ -149,7 +149,9 @@ def mechanisms_for(model: torch.nn.Module, start: dict[str, torch.Tensor], x: to
     """Dropout, quantisation and Langevin noise (sigma matched to the gradients at
     ``start``)."""
     sigma = matched_sigma(_per_example_grads(model, start, x, y), NOISE_RATIO)
-    return [dropout(KEEP), quantized(BITS), langevin(sigma)]
+    # sigma depends on the seed's start: the label must not, so seeds pool into one variant
+    return [dropout(KEEP), quantized(BITS),
+            langevin(sigma, f"Langevin (d·σ² = {NOISE_RATIO:g} × mean squared norm)")]
 
 
 def diversity(base: RunConfig, seeds: Sequence[int], out: Path, batch_sizes: Sequence[int],
@@ -281,6 +283,8 @@ def time_to_accuracy(base: RunConfig, seeds: Sequence[int], model: str,
         cells = []
         for b in batch_sizes:
             runs = np.array(by_batch[b])
+            if len(runs) != len(seeds):
+                raise ValueError(f"{name}, B={b}: {len(runs)} runs for {len(seeds)} seeds")
             cell = "–" if np.isnan(runs).any() else f"{runs.mean():.0f}"
             if name != "none" and not np.isnan(runs).any() and not np.isnan(
                     table["none"][b]).any():

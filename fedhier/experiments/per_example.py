@@ -86,8 +86,9 @@ def quantized(bits: int) -> Mechanism:
     return Mechanism(f"quantised ({bits} bits, s={s})", apply)
 
 
-def langevin(sigma: float) -> Mechanism:
-    """Each example's gradient plus N(0, sigma^2 I)."""
+def langevin(sigma: float, name: str | None = None) -> Mechanism:
+    """Each example's gradient plus N(0, sigma^2 I) (``name``: the label, default with
+    sigma)."""
 
     def apply(grads: Grads, seed: int, step: int) -> Grads:
         flat, parts = _flat(grads)
@@ -95,7 +96,7 @@ def langevin(sigma: float) -> Mechanism:
         dtype = next(iter(grads.values())).dtype
         return _unflat(flat.to(torch.float64) + sigma * torch.as_tensor(noise), parts, dtype)
 
-    return Mechanism(f"Langevin (sigma={sigma:.3g})", apply)
+    return Mechanism(name or f"Langevin (sigma={sigma:.3g})", apply)
 
 
 def matched_sigma(grads: Grads, ratio: float = 1.0) -> float:
