@@ -34,6 +34,7 @@ from fedhier.data.federation import Federation, federation_for
 from fedhier.diagnostics.in_rounds import diagnostic_rows
 from fedhier.diagnostics.measures import flat_gradient
 from fedhier.local.models import build_model
+from fedhier.local.quantization import quantize_update
 from fedhier.local.real_slowdown import sleep_for_steps
 from fedhier.local.train import batch_indices, evaluate, local_sgd, resolve_device
 from fedhier.round.faults import InjectedFaultError
@@ -103,10 +104,16 @@ def train(msg: Message, context: Context) -> Message:
     if keep and OPTIMIZER_STATE_KEY in context.state:
         buffers = {k: v.to(device) for k, v in to_tensors(
             context.state.array_records[OPTIMIZER_STATE_KEY], remember=False).items()}
+    langevin = cfg.langevin()
     params, loss, buffers = local_sgd(
         model, start_params, x, y, lr=cfg.learning_rates(start, steps),
         indices=batch_indices(cfg.seed, pid, len(y), cfg.batch_size, start, steps),
-        optimizer=optimizer, buffers=buffers)
+        optimizer=optimizer, buffers=buffers,
+        noise=(lambda p, k, rate: langevin.perturb_one_(p, pid, start + k, rate))
+        if langevin.active else None)
+    if cfg.quantize_bits:  # the update goes up quantised (fedhier.local.quantization)
+        params = quantize_update(start_params, params, bits=cfg.quantize_bits, seed=cfg.seed,
+                                 client=pid, start_step=start)
     # FEDHIER_STEP_SECONDS: a real slow edge (deploy); the SuperNode's config names its edge
     sleep_for_steps(cfg, context.node_config.get("edge"), steps)
     if keep and buffers is not None:

@@ -138,6 +138,9 @@ CHANGED = dict(clients=12, groups=(3,), grouping="contiguous", weighting="unifor
                compute_spread=0.2, edge_slowdown="1:3", client_edge_mbps=7.0,
                edge_cloud_latency_ms=9.0, exclude_after=5, max_weight_ratio=4.0,
                max_update_ratio=50.0, on_bad_reply="drop")
+#: settings refused together with one of CHANGED's (quantize_bits with edge_periods): checked
+#: on CHANGED without edge_periods
+APART = dict(quantize_bits=4)
 #: HSGDSettings field -> the RunConfig view it is made from, where the names differ
 VIEWS = {"aggregators": "aggregator_names", "edge_periods": "edge_period_list",
          "policy": "reply_policy"}
@@ -146,15 +149,17 @@ VIEWS = {"aggregators": "aggregator_names", "edge_periods": "edge_period_list",
 def test_settings_for_carries_every_setting_the_algorithm_reads():
     """Each HSGDSettings field is the same-named RunConfig setting or view (a method such as
     ``workload()``): none is dropped or left at its default on the way."""
-    cfg = RunConfig(**CHANGED)
-    algorithm = settings_for(cfg)
-    for f in fields(HSGDSettings):
-        source = getattr(cfg, VIEWS.get(f.name, f.name))
-        expected = source() if callable(source) else source
-        assert getattr(algorithm, f.name) == expected, f.name
-        if f.name in FIELD_DEFAULTS and f.name not in ("periods", "groups"):
-            assert expected != FIELD_DEFAULTS[f.name], f"{f.name}: CHANGED leaves it default"
-    assert HierFedAvg.from_settings(algorithm).settings is algorithm
+    apart = RunConfig(**{**CHANGED, "edge_periods": "", **APART})
+    for cfg, is_apart in ((RunConfig(**CHANGED), False), (apart, True)):
+        algorithm = settings_for(cfg)
+        for f in fields(HSGDSettings):
+            source = getattr(cfg, VIEWS.get(f.name, f.name))
+            expected = source() if callable(source) else source
+            assert getattr(algorithm, f.name) == expected, f.name
+            if (f.name in FIELD_DEFAULTS and f.name not in ("periods", "groups")
+                    and (f.name in APART) == is_apart):
+                assert expected != FIELD_DEFAULTS[f.name], f"{f.name}: CHANGED leaves it default"
+        assert HierFedAvg.from_settings(algorithm).settings is algorithm
 
 
 #: lead: once HSGDSettings.__post_init__ calls fedhier.tree.hierarchy.check_schedule

@@ -14,8 +14,6 @@ from fedhier.settings.declaration import names_of
 #: the models by name, as the setting ``model`` declares them (checking a name needs no torch)
 MODELS = names_of("model")
 
-__all__ = ["CNN", "LSTM", "MLP", "MODELS", "LogReg", "build_model", "linear_chain"]
-
 
 def _flat_features(input_shape: tuple[int, ...]) -> int:
     return int(math.prod(input_shape))
@@ -91,6 +89,35 @@ class CNN(nn.Module):
         return self.out(x.flatten(1))
 
 
+class LeNet5(nn.Module):
+    """LeNet-5 (LeCun et al. 1998) with its layer sizes: conv 6@5x5 -> 2x2 max-pool ->
+    conv 16@5x5 -> 2x2 max-pool -> fc 120 -> fc 84 -> fc classes, ReLU between layers.
+
+    Input [batch, C, 28, 28] (MNIST, Fashion-MNIST: the first convolution pads by 2, giving
+    LeNet-5's 32x32 input field) or [batch, C, 32, 32] (no padding); 61,706 parameters
+    for one channel and 10 classes.
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        if len(input_shape) != 3 or tuple(input_shape[1:]) not in ((28, 28), (32, 32)):
+            raise ConfigError(
+                f"model 'lenet5' needs 28x28 or 32x32 images (channels, height, width), got "
+                f"shape {list(input_shape)}; use 'cnn' for smaller images")
+        channels, height, _ = input_shape
+        self.conv1 = nn.Conv2d(channels, 6, kernel_size=5, padding=2 if height == 28 else 0)
+        self.conv2 = nn.Conv2d(6, 16, kernel_size=5)
+        self.fc1 = nn.Linear(16 * 5 * 5, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.out = nn.Linear(84, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.max_pool2d(torch.relu(self.conv1(x)), 2)
+        x = nn.functional.max_pool2d(torch.relu(self.conv2(x)), 2)
+        x = torch.relu(self.fc1(x.flatten(1)))
+        return self.out(torch.relu(self.fc2(x)))
+
+
 class LSTM(nn.Module):
     """Next-token model of LEAF's Shakespeare task: Embedding(vocab, 8) -> 2-layer LSTM -> Linear.
 
@@ -139,7 +166,7 @@ def build_model(
     name: str, input_shape: tuple[int, ...], num_classes: int, seed: int | None = None
 ) -> nn.Module:
     """A model by name; with ``seed`` its initial weights are a function of the seed only."""
-    builders = {"logreg": LogReg, "mlp": MLP, "cnn": CNN, "lstm": LSTM}
+    builders = {"logreg": LogReg, "mlp": MLP, "cnn": CNN, "lstm": LSTM, "lenet5": LeNet5}
     if name not in builders:
         raise ConfigError(f"unknown model '{name}'; choose one of {', '.join(MODELS)}")
     if seed is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -21,6 +21,10 @@ from fedhier.common.rng import generator
 from fedhier.local.optimizer import LocalOptimizer
 
 Params = dict[str, torch.Tensor]
+#: What a local step adds after the optimiser's update, in place: (the parameters, the
+#: step's index within the call, its learning rate) -> None (Langevin noise:
+#: :meth:`fedhier.local.langevin.Langevin.perturb_one_`).
+StepNoise = Callable[[Params, int, float], None]
 
 
 def effective_batch_size(batch_size: int, num_rows: int) -> int:
@@ -111,11 +115,13 @@ def loss_fn(model: nn.Module, params: Mapping[str, torch.Tensor], x: torch.Tenso
 def local_sgd(model: nn.Module, params: Params, x: torch.Tensor, y: torch.Tensor, *,
               lr: float | np.ndarray, indices: np.ndarray,
               optimizer: LocalOptimizer | None = None,
-              buffers: Params | None = None) -> tuple[Params, float, Params | None]:
+              buffers: Params | None = None,
+              noise: StepNoise | None = None) -> tuple[Params, float, Params | None]:
     """Run ``len(indices)`` local steps on a client's data x [m, ...], y [m].
 
     ``lr`` is one rate or one per step; ``optimizer`` adds momentum / weight decay / clipping
-    (default: plain SGD), starting from momentum ``buffers`` (None = fresh).
+    (default: plain SGD), starting from momentum ``buffers`` (None = fresh); ``noise``, when
+    given, is added after every step's update (Langevin dynamics).
     Returns the new parameters, the mean mini-batch loss over the steps, and the buffers.
     """
     optimizer = optimizer or LocalOptimizer()
@@ -125,7 +131,7 @@ def local_sgd(model: nn.Module, params: Params, x: torch.Tensor, y: torch.Tensor
     resident = _resident(model) if len(indices) else None
     # The resident copy's own parameters, updated in place (None: re-bind every step).
     leaves = resident.load(params) if resident is not None else None
-    for step_rows, rate in zip(rows, rates, strict=True):
+    for k, (step_rows, rate) in enumerate(zip(rows, rates, strict=True)):
         if resident is not None and leaves is not None:
             values = leaves
             loss = nn.functional.cross_entropy(resident.module(x[step_rows]), y[step_rows])
@@ -139,6 +145,8 @@ def local_sgd(model: nn.Module, params: Params, x: torch.Tensor, y: torch.Tensor
                 buffers = optimizer.step_(leaves, grads, float(rate), buffers)
             else:
                 params, buffers = optimizer.step(params, grads, float(rate), buffers)
+            if noise is not None:
+                noise(leaves if leaves is not None else params, k, float(rate))
         total += loss.detach().to(torch.float64)
     if leaves is not None:
         params = {key: leaf.detach().clone() for key, leaf in leaves.items()}

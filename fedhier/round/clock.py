@@ -121,9 +121,13 @@ def parse_edge_slowdown(text: str) -> tuple[tuple[int, float], ...]:
 class SimClock:
     """Per-edge simulated clocks of one run (seconds since the start)."""
 
-    def __init__(self, model: TimeModel, seed: int, num_clients: int, num_edges: int) -> None:
+    def __init__(self, model: TimeModel, seed: int, num_clients: int, num_edges: int,
+                 upload_bytes: int | None = None) -> None:
         model.check_edges(num_edges)
         self.model = model
+        #: bytes of one client's upload when they differ from a model's (quantised
+        #: updates, fedhier.local.quantization); None = a model's
+        self.upload_bytes = upload_bytes
         self.step_seconds = model.client_step_seconds(seed, num_clients)  # float64 [n]
         self.edge_factor = model.edge_factors(num_edges)  # float64 [E]
         self.edge_time = np.zeros(num_edges)  # float64 [E], seconds
@@ -151,7 +155,8 @@ class SimClock:
         slowest = np.zeros(num_edges)
         np.maximum.at(slowest, edges, compute)
         sent = np.bincount(edges, minlength=num_edges)
-        if downloads is None and uploads is None:
+        up_bytes = model_bytes if self.upload_bytes is None else self.upload_bytes
+        if downloads is None and uploads is None and up_bytes == model_bytes:
             return 2 * self.model.transfer_seconds("client-edge", sent, model_bytes) + slowest
         down = sent if downloads is None else np.bincount(edges[downloads],
                                                           minlength=num_edges)
@@ -159,7 +164,7 @@ class SimClock:
         # (down + up) + slowest: with down == up this is 2 * t + slowest to the last bit, so
         # equal per-edge periods give the clock of no per-edge periods exactly
         return (self.model.transfer_seconds("client-edge", down, model_bytes)
-                + self.model.transfer_seconds("client-edge", up, model_bytes) + slowest)
+                + self.model.transfer_seconds("client-edge", up, up_bytes) + slowest)
 
     def edge_round(self, clients: np.ndarray, steps: np.ndarray,
                    edge_of_client: np.ndarray, model_bytes: int,

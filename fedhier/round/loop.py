@@ -39,6 +39,7 @@ import torch
 
 from fedhier.common.errors import ConfigError
 from fedhier.diagnostics.in_rounds import diagnostics_due
+from fedhier.local.quantization import upload_bytes
 from fedhier.round.aggregation import NodeModels, aggregate_levels, broadcast, needs_node_models
 from fedhier.round.aggregators.averaging import check_aggregators, presence_weights
 from fedhier.round.asynchrony.settings import AsyncEdges
@@ -102,6 +103,7 @@ class HSGDSettings:
     asynchronous: AsyncEdges = field(default_factory=AsyncEdges)
     edge_periods: tuple[int, ...] = ()
     policy: ReplyPolicy = field(default_factory=ReplyPolicy)
+    quantize_bits: int = 0  # clients' uploads counted at b bits per value (0: float32)
 
     def __post_init__(self) -> None:
         check_schedule(self.periods, self.groups, self.edge_periods)
@@ -153,6 +155,7 @@ class HierarchicalSGD:
         self.inner_nodes = NodeModels()  # the levels between the edges and the cloud
         self.communication = Communication()
         self.model_bytes = 0
+        self.upload_bytes: int | None = None  # one client's upload (None: model_bytes)
         self.clock: SimClock | None = None  # simulated time (fedhier.round.clock)
         self._restored = Restored()  # what a checkpoint gives back (load_state_dict)
         self._executor: Executor | None = None
@@ -172,6 +175,7 @@ class HierarchicalSGD:
         self.weights = self._weights_of(self.info.num_examples)
         self.global_params = dict(initial)
         self.model_bytes = executor.model_bytes(initial)
+        self.upload_bytes = upload_bytes(initial, self.model_bytes, s.quantize_bits)
         if hierarchy is not None:
             self.hierarchy = hierarchy
         elif self._restored.hierarchy is not None:  # a resumed run keeps its grouping
@@ -179,7 +183,7 @@ class HierarchicalSGD:
         else:
             self.hierarchy = self.group(executor, initial, s.seed)
         self.clock = SimClock(s.time_model, s.seed, self.hierarchy.num_clients,
-                              self.hierarchy.num_nodes(1))
+                              self.hierarchy.num_nodes(1), upload_bytes=self.upload_bytes)
         if self._restored.clock is not None:
             self.clock.load_state_dict(self._restored.clock)
 
@@ -316,7 +320,8 @@ class HierarchicalSGD:
         clock = self._clock()
         models, survivors, sent = self.schedule.settle(
             work, models, survivors, work.clients[~alive], levels, clock, self.model_bytes)
-        self.communication.add_edge_round(sent, len(survivors), self.model_bytes)
+        self.communication.add_edge_round(sent, len(survivors), self.model_bytes,
+                                          self.upload_bytes)
         if not len(survivors):
             return outcome  # nothing came back: every edge keeps its model
         if (hold_cloud and level == hierarchy.num_levels) or 0 < hold_level <= level:

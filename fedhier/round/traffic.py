@@ -1,6 +1,8 @@
 """Logical traffic of the hierarchy, counted the same way by every engine.
 
-A model sent down or up one tier counts as one message of ``model_bytes`` bytes. Edges are
+A model sent down or up one tier counts as one message of ``model_bytes`` bytes; a client's
+upload counts ``upload_bytes`` (fewer with ``quantize_bits``: :func:`fedhier.local.quantization.
+upload_bytes`). Edges are
 logical servers: ``client_edge_*`` counts client <-> edge traffic, ``edge_cloud_*`` all traffic
 above the edges (edge <-> region <-> ... <-> cloud).
 """
@@ -23,10 +25,13 @@ class Communication:
     client_edge_bytes: int = 0
     edge_cloud_bytes: int = 0
 
-    def add_edge_round(self, sent: int, received: int, model_bytes: int) -> None:
-        """``sent`` models went down to clients and ``received`` came back up."""
+    def add_edge_round(self, sent: int, received: int, model_bytes: int,
+                       upload_bytes: int | None = None) -> None:
+        """``sent`` models went down to clients and ``received`` came back up (each of
+        ``upload_bytes``, default ``model_bytes``)."""
+        up = model_bytes if upload_bytes is None else upload_bytes
         self.client_edge_messages += sent + received
-        self.client_edge_bytes += (sent + received) * model_bytes
+        self.client_edge_bytes += sent * model_bytes + received * up
 
     def add_aggregation(self, hierarchy: Hierarchy, level: int, model_bytes: int) -> None:
         """An aggregation at ``level``: every node of tiers 1..level-1 sends up and receives."""

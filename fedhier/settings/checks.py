@@ -51,11 +51,15 @@ def validate(cfg: RunConfig) -> None:
     check_schedule(cfg.periods, cfg.groups, cfg.edge_period_list)
     if cfg.mobility_rate > 0 and cfg.mobility_trace:
         raise ConfigError("give mobility_rate or mobility_trace, not both")
+    if cfg.mobility_every == "edge-round" and cfg.mobility_trace:
+        raise ConfigError("mobility_every edge-round sets how often mobility_rate moves "
+                          "clients; a mobility_trace gives its own moves")
     if cfg.reachability and cfg.num_edges < 2:
         raise ConfigError("a reachability matrix needs at least 2 edges")
     from fedhier.round.faults import parse_span
 
     parse_span(cfg.dropout_rounds)
+    check_mechanisms(cfg)
     if not cfg.dataset:
         raise ConfigError("dataset must not be empty")
     check_grouping(cfg.grouping)
@@ -67,6 +71,18 @@ def validate(cfg: RunConfig) -> None:
     check_region_buffers(cfg.asynchronous(), cfg.groups)
     if cfg.edge_servers:
         check_edge_servers(cfg)
+
+
+def check_mechanisms(cfg: RunConfig) -> None:
+    """Stochastic quantisation of the updates: 0 or 2..16 bits, and an update per edge
+    round (per-edge periods carry unaggregated models across edge rounds)."""
+    from fedhier.local.quantization import check_bits
+
+    check_bits(cfg.quantize_bits)
+    if cfg.quantize_bits and cfg.edge_periods:
+        raise ConfigError("quantize_bits quantises each edge round's update; with "
+                          "edge_periods a client sends one only when its edge aggregates: "
+                          "give one or the other")
 
 
 def check_grouping(grouping: str) -> None:

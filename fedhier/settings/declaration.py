@@ -100,6 +100,11 @@ class DeclaredSettings:
         0.0, "client mobility: per cloud round each client moves to another (reachable) edge with "
         "this probability, at a seeded edge round (0 = static)",
         valid=UNIT, part=("mobility", "rate"))
+    mobility_every: str = setting(
+        "cloud-round",
+        "mobility_rate per cloud-round (at most one move per cloud round) or per edge-round "
+        "(a chance to move before every edge round: Chen et al.'s moving vehicles)",
+        valid="fedhier.tree.mobility:MOBILITY_EVERY", part=("mobility", "every"))
     mobility_trace: str = setting(
         "", "client mobility from a CSV trace of rows round,client,edge (cloud rounds) or "
         "edge_round,client,edge (with that header)",
@@ -268,6 +273,15 @@ class DeclaredSettings:
     clip_norm: float = setting(
         0.0, "clip each local gradient to this L2 norm (0 = off)",
         valid=AT_LEAST_0, part="local_optimizer")
+    langevin_temperature: float = setting(
+        0.0, "Langevin dynamics (SGLD): every local step adds sqrt(2 lr T) N(0, I) to the "
+        "parameters at this temperature T (0 = off)",
+        valid=AT_LEAST_0, part=("langevin", "temperature"))
+    quantize_bits: int = setting(
+        0, "clients send their update (model minus start model) QSGD-quantised to this many "
+        "bits per value, 2..16: a sign and 2**(b-1) - 1 levels, unbiased stochastic "
+        "rounding; counted so on the client-edge link (0 = off: float32)",
+        valid=Range(0, 16), part="algorithm")
     optimizer_state: str = setting(
         "reset", "momentum buffers: reset at each edge round, or keep per client across rounds",
         valid=("reset", "keep"))
@@ -275,8 +289,8 @@ class DeclaredSettings:
         0.0, "fraction of each client's rows held out (seeded) for per-client evaluation",
         valid=UNIT_OPEN_TOP)
     model: str = setting(
-        "mlp", "model: logreg, mlp, cnn, lstm (text)",
-        valid=("logreg", "mlp", "cnn", "lstm"))
+        "mlp", "model: logreg, mlp, cnn, lenet5 (28x28 or 32x32 images), lstm (text)",
+        valid=("logreg", "mlp", "cnn", "lstm", "lenet5"))
     weighting: str = setting(
         "samples",
         "averaging weights: samples (by client data size) or uniform (each client equal)",
@@ -309,7 +323,7 @@ class DeclaredSettings:
         "cpu", "cpu, cuda, cuda:N, mps or auto (best available)")
     seed: int = setting(
         0, "seed for every random draw",
-        valid=Range(0, 2**32 - 1), part="algorithm")
+        valid=Range(0, 2**32 - 1), part=["algorithm", "langevin"])
     out: str = setting(
         "", "run folder (default runs/<timestamp>-<name>)")
 

@@ -144,6 +144,10 @@ class RunConfig(DeclaredSettings):
         """The :class:`fedhier.local.optimizer.LocalOptimizer` of this run."""
         return build_part(self, "local_optimizer")
 
+    def langevin(self) -> Any:
+        """The :class:`fedhier.local.langevin.Langevin` noise of this run's local steps."""
+        return build_part(self, "langevin")
+
     def keeps_client_state(self) -> bool:
         """Clients keep optimizer state (momentum buffers) from one edge round to the next."""
         return bool(self.local_optimizer().has_state and self.optimizer_state == "keep")

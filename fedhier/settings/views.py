@@ -29,6 +29,7 @@ PARTS: dict[str, tuple[str, dict[str, str]]] = {
     "reply_policy": ("fedhier.round.reply_policy:ReplyPolicy", {}),
     "asynchronous": ("fedhier.round.asynchrony.settings:AsyncEdges", {}),
     "local_optimizer": ("fedhier.local.optimizer:LocalOptimizer", {}),
+    "langevin": ("fedhier.local.langevin:Langevin", {}),
 }
 
 

@@ -10,6 +10,13 @@ region -> cloud) stay fixed. Two models:
   edge round k on (k = 1: at the cloud round's start). Every draw comes from
   ``generator(seed, "mobility", cloud round, client)``, so the map is a pure function of the
   seed, the ids and the map the cloud round starts from, never of execution order.
+- **Markov per edge round** (``rate`` > 0, ``every = "edge-round"``; Chen et al.'s vehicles,
+  whose speed sets how often they change cells): before each edge round k of a cloud round
+  every client moves with probability ``rate`` to an edge drawn uniformly among those its
+  edge at that moment reaches (a one-way ring road: ``reachability`` of i -> i+1), so a
+  client can move several times per cloud round. Client c's draws of cloud round r are
+  ``generator(seed, "mobility-edge-round", r, c).random(2 E)`` (move, then which edge, per
+  edge round); moves are admitted in (edge round, client) order.
 - **Trace** (a CSV file): rows ``round,client,edge`` (cloud rounds: from that round's first
   edge round) or, with an ``edge_round`` header, ``edge_round,client,edge`` (from that edge
   round): the client is at that edge from then on.
@@ -38,6 +45,8 @@ from fedhier.tree.admission import ADMISSIONS, Move, get_admission
 
 #: How the model travels with a moved client.
 HANDOFF_MODELS = ("fresh", "carry")
+#: How often the Markov model may move a client (``mobility_every``).
+MOBILITY_EVERY = ("cloud-round", "edge-round")
 #: Every accepted ``handoff`` value: MODEL or MODEL:ADMISSION.
 HANDOFFS = (*HANDOFF_MODELS, *(f"{m}:{a}" for m in HANDOFF_MODELS for a in ADMISSIONS))
 
@@ -68,6 +77,8 @@ class Mobility:
             the run).
         handoff: ``fresh`` or ``carry`` (which model a moved client brings).
         admission: which edge a moving client joins (:data:`fedhier.tree.admission.ADMISSIONS`).
+        every: ``cloud-round`` (at most one move per cloud round) or ``edge-round`` (a
+            chance to move before every edge round).
     """
 
     rate: float = 0.0
@@ -75,6 +86,7 @@ class Mobility:
     trace: tuple[tuple[int, int, int], ...] = ()
     handoff: str = "fresh"
     admission: str = "random"
+    every: str = "cloud-round"
 
     @property
     def active(self) -> bool:
@@ -102,6 +114,8 @@ class Mobility:
         order. ``histograms`` [n, C]: the clients' label histograms (``min-divergence``)."""
         maps = np.repeat(np.asarray(start, dtype=np.int64)[None], edge_rounds, axis=0)
         reach = self.reaches(num_edges)
+        if self.rate > 0 and self.every == "edge-round":
+            return self._edge_round_moves(maps, seed, cloud_round, reach, histograms)
         moves: list[tuple[int, int, Move]] = []  # (edge round k, client, move)
         if self.rate > 0:
             for client in range(len(start)):
@@ -120,6 +134,22 @@ class Mobility:
         admit = get_admission(self.admission)
         for when, client, move in sorted(moves, key=lambda m: (m[0], m[1])):
             maps[when - 1:, client] = admit(move, maps[when - 1], histograms, num_edges)
+        return maps
+
+    def _edge_round_moves(self, maps: np.ndarray, seed: int, cloud_round: int,
+                          reach: np.ndarray, histograms: np.ndarray | None) -> np.ndarray:
+        """:meth:`maps` of the per-edge-round Markov model (module docstring), in place on
+        ``maps`` [E, n] (every row the start map)."""
+        edge_rounds, num_clients = maps.shape
+        draws = np.stack([generator(seed, "mobility-edge-round", cloud_round, c).random(
+            2 * edge_rounds) for c in range(num_clients)]) if num_clients else np.zeros((0, 0))
+        admit = get_admission(self.admission)
+        for k in range(edge_rounds):
+            for client in np.flatnonzero(draws[:, 2 * k] < self.rate).tolist():
+                options = np.flatnonzero(reach[maps[k, client]])
+                if len(options):
+                    maps[k:, client] = admit(Move(client, options, draw=draws[client, 2 * k + 1]),
+                                             maps[k], histograms, len(reach))
         return maps
 
     def edge_of_client(self, edge_round: int, initial: np.ndarray, seed: int,

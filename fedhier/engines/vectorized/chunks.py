@@ -230,6 +230,7 @@ class ChunkTree:
         part.weights = whole.weights[self.ids]
         part.global_params = whole.global_params
         part.model_bytes = whole.model_bytes
+        part.upload_bytes = whole.upload_bytes
         part.communication = whole.communication
         clock = copy.copy(whole._clock())
         clock.step_seconds = clock.step_seconds[self.ids]

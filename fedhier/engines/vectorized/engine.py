@@ -35,6 +35,7 @@ from fedhier.engines.vectorized.kernels import (
     local_training_for,
 )
 from fedhier.local.optimizer import LocalOptimizer
+from fedhier.local.quantization import quantize_updates
 from fedhier.local.train import (
     evaluate,
     local_sgd,
@@ -216,13 +217,32 @@ class BatchedExecutor:
         first = work.start_step - (work.cloud_round - 1) * cfg.global_period
         rows = self.minibatch_rows(work.cloud_round)[first:first + period]
         losses = self.local_training(params, rows, cfg.learning_rates(work.start_step, period),
-                                     trains, steps)
+                                     trains, steps, start_step=work.start_step)
         mean_loss = (losses / torch.as_tensor(steps, device=self.device)).cpu().numpy()
+        models = params
+        if len(work.clients) < n:
+            index = torch.as_tensor(work.clients, device=self.device)
+            models = {k: v.index_select(0, index) for k, v in params.items()}
+        if cfg.quantize_bits:
+            models = self.quantized(models, edge_models, edge_of, work)
         if len(work.clients) == n:
-            return TrainResult(models=params, losses=mean_loss, ok=trains)
-        index = torch.as_tensor(work.clients, device=self.device)
-        return TrainResult(models={k: v.index_select(0, index) for k, v in params.items()},
-                           losses=mean_loss[work.clients], ok=trains[work.clients])
+            return TrainResult(models=models, losses=mean_loss, ok=trains)
+        return TrainResult(models=models, losses=mean_loss[work.clients],
+                           ok=trains[work.clients])
+
+    def client_ids_of(self, clients: np.ndarray) -> list[int]:
+        """The ids that key the draws of ``clients`` (positions in this executor)."""
+        return (clients if self.client_ids is None else self.client_ids[clients]).tolist()
+
+    def quantized(self, models: Params, edge_models: Mapping[str, torch.Tensor],
+                  edge_of: torch.Tensor, work: EdgeRoundWork) -> Params:
+        """The sent clients' models as they go up: start + Q(end - start), each client's
+        update quantised (:func:`fedhier.local.quantization.quantize_updates`, the ClientApp's)."""
+        index = edge_of.index_select(0, torch.as_tensor(work.clients, device=self.device))
+        starts = {k: v.index_select(0, index) for k, v in edge_models.items()}
+        return quantize_updates(starts, models, bits=self.cfg.quantize_bits, seed=self.cfg.seed,
+                                clients=self.client_ids_of(work.clients),
+                                start_step=work.start_step)
 
     def evaluate(self, params: Params, cloud_round: int) -> ClientEvaluation:
         """The global model on every client's training rows (and held-out rows)."""
@@ -253,7 +273,8 @@ class BatchedExecutor:
     # ---------------------------------------------------------------- the batched work
 
     def local_training(self, params: Params, rows: torch.Tensor, rates: Sequence[float],
-                       trains: np.ndarray, steps: np.ndarray) -> torch.Tensor:
+                       trains: np.ndarray, steps: np.ndarray,
+                       start_step: int | None = None) -> torch.Tensor:
         """One edge round of local steps for every client, in place on ``params``.
 
         Every client is computed (a batch is cheaper than a gather); only those in ``trains``
@@ -264,7 +285,10 @@ class BatchedExecutor:
 
         Args:
             params: name -> [n, *shape], each client's start model; rows: int64 [I, n, width];
-            rates: the I learning rates; trains: bool [n]; steps: int64 [n] in 1..I.
+            rates: the I learning rates; trains: bool [n]; steps: int64 [n] in 1..I;
+            start_step: the global index of the round's first step, which keys Langevin
+            noise (with ``langevin_temperature`` the steps then run one at a time, each
+            followed by :meth:`fedhier.local.langevin.Langevin.perturb_`).
 
         Returns:
             float64 [n], each client's summed mini-batch loss over its steps.
@@ -274,6 +298,11 @@ class BatchedExecutor:
         previous = self.momentum  # kept buffers of every client, or {} (fresh ones)
         rates = [float(r) for r in rates]
         bounds = [0, *np.unique(steps).tolist()]
+        langevin = self.cfg.langevin()
+        if langevin.active:
+            if start_step is None:
+                raise ValueError("Langevin noise needs the edge round's start step")
+            bounds = list(range(int(steps.max()) + 1))  # one step per segment
         for lo, hi in self.chunks:
             chunk = {k: v[lo:hi] for k, v in params.items()}
             buffers = {k: v[lo:hi] for k, v in previous.items()} if previous else None
@@ -285,6 +314,9 @@ class BatchedExecutor:
                 running = torch.as_tensor(steps[lo:hi] >= end, device=self.device)
                 segment_loss, buffers = self.train_fn(chunk, batches, rates[start:end],
                                                    self.optimizer, buffers)
+                if langevin.active and start_step is not None:
+                    langevin.perturb_(chunk, self.client_ids_of(np.arange(lo, hi)),
+                                      start_step + start, rates[start])
                 losses[lo:hi] += torch.where(running, segment_loss, 0.0)
                 done = np.flatnonzero(steps[lo:hi] == end)
                 if end < bounds[-1] and len(done):

@@ -192,8 +192,9 @@ class SeedExecutor(BatchedExecutor):
     lockstep: SeedLockstep | None = None
 
     def local_training(self, params: Params, rows: torch.Tensor, rates: Sequence[float],
-                       trains: np.ndarray, steps: np.ndarray) -> torch.Tensor:
-        assert self.lockstep is not None
+                       trains: np.ndarray, steps: np.ndarray,
+                       start_step: int | None = None) -> torch.Tensor:
+        assert self.lockstep is not None and not self.cfg.langevin().active  # check_seeds
         return self.lockstep.submit(LocalJob(
             executor=self, params=params, rows=rows, rates=tuple(float(r) for r in rates),
             trains=trains, steps=steps, grad=torch.is_grad_enabled()))
@@ -308,6 +309,10 @@ def check_seeds(cfg: RunConfig, seeds: Sequence[int]) -> None:
                           "fedhier sweep)")
     if getattr(cfg, "edge_servers", False):
         raise ConfigError("--seeds: edge_servers is for fedhier deploy local; leave it off")
+    if cfg.langevin_temperature > 0:
+        raise ConfigError("--seeds does not batch --langevin-temperature (its noise is keyed "
+                          "by each seed); run the seeds one by one (fedhier run --seed S, or "
+                          "fedhier sweep)")
 
 
 def parse_seeds(text: str) -> list[int]:

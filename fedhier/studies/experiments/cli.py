@@ -41,6 +41,33 @@ SUITE_BASES = {"hierfavg": (
      "classes_per_client": 1, "local_period": 6, "global_period": 60, "batch_size": 20,
      "lr": 0.05})}
 SUITE_ITERATIONS = {"hierfavg": {"quick": 8, "full": 1200}}
+#: ``--paper-scale``: each claim at its paper's published setting, as far as fedhier can
+#: express it (docs/baselines.md, "Paper settings"); flags still override. Liu et al.
+#: (HierFAVG, the HierFL README): MNIST -> Fashion-MNIST (offline; --dataset npz --data-path
+#: mnist.npz for the real one), LeNet-5, 50 clients on 5 edges, one class per client,
+#: κ1·κ2 = 60, batch 20, lr 0.01, 100 cloud rounds. Chen et al. (mobility): CIFAR-10 (--dataset
+#: cifar10 with --data-path), a CNN, vehicles on a one-way ring road carrying their models.
+#: Yin et al.: a CNN on MNIST (-> Fashion-MNIST) to 95% training accuracy.
+PAPER: dict[str, dict[str, Any]] = {
+    "hierfavg": {"dataset": "fashion-mnist", "model": "lenet5", "clients": 50, "groups": 5,
+                 "partition": "shards", "classes_per_client": 1, "local_period": 6,
+                 "global_period": 60, "batch_size": 20, "lr": 0.01},
+    "mobility-noniid": {"dataset": "cifar10", "model": "cnn", "clients": 50, "groups": 5,
+                        "partition": "shards", "classes_per_client": 1, "local_period": 5,
+                        "global_period": 20, "batch_size": 16, "lr": 0.05,
+                        "handoff": "carry", "reachability": "examples/mobility/ring5.csv"},
+    "diversity": {"dataset": "fashion-mnist"},
+}
+PAPER_ITERATIONS = {"hierfavg": 6000, "mobility-noniid": 2000}
+PAPER_SEEDS = 5
+
+#: The diversity suite's time-to-accuracy claim (Yin et al.: a CNN on MNIST to 95% training
+#: accuracy): model, batch sizes, rates, target, iteration cap, check interval.
+DIVERSITY_ACCURACY = {
+    "quick": {"model": "logreg", "batch_sizes": [64, 256], "lrs": (0.4, 1.6, 6.4),
+              "target": 0.95, "max_iterations": 600, "check_every": 5},
+    "full": {"model": "cnn", "batch_sizes": [32, 128, 512], "lrs": (0.2, 0.4, 0.8, 1.6, 3.2),
+             "target": 0.95, "max_iterations": 1500, "check_every": 5}}
 
 
 def add_parser(sub: Any) -> None:
@@ -50,7 +77,11 @@ def add_parser(sub: Any) -> None:
         "DIR/results.md and PNG figures. Finished runs are not rerun.")
     parser.add_argument("name", choices=NAMES)
     parser.add_argument("--quick", action="store_true", help="reduced size (tests, CI)")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..K-1 (default 3)")
+    parser.add_argument("--paper-scale", action="store_true",
+                        help="the paper's published setting (model, data, clients, rounds, "
+                        "batch, lr; 5 seeds): hierfavg, mobility-noniid, diversity")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="seeds 0..K-1 (default 3; 5 with --paper-scale)")
     parser.add_argument("--iterations", type=int, default=0,
                         help="local SGD iterations T per arm (default 320 quick, 1200 full)")
     parser.add_argument("--jobs", type=int, default=0,
@@ -66,6 +97,10 @@ def add_parser(sub: Any) -> None:
 def base_config(args: argparse.Namespace) -> RunConfig:
     config_from_args(args)  # validates the flags and the config file, one-line errors
     quick, full = SUITE_BASES.get(args.name, (QUICK, FULL))
+    if args.paper_scale:
+        if args.quick or args.name not in PAPER:
+            raise FedhierError(f"--paper-scale is for {', '.join(PAPER)}, without --quick")
+        full = {**full, **PAPER[args.name]}
     values = config_values(args, quick if args.quick else full)  # as fedhier run reads them
     values.pop("out", None)
     return RunConfig.from_mapping(values, where="experiment")
@@ -78,6 +113,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     from fedhier.studies.experiments.mobility_noniid import mobility_noniid
     from fedhier.studies.experiments.runner import default_jobs
 
+    if args.seeds is None:
+        args.seeds = PAPER_SEEDS if args.paper_scale else 3
     if args.seeds < 1:
         raise FedhierError("--seeds must be at least 1")
     if args.jobs < 0:
@@ -85,12 +122,13 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     if args.iterations < 0:
         raise FedhierError(f"--iterations must be >= 0 (0 = the suite's default), got "
                            f"{args.iterations}")
-    total = args.iterations or SUITE_ITERATIONS.get(args.name, ITERATIONS)[
+    total = args.iterations or (PAPER_ITERATIONS.get(args.name, 0) if args.paper_scale
+                                else 0) or SUITE_ITERATIONS.get(args.name, ITERATIONS)[
         "quick" if args.quick else "full"]
     if total % base.global_period:
         raise FedhierError(f"--iterations {total} must be a multiple of G={base.global_period}")
     out = Path(args.out or f"runs/experiments/{args.name}-{base.dataset}"
-               f"{'-quick' if args.quick else ''}")
+               f"{'-quick' if args.quick else ''}{'-paper' if args.paper_scale else ''}")
     if out.exists() and not out.is_dir():
         raise FedhierError(f"--out {out} is a file; an experiment writes a folder")
     from fedhier.local.train import resolve_device
@@ -114,7 +152,9 @@ def cmd_experiment(args: argparse.Namespace) -> int:
                            lrs=(0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8) if not quick
                            else (0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8), target=0.3,
                            max_iterations=3000 if not quick else 1500,
-                           duplicates=64)
+                           duplicates=64, accuracy=DIVERSITY_ACCURACY[
+                               "quick" if quick else "full"] if not args.paper_scale else
+                           {**DIVERSITY_ACCURACY["full"], "batch_sizes": [128, 512, 2048]})
     else:
         # the suites in their own modules build on suites.py's helpers, so they are listed here
         every = {**suites.SUITES, "hierfavg": hierfavg, "mobility-noniid": mobility_noniid}

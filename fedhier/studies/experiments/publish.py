@@ -41,7 +41,7 @@ RUNS: list[tuple[str, list[str]]] = [
     ("levels-fmnist-a0.5", ["experiment", "levels", "--dataset", "fashion-mnist",
                             "--alpha", "0.5", "--groups", "10"]),
     ("levels-digits", ["experiment", "levels", "--dataset", "digits", "--groups", "10"]),
-    ("diversity-digits", ["experiment", "diversity", "--dataset", "digits"]),
+    ("diversity-digits", ["experiment", "diversity", "--dataset", "digits", "--seeds", "5"]),
     ("time-fmnist-a0.5", ["experiment", "time", "--dataset", "fashion-mnist",
                           "--alpha", "0.5", "--iterations", "400"]),
     ("mobility-fmnist-a0.5", ["experiment", "mobility", "--dataset", "fashion-mnist",
@@ -80,10 +80,14 @@ def publish(root: Path, only: list[str] | None = None) -> None:
     parts = ["# Results", "",
              "Every table and figure below was produced by `make experiments` "
              "(`python -m fedhier.studies.experiments.publish`); each section names its exact "
-             "command "
-             "and the machine time it took. Claims that do not hold are reported as measured.",
+             "command and the machine time it took. Claims that do not hold are reported as "
+             "measured.",
              "", "Sections appear for the runs that have been made; `make experiments` runs all "
-             "of them (`python -m fedhier.studies.experiments.publish NAME ...` runs some).", ""]
+             "of them (`python -m fedhier.studies.experiments.publish NAME ...` runs some). The "
+             "sensitivity of each \"does not hold\" verdict (5 seeds, 95% intervals of paired "
+             "differences; `python -m fedhier.studies.experiments.sensitivity`) and the paper "
+             "settings are in [baselines.md](baselines.md#paper-settings-and-sensitivity).",
+             ""]
     claims: list[str] = []
     old_sections, old_claims = published_sections(docs / "results.md")
     for name, args in RUNS:
