@@ -189,9 +189,39 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def test_example_equals_fedhier_client_app(example, monkeypatch, tmp_path):
+#: torch's scalar CPU kernels (no SIMD), chosen at import time: the equality below runs on them.
+SCALAR_KERNELS = {"ATEN_CPU_CAPABILITY": "default"}
+
+
+def rerun_on_scalar_kernels(nodeid: str) -> None:
+    """Run the test ``nodeid`` in a fresh pytest on torch's scalar CPU kernels; fail with
+    its output if it fails there."""
+    env = {**os.environ, **SCALAR_KERNELS,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                           nodeid], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    print(next((line for line in proc.stdout.splitlines() if line.startswith("max |")), ""))
+
+
+def test_example_equals_fedhier_client_app(example, monkeypatch, tmp_path, request):
     """Same initial model, data, seed and hierarchy: the converted example and fedhier's
-    own ClientApp give the same models, local losses and central metrics (1e-5)."""
+    own ClientApp give the same models (bit for bit), local losses and central metrics.
+
+    Both compute the same function and gradients; their SGD updates are the same formula,
+    but torch.optim.SGD's ``w.add_(buf, alpha=-lr)`` and fedhier's ``w - lr * buf`` round
+    differently in torch's SIMD kernels (1 ulp in ~6% of the entries, ~1e-8 here, per step).
+    Over the 60 steps of this run a max-pooling window whose two largest inputs lie 3 ulps
+    apart (client 1, edge round 4, 2nd step) picks the other input on one side, and the
+    models end 7e-4 apart; whether a run meets such a window depends on the CPU's kernels
+    (on one machine: oneDNN capped at AVX2 or SSE4.1 passed, AVX or AVX-512 did not). So the
+    run is compared on torch's scalar kernels, where the two updates are the same float
+    operations and the runs agree bit for bit on any CPU.
+    """
+    if torch.backends.cpu.get_cpu_capability() != "DEFAULT":
+        rerun_on_scalar_kernels(request.node.nodeid)
+        return
     task = example["task"]
     config = app_config()
     # fedhier's `cnn` on 1x8x8 inputs is the example's Net: same arrays, same function.
@@ -220,6 +250,7 @@ def test_example_equals_fedhier_client_app(example, monkeypatch, tmp_path):
     diff = max_abs_diff(ours, theirs)
     print(f"max |w_fedhier - w_example| = {diff:.3g}")
     assert diff < 1e-5
+    assert diff == 0, "on scalar kernels the two SGD updates are the same float operations"
     assert len(ours_records) == len(their_records) == cfg.rounds + 1
     for mine, other in zip(ours_records, their_records, strict=True):
         assert mine["failed_clients"] == other["failed_clients"] == 0
