@@ -247,7 +247,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                 job.members = np.flatnonzero(grouping == job.edge)
         new = merge_reports(accepted, self.global_params, self.weights, self._hierarchy(),
                             self.settings.aggregators, self.node_models, self.cloud_step,
-                            cloud_round)
+                            cloud_round, self.settings.asynchronous.rule)
         if new is not None:
             self.global_params = new
 

@@ -160,7 +160,21 @@ class RunConfig:
         "async_buffer then counts the cloud's children's reports (0 = all)"))
     max_staleness: int = field(default=4, metadata=_help(
         "asynchronous edges: drop a report more than S cloud aggregations old; fresher ones "
-        "weigh 1/sqrt(1+s)"))
+        "are discounted by staleness_fn"))
+    async_rule: str = field(default="fedbuff", metadata=_help(
+        "asynchronous edges and regions: how the accepted reports make the new model: "
+        "fedbuff (Nguyen et al. 2022: w + async_server_lr x the data-weighted mean of the "
+        "discounted updates), fedasync (Xie et al. 2019: each report's model mixed into w "
+        "with weight async_mixing x s), shifted-mean (the rule before these existed: the "
+        "updates moved to w, their discounts renormalised)"))
+    async_server_lr: float = field(default=1.0, metadata=_help(
+        "async_rule fedbuff: the server learning rate eta_g applied to the buffer's update"))
+    async_mixing: float = field(default=0.5, metadata=_help(
+        "async_rule fedasync: the mixing weight alpha of a fresh report, in (0, 1]"))
+    staleness_fn: str = field(default="polynomial:0.5", metadata=_help(
+        "asynchronous edges: the staleness discount s(t) of every async_rule, t in cloud "
+        "aggregations: polynomial:A ((1+t)^-A; polynomial:0.5 is FedBuff's 1/sqrt(1+t)), "
+        "hinge:A:B (1 up to t = B, then 1/(A(t-B)+1)) or constant"))
     # simulated time (fedhier.sim_clock): metrics.jsonl's sim_seconds
     step_seconds: float = field(default=0.01, metadata=_help(
         "simulated time: seconds of compute per local step of a typical client"))
@@ -379,9 +393,12 @@ class RunConfig:
 
     def asynchronous(self) -> Any:
         """The :class:`fedhier.staleness.AsyncEdges` settings of this run."""
+        from fedhier.async_rules import AsyncRule, staleness_function
         from fedhier.staleness import AsyncEdges
 
-        return AsyncEdges(self.async_buffer, self.max_staleness, self.region_buffer)
+        rule = AsyncRule(self.async_rule, self.async_server_lr, self.async_mixing,
+                         staleness_function(self.staleness_fn))
+        return AsyncEdges(self.async_buffer, self.max_staleness, self.region_buffer, rule)
 
     @property
     def aggregator_names(self) -> tuple[str, ...]:

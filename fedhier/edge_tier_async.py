@@ -236,7 +236,8 @@ class EdgeTierAsyncHSGD(AsyncHierarchicalSGD, EdgeTierHierarchicalSGD):
         hierarchy = self._hierarchy()
         new = merge_reports(stand_ins, self.global_params, weights, hierarchy,
                             edge_level_mean(self.settings.aggregators, hierarchy.num_levels),
-                            self.node_models, self.cloud_step, cloud_round)
+                            self.node_models, self.cloud_step, cloud_round,
+                            self.settings.asynchronous.rule)
         if new is not None:
             self.global_params = new
 

@@ -119,6 +119,8 @@ RANGES: dict[str, Range] = {
     "max_update_ratio": AT_LEAST_0,  # 0 = no check
     "async_buffer": AT_LEAST_0,
     "max_staleness": AT_LEAST_0,
+    "async_server_lr": POSITIVE,
+    "async_mixing": Range(0, 1, low_open=True),  # (0, 1]
     # simulated time
     "step_seconds": AT_LEAST_0,
     "compute_spread": AT_LEAST_0,
@@ -143,6 +145,7 @@ RANGES: dict[str, Range] = {
 def choices() -> dict[str, tuple[str, ...]]:
     """setting -> its valid names, for every setting that takes one of a fixed set (the
     grouping, open to plugins, is checked on its own)."""
+    from fedhier.async_rules import ASYNC_RULES
     from fedhier.engines.registry import engine_names
     from fedhier.lr_schedules import LR_SCHEDULES
     from fedhier.mobility import HANDOFFS
@@ -154,7 +157,7 @@ def choices() -> dict[str, tuple[str, ...]]:
             "cloud_strategy": CLOUD_STRATEGIES, "partition": PARTITIONS,
             "lr_schedule": LR_SCHEDULES, "handoff": HANDOFFS,
             "optimizer_state": OPTIMIZER_STATES, "on_nan": ON_NAN,
-            "on_bad_reply": ON_BAD_REPLY}
+            "on_bad_reply": ON_BAD_REPLY, "async_rule": ASYNC_RULES}
 
 
 #: the cloud's step: the plain average or a Flower strategy (fedhier_strategies.cloud_step)

@@ -48,9 +48,9 @@ import numpy as np
 import torch
 
 from fedhier.aggregate import aggregator, presence_weights
+from fedhier.async_rules import AsyncRule, finish
 from fedhier.faults import RunFailureError
 from fedhier.hsgd import CloudStep, Params, aggregate_levels
-from fedhier.staleness import staleness_weight
 from fedhier.topology import Hierarchy
 
 
@@ -77,8 +77,8 @@ NodeModels = Callable[[int, np.ndarray], Params]
 def merge_reports(reports: Sequence[tuple[EdgeJob, int]], global_params: Params,
                   weights: np.ndarray, hierarchy: Hierarchy, aggregators: tuple[str, ...],
                   node_models: NodeModels, cloud_step: CloudStep | None = None,
-                  cloud_round: int = 0) -> Params | None:
-    """The new global model from accepted reports (the module docstring's rule).
+                  cloud_round: int = 0, rule: AsyncRule | None = None) -> Params | None:
+    """The new global model from accepted reports by ``rule`` (the module docstring).
 
     Args:
         reports: (job, staleness) of the accepted reports; jobs without a surviving client
@@ -88,10 +88,13 @@ def merge_reports(reports: Sequence[tuple[EdgeJob, int]], global_params: Params,
         node_models: the models of level-``level`` nodes before this aggregation (levels
             above the edges; :meth:`fedhier.hsgd.HierarchicalSGD.node_models`).
         cloud_step: the cloud's update over its children, None = the levels' rules.
+        rule: FedBuff, FedAsync or the shifted mean with their settings
+            (:mod:`fedhier.async_rules`; None = the default, FedBuff).
 
     Returns:
         name -> [*shape], or None when no report has a survivor (the model stays).
     """
+    rule = AsyncRule() if rule is None else rule
     reports = [(job, s) for job, s in reports if job.models is not None]
     if not reports:
         return None
@@ -109,12 +112,14 @@ def merge_reports(reports: Sequence[tuple[EdgeJob, int]], global_params: Params,
     factor = np.ones(n)
     for job, staleness in reports:
         report_edge[job.members] = job.edge
-        factor[job.survivors] = staleness_weight(staleness)
-    weights = presence_weights(weights, present, report_edge) * factor
+        factor[job.survivors] = rule.factors(np.array([staleness]))[0]
+    data = presence_weights(weights, present, report_edge)
+    weights = data * factor
+    scale = rule.scale(float(weights[survivors].sum()), float(data[survivors].sum()))
     tree = hierarchy.with_edge_map(np.where(report_edge < num_edges, report_edge,
                                             hierarchy.edge_of_client()))
     shift = {job.edge: {k: global_params[k] - job.base[k] for k in keys}
-             for job, s in reports if s > 0}
+             for job, s in reports if s > 0 and rule.moves}
     jobs = {job.edge: job for job, _ in reports}
     top = hierarchy.num_levels
 
@@ -136,20 +141,22 @@ def merge_reports(reports: Sequence[tuple[EdgeJob, int]], global_params: Params,
                                        top, aggregators,
                                        lambda level, nodes: reference(level, nodes, False))
         new = {k: v[0] for k, v in averaged.items()}
-        stale = [(job, float(weights[job.survivors].sum())) for job, s in reports if s > 0]
+        stale = [(job, float(weights[job.survivors].sum())) for job, _ in reports
+                 if job.edge in shift]
         if stale:
             total = float(weights[survivors].sum())
             for key in keys:
                 correction = sum(mass * (global_params[key] - job.base[key])
                                  for job, mass in stale)
                 new[key] = new[key] + correction / total
-        return new
+        return finish(global_params, new, scale)
     models = _rows(reports, keys, index, shift)
     level = top if cloud_step is None else top - 1
     averaged, nodes = aggregate_levels(models, survivors, weights, tree, level, aggregators,
                                        reference)
     if cloud_step is None:
-        return {k: v[0] for k, v in averaged.items()}
+        return finish(global_params, {k: v[0] for k, v in averaged.items()}, scale)
+    averaged = finish({k: v.unsqueeze(0) for k, v in global_params.items()}, averaged, scale)
     child_weight = np.bincount(tree.ancestors(level)[survivors], weights=weights[survivors],
                                minlength=tree.num_nodes(level))
     new = cloud_step.step(cloud_round,

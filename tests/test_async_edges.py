@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fedhier.async_edges import AsyncHierarchicalSGD, EdgeJob
+from fedhier.async_rules import SHIFTED_MEAN
 from fedhier.cli import main
 from fedhier.config import RunConfig
 from fedhier.engines.inprocess import run_inprocess
@@ -83,9 +84,11 @@ def test_reports_staler_than_the_bound_are_dropped(tmp_path):
 
 def test_stale_reports_enter_as_weighted_updates_from_their_own_start():
     """w_new = sum_j a_j x_j / sum_j a_j + sum_e A_e (w - base_e) / sum_e A_e, with
-    a_j = w_j / sqrt(1 + s_e): checked against the formula written out by hand."""
+    a_j = w_j / sqrt(1 + s_e) (the shifted mean): checked against the formula written out
+    by hand."""
     hierarchy = Hierarchy(periods=(1, 2), parents=(np.array([0, 0, 1]),))
-    settings = HSGDSettings(periods=(1, 2), groups=(2,), asynchronous=AsyncEdges(2, 5))
+    settings = HSGDSettings(periods=(1, 2), groups=(2,),
+                            asynchronous=AsyncEdges(2, 5, rule=SHIFTED_MEAN))
     algorithm = AsyncHierarchicalSGD(settings)
     algorithm.hierarchy = hierarchy
     algorithm.weights = np.array([1.0, 3.0, 2.0])
