@@ -261,3 +261,15 @@ def test_bad_rule_settings_are_one_line_and_exit_2(tmp_path, flags, names):
     lines = err.getvalue().strip().splitlines()
     assert code == 2 and len(lines) == 1 and names in lines[0], err.getvalue()
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_the_sharded_engine_runs_every_rule_as_the_oracle(data, ray_cluster):  # noqa: F811
+    """Engine vectorized-ray (asynchronous edge servers over two shard actors): each rule
+    equals the oracle's equation to 1e-5 (averaging the edges' averages: float rounding)."""
+    for name, (flags, rule) in RULES.items():
+        r = run(data, "vectorized-ray", *CASE, "--ray-address", ray_cluster, "--ray-workers",
+                "2", *flags, rounds=6)
+        reports = [[edge for edge, _ in rec["async_reports"]] for rec in r["records"][1:]]
+        want, _ = oracle.async_hsgd(problem(data, r, (2, 4)), initial(r), reports, rule=rule)
+        assert gap(r, want) <= 1e-5, name
