@@ -273,3 +273,52 @@ def test_the_sharded_engine_runs_every_rule_as_the_oracle(data, ray_cluster):  #
         reports = [[edge for edge, _ in rec["async_reports"]] for rec in r["records"][1:]]
         want, _ = oracle.async_hsgd(problem(data, r, (2, 4)), initial(r), reports, rule=rule)
         assert gap(r, want) <= 1e-5, name
+
+
+# ------------------------------------------------------------------ why one-report buffers rise
+def test_a_single_fresh_report_applied_in_full_is_why_one_report_buffers_rise(tmp_path):
+    """The case of docs/hsgd.md ("Which rule"): digits, three levels, K = 1, mobility 0.5,
+    lr 0.1, the first cloud aggregation. Its one report is fresh (s = 0), so no staleness
+    function or bound acts: FedBuff with η_g = 1 and the shifted mean both set the global
+    model to the reporting edge's (bit for bit), whose clients hold a few classes, and the
+    train loss rises above the initial one. The same report with η_g = K / N = 1/4 is
+    w0 + (x_e - w0) / 4, below the initial loss: the step, not the rule, makes it rise."""
+    from safetensors.numpy import load_file
+
+    from tests.helpers import metrics
+
+    flags = ["run", "--dataset", "digits", "--clients", "20", "--alpha", "0.1",
+             "--grouping", "min-divergence", "--batch-size", "0", "--groups", "4,2",
+             "--periods", "5,10,20", "--lr", "0.1", "--mobility-rate", "0.5",
+             "--async-buffer", "1", "--rounds", "1", "--engine", "vectorized",
+             "--no-progress"]
+    runs = {}
+    for name, rule in (("full", []), ("shifted", ["--async-rule", "shifted-mean"]),
+                       ("quarter", ["--async-server-lr", "0.25"])):
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main([*flags, *rule, "--out", str(tmp_path / name)]) == 0
+        runs[name] = (metrics(tmp_path / name), load_file(tmp_path / name /
+                                                           "model_final.safetensors"))
+    (records, full), (_, shifted), (quarter_records, quarter) = runs.values()
+    start = load_file(tmp_path / "full" / "model_initial.safetensors")
+    assert records[1]["async_reports"] == [[3, 0]]  # one fresh report
+    assert all(full[k].tobytes() == shifted[k].tobytes() for k in full)
+    initial_loss = records[0]["train_loss"]
+    assert records[1]["train_loss"] > initial_loss + 0.2
+    assert quarter_records[1]["train_loss"] < initial_loss
+    for k in full:
+        np.testing.assert_allclose(quarter[k], start[k] + 0.25 * (full[k] - start[k]),
+                                   atol=1e-6)
+    # the reporting edge's clients (the map at the round's end) are further from the
+    # global label mix (total variation) than the edge the grouping made
+    import json
+
+    partition = json.loads((tmp_path / "full" / "partition.json").read_text())
+    counts = np.array([c["label_counts"] for c in partition["clients"]], dtype=np.float64)
+    grouped = json.loads((tmp_path / "full" / "groups.json").read_text())["client_to_edge"]
+
+    def distance(edge_of) -> float:
+        mix = counts[np.asarray(edge_of) == 3].sum(0)
+        return 0.5 * float(np.abs(mix / mix.sum() - counts.sum(0) / counts.sum()).sum())
+
+    assert distance(records[1]["client_to_edge"]) > 0.5 > 0.3 > distance(grouped)
