@@ -2,8 +2,9 @@
 really receives (``fedhier deploy local --edges E --async-buffer K``).
 
 The round is :class:`fedhier.async_edges.AsyncHierarchicalSGD`'s (the simulation's: the K
-accepted reports, staleness s = aggregations since the job's start model, weight
-1/sqrt(1+s), dropped past ``max_staleness``, :mod:`fedhier.stale_reports`), with three parts
+accepted reports, staleness s = aggregations since the job's start model, the run's rule
+(:mod:`fedhier.async_rules`), dropped past ``max_staleness``, :mod:`fedhier.stale_reports`),
+with three parts
 replaced for edge servers (:mod:`fedhier.edge_tier`):
 
 * **jobs run remotely**: an idle edge gets a job (:class:`fedhier.edge_tier.EdgeJob`: the

@@ -1,5 +1,11 @@
 """How the K accepted reports of asynchronous edges make the new global model.
 
+The rule (FedBuff, FedAsync or the shifted mean, :mod:`fedhier.async_rules`) is
+w_new = w + ρ (M - w), M the reports' combination below with each client's weight times the
+rule's factor f (s(τ), or α s(τ) under FedAsync) and the reports moved to w (not under
+FedAsync), ρ the rule's scale (:func:`fedhier.async_rules.finish`: M itself when ρ is 1, as
+under the shifted mean, whose M this docstring describes).
+
 A report is an edge job's result (:class:`fedhier.async_edges.EdgeJob`): its surviving
 clients' last models x_j, trained from the job's start model w_base(e), s cloud aggregations
 old (s = staleness). It enters the aggregation as its *update applied to the current model*
@@ -7,8 +13,8 @@ w: each of its clients' models is shifted to
 
     x'_j = x_j + (w - w_base(e))            (x'_j = x_j exactly when s = 0),
 
-each client weighs a_j = w~_j / sqrt(1 + s) (w~ its presence weight over the job's clients,
-:func:`fedhier.aggregate.presence_weights`; :func:`fedhier.staleness.staleness_weight`), and
+each client weighs a_j = w~_j f(s) (w~ its presence weight over the job's clients,
+:func:`fedhier.aggregate.presence_weights`; f = 1 / sqrt(1 + s) by default), and
 the level's aggregators of the run (``--aggregators``, one per level or one for all) combine
 the x'_j up the tree exactly as in a synchronous cloud aggregation
 (:func:`fedhier.hsgd.aggregate_levels`). A rule that measures from each node's start model
@@ -33,10 +39,13 @@ non-linear rule above the edges, or a cloud step) the rules run on the moved mod
 A **cloud step** (a Flower strategy, ``--cloud-strategy``): the levels below the cloud
 aggregate the x'_j as above; the strategy's ``aggregate_train`` receives those children
 (the cloud's children with an accepted survivor) weighted by Σ a_j of their clients, after
-``configure_train`` with w at the round's start: what a synchronous round does with them.
+``configure_train`` with w at the round's start: what a synchronous round does with them;
+each child is first moved to w + ρ (c - w), so that a strategy's plain weighted mean is the
+rule's model.
 
-With K = N every report is fresh (s = 0, factor 1, no shift): each way is the synchronous
-cloud aggregation, bit for bit.
+With K = N every report is fresh (s = 0, factor 1, no shift, ρ = 1 under FedBuff with
+η_g = 1, FedAsync with α = 1 and the shifted mean): each way is the synchronous cloud
+aggregation, bit for bit.
 """
 
 from __future__ import annotations
