@@ -127,7 +127,8 @@ class HierFedAvg(Strategy):
         (docs/hsgd.md#simulated-time). None = the defaults.
     asynchronous : fedhier.round.asynchrony.settings.AsyncEdges, optional
         Asynchronous, buffered edges: the cloud aggregates the first K edge reports on the
-        simulated clock, stale ones weighted 1/sqrt(1+s) (docs/hsgd.md#asynchronous-edges).
+        simulated clock, combined by its ``rule`` (FedBuff by default, FedAsync or the
+        shifted mean: fedhier.round.asynchrony.rules; docs/hsgd.md#asynchronous-edges).
         None = synchronous H-SGD.
     edge_periods : sequence of int (default: ())
         Per-edge periods I_i, one per edge, each dividing the next level's period; then

@@ -19,8 +19,10 @@ turns those facts into numbers is computed here:
   (``carry``) and aggregates at the new edge;
 - the coordinate-wise median, level by level;
 - a cloud step computed by a Flower strategy (any callable over the cloud's children);
-- asynchronous edges: jobs from the model version they started at, FedBuff's 1/sqrt(1+s);
-  asynchronous regions: each region sends its first K_r children's reports up as one.
+- asynchronous edges: jobs from the model version they started at, their reports combined
+  by FedBuff's, FedAsync's or the shifted-mean equation (:func:`apply_rule`) with a
+  polynomial or hinge staleness function; asynchronous regions: each region sends its first
+  K_r children's reports up as one.
 
 Models are dicts {"linear.weight": [C, D], "linear.bias": [C]}, float64.
 """
@@ -277,28 +279,112 @@ def local_sgd(problem: Problem, initial: Model, period: int, aggregations: int) 
     return w
 
 
+# --------------------------------------------------------------------------- asynchronous rules
+Staleness = Callable[[int], float]  # τ (aggregations behind) -> s(τ)
+
+
+def polynomial(a: float) -> Staleness:
+    """FedAsync's polynomial s_a(t - τ) = (t - τ + 1)^(-a); a = 1/2 is FedBuff's."""
+    return lambda tau: (tau + 1.0) ** (-a)
+
+
+def hinge(a: float, b: float) -> Staleness:
+    """FedAsync's hinge: 1 if t - τ <= b, else 1 / (a (t - τ - b) + 1)."""
+    return lambda tau: 1.0 if tau <= b else 1.0 / (a * (tau - b) + 1.0)
+
+
+@dataclass(frozen=True)
+class AsyncRule:
+    """How an aggregation's reports make the new model (docs/hsgd.md, "Asynchronous
+    rules"): ``fedbuff`` (server lr η_g), ``fedasync`` (mixing α), ``shifted-mean``."""
+
+    name: str = "fedbuff"
+    server_lr: float = 1.0
+    mixing: float = 0.5
+    staleness: Staleness = field(default_factory=lambda: polynomial(0.5))
+
+
+@dataclass
+class Report:
+    """One edge report as a rule reads it: x, the edge's aggregate of its clients' models
+    (unmoved); moved, the aggregate of those models each moved by w - base; base, the model
+    its job started from; weight W (its clients' data weights); tau, its staleness."""
+
+    x: Model
+    moved: Model
+    base: Model
+    weight: float
+    tau: int
+
+
+def apply_rule(rule: AsyncRule, w: Model, reports: Sequence[Report],
+               cloud_step: Callable[[list[Model], list[float]], Model] | None = None) -> Model:
+    """The new model from the papers' equations, π_e = W_e / Σ W:
+
+    - fedbuff (Nguyen et al. 2022): w + η_g Σ_e π_e s(τ_e) Δ_e, Δ_e = moved_e - w (the
+      edge's update from its own start model: x_e - base_e under the mean);
+    - fedasync (Xie et al. 2019): w + Σ_e π_e α s(τ_e) (x_e - w) (K = 1: (1 - α_t) w + α_t x);
+    - shifted-mean: Σ_e A_e moved_e / Σ_e A_e, A_e = W_e s(τ_e).
+
+    ``cloud_step`` (children, weights) -> model: the strategy instead of the final mean; it
+    gets each child at w + ρ (c_e - w) weighted A_e = W_e f_e, ρ the rule's share of its
+    step, so that its weighted mean is the rule's model (c_e = moved_e, or x_e under fedasync).
+    """
+    total = sum(r.weight for r in reports)
+    if rule.name == "fedbuff":
+        factors = [rule.staleness(r.tau) for r in reports]
+        step = sum_models([{k: (r.moved[k] - w[k]) * (r.weight * f / total) for k in w}
+                           for r, f in zip(reports, factors, strict=True)])
+        new = {k: w[k] + rule.server_lr * step[k] for k in w}
+        children = [r.moved for r in reports]
+        share = rule.server_lr * sum(r.weight * f for r, f in zip(reports, factors,
+                                                                  strict=True)) / total
+    elif rule.name == "fedasync":
+        factors = [rule.mixing * rule.staleness(r.tau) for r in reports]
+        new = dict(w)
+        for r, alpha in zip(reports, factors, strict=True):
+            new = {k: new[k] + (r.weight / total) * alpha * (r.x[k] - w[k]) for k in w}
+        children = [r.x for r in reports]
+        share = sum(r.weight * a for r, a in zip(reports, factors, strict=True)) / total
+    else:
+        factors = [rule.staleness(r.tau) for r in reports]
+        new = mean([r.moved for r in reports], [r.weight * f for r, f in
+                                                  zip(reports, factors, strict=True)])
+        children, share = [r.moved for r in reports], 1.0
+    if cloud_step is None:
+        return new
+    return cloud_step([{k: w[k] + share * (c[k] - w[k]) for k in w} for c in children],
+                      [r.weight * f for r, f in zip(reports, factors, strict=True)])
+
+
+def sum_models(models: Sequence[Model]) -> Model:
+    return {k: sum(m[k] for m in models) for k in models[0]}
+
+
 # --------------------------------------------------------------------------- asynchronous edges
 def async_hsgd(problem: Problem, initial: Model, reports: Sequence[Sequence[int]],
                edge_rule: str = "mean", cloud_step: CloudStep | None = None,
-               edge_periods: Sequence[int] | None = None,
+               edge_periods: Sequence[int] | None = None, rule: AsyncRule | None = None,
                ) -> tuple[Model, list[list[int]]]:
     """Asynchronous two-level H-SGD: aggregation r takes the reports of edges ``reports[r]``.
 
     Every edge runs jobs: from the global model of version v, P_2 steps with edge
     aggregation every P_1, then it reports. A report from version v at aggregation r
-    (versions count aggregations, so r - 1 >= v) is stale by s = r - 1 - v. The new model is
-    Σ_j a_j x_j / Σ_j a_j + Σ_e A_e (w - w_base(e)) / Σ_e A_e with a_j = w̃_j / sqrt(1 + s),
+    (versions count aggregations, so r - 1 >= v) is stale by s = r - 1 - v. The reports make
+    the new model by ``rule`` (:func:`apply_rule`; default FedBuff, η_g = 1,
+    s = 1/sqrt(1 + s)). Under ``shifted-mean`` with the mean that is
+    Σ_j a_j x_j / Σ_j a_j + Σ_e A_e (w - w_base(e)) / Σ_e A_e with a_j = w̃_j s(s_e),
     A_e = Σ_{j in e} a_j. Returns the final model and, per aggregation, [edge, s] pairs.
 
-    ``edge_rule`` "median" (aggregators median at the edges, mean at the cloud): each report's
-    models are moved to x_j + (w - w_base(e)), each edge takes their coordinate-wise median,
-    and the cloud the A_e-weighted mean of those (for "mean" that is the formula above).
-    ``cloud_step``: the cloud's update from w and the reporting edges' aggregates of their
-    moved models (in edge order) with weights A_e, instead of their weighted mean.
+    ``edge_rule`` "median" (aggregators median at the edges, mean at the cloud): each edge
+    takes the coordinate-wise median of its report's models (moved to x_j + (w - w_base(e))
+    where the rule moves them). ``cloud_step``: the cloud's update from w and the reporting
+    edges' children (in edge order, :func:`apply_rule`) instead of their weighted mean.
     ``edge_periods``: I_e per edge (each divides P_2): edge e aggregates every I_e steps
     of its job instead of every P_1.
     """
     p = problem
+    rule = rule or AsyncRule()
     omega = p.weights()
     versions = [initial]  # global model after v aggregations
     version_of_edge = np.zeros(p.num_edges, dtype=np.int64)
@@ -306,7 +392,7 @@ def async_hsgd(problem: Problem, initial: Model, reports: Sequence[Sequence[int]
     for r, edges in enumerate(reports, start=1):
         w = versions[-1]
         xs, a, bases, big_a = [], [], [], []
-        pairs, children, child_weights = [], [], []
+        pairs, taken = [], []
         for e in sorted(edges):
             s = r - 1 - int(version_of_edge[e])
             pairs.append([int(e), s])
@@ -321,27 +407,25 @@ def async_hsgd(problem: Problem, initial: Model, reports: Sequence[Sequence[int]
                     avg = (median(models) if edge_rule == "median"
                            else mean(models, omega[members]))
                     models = [avg] * len(members)
-            decay = 1.0 / math.sqrt(1.0 + s)
             shifted = [{k: m[k] + w[k] - base[k] for k in w} for m in models]
-            children.append(median(shifted) if edge_rule == "median"
-                            else mean(shifted, omega[members]))
-            child_weights.append(float(omega[members].sum() * decay))
-            if edge_rule == "median":
-                xs.append(children[-1])
-                a.append(float(omega[members].sum() * decay))
-                continue
+            agg = median if edge_rule == "median" else (
+                lambda ms, om=omega[members]: mean(ms, om))
+            taken.append(Report(agg(models), agg(shifted), base,
+                                float(omega[members].sum()), s))
+            decay = rule.staleness(s)
             xs += models
             a += list(omega[members] * decay)
             bases.append(base)
             big_a.append(float(omega[members].sum() * decay))
-        first = mean(xs, a)
-        if cloud_step is not None:
-            versions.append(cloud_step(r, w, children, child_weights))
-        elif edge_rule == "median":  # the shifts are inside the edges' medians
-            versions.append(first)
-        else:
+        step = (None if cloud_step is None else
+                lambda children, weights, r=r, w=w: cloud_step(r, w, children, weights))
+        if rule.name == "shifted-mean" and edge_rule == "mean" and cloud_step is None:
+            # the flat form over the clients (the same model as apply_rule's)
+            first = mean(xs, a)
             drift = mean([{k: w[k] - b[k] for k in w} for b in bases], big_a)
             versions.append({k: first[k] + drift[k] for k in w})
+        else:
+            versions.append(apply_rule(rule, w, taken, step))
         for e in edges:
             version_of_edge[e] = r
         stalenesses.append(pairs)
@@ -350,7 +434,8 @@ def async_hsgd(problem: Problem, initial: Model, reports: Sequence[Sequence[int]
 
 # --------------------------------------------------------------------------- asynchronous regions
 def async_regions_hsgd(problem: Problem, initial: Model, reports: Sequence[Sequence[int]],
-                       region_buffer: int, cloud_buffer: int) -> Model:
+                       region_buffer: int, cloud_buffer: int,
+                       rule: AsyncRule | None = None) -> Model:
     """Asynchronous three-level H-SGD whose regions buffer: aggregation r takes the reports of
     edges ``reports[r]`` (docs/hsgd.md, "Asynchronous regions").
 
@@ -365,8 +450,11 @@ def async_regions_hsgd(problem: Problem, initial: Model, reports: Sequence[Seque
     step P_3 (the report is the clients' last models). The aggregation is the rule of
     :func:`async_hsgd` (the mean at every level is the data-weighted mean over the clients):
     Σ_j a_j x_j / Σ_j a_j + Σ_e A_e (w - w_base(e)) / Σ_e A_e, a_j = ω_j / sqrt(1 + s),
-    s = aggregations between the job's start model and the one that takes it.
+    s = aggregations between the job's start model and the one that takes it, under
+    ``shifted-mean``; the other rules are applied where the reports are buffered, region by
+    region and then at the cloud (:func:`apply_rule_nested`).
     """
+    rule = rule or AsyncRule()
     p = problem
     assert p.levels == 3, "the oracle's regions are those of a three-level tree"
     omega = p.weights()
@@ -406,17 +494,53 @@ def async_regions_hsgd(problem: Problem, initial: Model, reports: Sequence[Seque
                 batches[v] = train_batch(v)
         w = versions[-1]
         xs, a_j, bases, big_a = [], [], [], []
+        by_region: dict[int, list[Report]] = {}
         for e in sorted(edges):
             v = int(version_of_edge[e])
-            decay = 1.0 / math.sqrt(1.0 + (r - 1 - v))
+            decay = rule.staleness(r - 1 - v)
             members = np.flatnonzero(p.edge_of == e)
             xs += [batches[v][int(j)] for j in members]
             a_j += list(omega[members] * decay)
             bases.append(versions[v])
             big_a.append(float(omega[members].sum() * decay))
-        first = mean(xs, a_j)
-        drift = mean([{k: w[k] - b[k] for k in w} for b in bases], big_a)
-        versions.append({k: first[k] + drift[k] for k in w})
+            models = [batches[v][int(j)] for j in members]
+            by_region.setdefault(int(region[e]), []).append(Report(
+                mean(models, omega[members]),
+                mean([{k: m[k] + w[k] - versions[v][k] for k in w} for m in models],
+                     omega[members]),
+                versions[v], float(omega[members].sum()), r - 1 - v))
+        if rule.name != "shifted-mean":
+            versions.append(apply_rule_nested(rule, w, list(by_region.values())))
+        else:
+            first = mean(xs, a_j)
+            drift = mean([{k: w[k] - b[k] for k in w} for b in bases], big_a)
+            versions.append({k: first[k] + drift[k] for k in w})
         for e in edges:
             version_of_edge[e] = r
     return versions[-1]
+
+
+def apply_rule_nested(rule: AsyncRule, w: Model, regions: Sequence[Sequence[Report]]) -> Model:
+    """FedBuff or FedAsync applied where the reports are buffered: each region combines its
+    edges' reports by the rule's data-weighted sum into its update U_a and weight W_a (the
+    discount applied once, at each edge report's staleness; fedbuff U_a = Σ_e (W_e / W_a)
+    s(τ_e) (moved_e - w), fedasync Σ_e (W_e / W_a) α s(τ_e) (x_e - w)), and the cloud
+    applies w + η Σ_a (W_a / Σ W) U_a (η = η_g under fedbuff, 1 under fedasync)."""
+    updates, masses = [], []
+    for reports in regions:
+        mass = sum(r.weight for r in reports)
+        parts = []
+        for r in reports:
+            if rule.name == "fedbuff":
+                parts.append({k: (r.moved[k] - w[k]) * (r.weight / mass * rule.staleness(r.tau))
+                              for k in w})
+            else:
+                parts.append({k: (r.x[k] - w[k]) * (r.weight / mass * rule.mixing
+                                                    * rule.staleness(r.tau)) for k in w})
+        updates.append(sum_models(parts))
+        masses.append(mass)
+    eta = rule.server_lr if rule.name == "fedbuff" else 1.0
+    total = sum(masses)
+    step = sum_models([{k: u[k] * (m / total) for k in w}
+                       for u, m in zip(updates, masses, strict=True)])
+    return {k: w[k] + eta * step[k] for k in w}

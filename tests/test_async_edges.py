@@ -13,6 +13,7 @@ from fedhier.common.errors import ConfigError
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.engines.vectorized.engine import run_vectorized
 from fedhier.round.asynchrony.edges import AsyncHierarchicalSGD, EdgeJob
+from fedhier.round.asynchrony.rules import SHIFTED_MEAN
 from fedhier.round.asynchrony.settings import AsyncEdges, staleness_weight
 from fedhier.round.loop import HSGDSettings
 from fedhier.runs.folder import RunFolder
@@ -83,9 +84,11 @@ def test_reports_staler_than_the_bound_are_dropped(tmp_path):
 
 def test_stale_reports_enter_as_weighted_updates_from_their_own_start():
     """w_new = sum_j a_j x_j / sum_j a_j + sum_e A_e (w - base_e) / sum_e A_e, with
-    a_j = w_j / sqrt(1 + s_e): checked against the formula written out by hand."""
+    a_j = w_j / sqrt(1 + s_e) (the shifted mean): checked against the formula written out
+    by hand."""
     hierarchy = Hierarchy(periods=(1, 2), parents=(np.array([0, 0, 1]),))
-    settings = HSGDSettings(periods=(1, 2), groups=(2,), asynchronous=AsyncEdges(2, 5))
+    settings = HSGDSettings(periods=(1, 2), groups=(2,),
+                            asynchronous=AsyncEdges(2, 5, rule=SHIFTED_MEAN))
     algorithm = AsyncHierarchicalSGD(settings)
     algorithm.hierarchy = hierarchy
     algorithm.weights = np.array([1.0, 3.0, 2.0])

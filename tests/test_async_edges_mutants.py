@@ -9,7 +9,9 @@ rows 1, 1, 2, 4. Two levels: edge 0 = {0, 1}, edge 1 = {2, 3}, periods (1, 2): a
 edge rounds of one step. The clock (:data:`CLOCK`): a step takes 1 s times the edge's
 slowdown, a model 0.25 s over a client-edge link and 1 s over a link above the edges, no
 latency. So an edge round of two clients takes 0.5 + 0.5 + slowdown s; an upload waits for
-the link and takes 1 s; the model goes down to m children in m s.
+the link and takes 1 s; the model goes down to m children in m s. The models are those of
+the ``shifted-mean`` rule (named in every AsyncEdges here; the other rules' arithmetic:
+tests/test_async_rules.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from fedhier.round.asynchrony.edges import AsyncHierarchicalSGD, algorithm_for
+from fedhier.round.asynchrony.rules import SHIFTED_MEAN
 from fedhier.round.asynchrony.settings import AsyncEdges
 from fedhier.round.clock import TimeModel
 from fedhier.round.loop import HierarchicalSGD, HSGDSettings
@@ -48,7 +51,8 @@ KEYS = ("async_reports", "stale_dropped", "sim_seconds", "local_train_loss",
 def run(rounds: int, buffer: int = 1, staleness: int = 4, time: TimeModel = CLOCK,
         fake: Fake | None = None, **kw):
     """(algorithm, records as tuples of :data:`KEYS` from round 1, final w)."""
-    s = settings(time_model=time, asynchronous=AsyncEdges(buffer, staleness), **kw)
+    s = settings(time_model=time,
+                 asynchronous=AsyncEdges(buffer, staleness, rule=SHIFTED_MEAN), **kw)
     algo = AsyncHierarchicalSGD(s)
     records: list[dict] = []
     final = algo.run(fake or Clocked(), {"w": torch.zeros(1)}, rounds,
@@ -213,7 +217,8 @@ def test_a_buffer_of_every_edge_regroups_moves_and_counts_as_the_synchronous_run
     sync_records: list[dict] = []
     sync = HierarchicalSGD(HSGDSettings(**kw))
     expected = sync.run(Gradients(), {"w": torch.zeros(1)}, 3, on_record=sync_records.append)
-    algo = AsyncHierarchicalSGD(HSGDSettings(asynchronous=AsyncEdges(2, 0), **kw))
+    algo = AsyncHierarchicalSGD(HSGDSettings(asynchronous=AsyncEdges(2, 0, rule=SHIFTED_MEAN),
+                                             **kw))
     records: list[dict] = []
     gradients = Gradients()
     final = algo.run(gradients, {"w": torch.zeros(1)}, 3, on_record=records.append)
@@ -346,7 +351,7 @@ def test_a_synchronous_checkpoint_is_refused():
     algo = HierarchicalSGD(settings(time_model=CLOCK))
     algo.run(Clocked(), {"w": torch.zeros(1)}, 1)
     assert_refused(lambda: AsyncHierarchicalSGD(
-        settings(asynchronous=AsyncEdges(1))).load_state_dict(algo.state_dict()),
+        settings(asynchronous=AsyncEdges(1, rule=SHIFTED_MEAN))).load_state_dict(algo.state_dict()),
         "this checkpoint was written by a synchronous run; resume it without async_buffer")
 
 
@@ -380,12 +385,13 @@ def test_a_checkpoint_without_edge_counts_gives_none():
 def test_algorithm_for_picks_the_round():
     assert type(algorithm_for(settings())) is HierarchicalSGD
     assert algorithm_for(settings(), cloud_step="step").cloud_step == "step"
-    chosen = algorithm_for(settings(asynchronous=AsyncEdges(1)), cloud_step="step")
+    chosen = algorithm_for(settings(asynchronous=AsyncEdges(1, rule=SHIFTED_MEAN)),
+                           cloud_step="step")
     assert type(chosen) is AsyncHierarchicalSGD and chosen.cloud_step == "step"
 
 
 def test_a_fresh_run_starts_every_edge_idle_at_zero_with_the_initial_model():
-    algo = AsyncHierarchicalSGD(settings(asynchronous=AsyncEdges(1)))
+    algo = AsyncHierarchicalSGD(settings(asynchronous=AsyncEdges(1, rule=SHIFTED_MEAN)))
     assert (algo.version, algo.jobs, algo.idle, algo.now) == (0, {}, {}, 0.0)
     assert algo.link_free == -np.inf and algo.regions is None and algo.round_maps is None
     algo.setup(Clocked(), {"w": torch.tensor([2.0])})
@@ -417,8 +423,9 @@ def test_a_cloud_step_is_told_each_round_and_given_the_reports_edges():
     mean 3, weight 2): 103. Round 2: edge 1's (stale by 1: 22/3 + 103, weight 6 /
     sqrt(2)): + 100."""
     step = FirstChild()
-    algo = AsyncHierarchicalSGD(settings(time_model=CLOCK, asynchronous=AsyncEdges(1)),
-                                cloud_step=step)
+    algo = AsyncHierarchicalSGD(
+        settings(time_model=CLOCK, asynchronous=AsyncEdges(1, rule=SHIFTED_MEAN)),
+        cloud_step=step)
     final = algo.run(Clocked(), {"w": torch.zeros(1)}, 2)
     assert step.begun == [(1, 0.0, 2), (2, pytest.approx(103.0), 2)]
     assert step.steps == [(1, [0], [2.0]), (2, [1], [pytest.approx(6 / 2 ** 0.5)])]
@@ -436,7 +443,7 @@ def test_region_buffers_drop_a_held_report_when_the_round_starts():
     0, 1 from 12 end at 42, reach region 0 at 43, 44: w = 18 at 48. Losses of round 3:
     the batch of edges 0-2 (weights 1, 1, 2: 9/4 per edge round), then edge 3's (4)."""
     s = settings(time_model=clock((3, 8.0)), periods=(1, 2, 4), groups=(4, 2),
-                 asynchronous=AsyncEdges(1, 1, regions=(2,)))
+                 asynchronous=AsyncEdges(1, 1, regions=(2,), rule=SHIFTED_MEAN))
     algo = AsyncHierarchicalSGD(s)
     records: list[dict] = []
     final = algo.run(Clocked(), {"w": torch.zeros(1)}, 3, on_record=records.append)
@@ -455,14 +462,14 @@ def test_region_buffers_drop_a_held_report_when_the_round_starts():
 @pytest.mark.parametrize("kw", [
     {"periods": (1, 2, 4), "groups": (4, 2), "time_model": clock((3, 5.0))},
     {"periods": (1, 2, 4), "groups": (4, 2), "time_model": clock((3, 8.0)),
-     "asynchronous": AsyncEdges(1, 1, regions=(2,))},
+     "asynchronous": AsyncEdges(1, 1, regions=(2,), rule=SHIFTED_MEAN)},
     {"periods": (1, 4), "edge_periods": (1, 2), "time_model": CLOCK},
 ], ids=["three-levels", "regions", "edge-periods"])
 def test_a_run_resumed_from_its_checkpoint_is_the_run(kw, stop):
     """Four rounds straight, or ``stop`` rounds, a checkpoint, and the rest in a fresh
     algorithm from the checkpoint's model: the same records and model (the links' queues,
     the regions' held reports and each edge's aggregation counts carry over)."""
-    kw = {"asynchronous": AsyncEdges(1), **kw}
+    kw = {"asynchronous": AsyncEdges(1, rule=SHIFTED_MEAN), **kw}
     straight: list[dict] = []
     expected = AsyncHierarchicalSGD(settings(**kw)).run(
         Clocked(), {"w": torch.zeros(1)}, 4, on_record=straight.append)
@@ -534,7 +541,7 @@ def test_setup_takes_the_given_tree_and_profiles_and_copies_the_model_per_edge()
     tree = Hierarchy((1, 2), (np.array([1, 0, 0, 1], dtype=np.int64),))
     fake = Clocked()
     info = fake.profiles()
-    algo = AsyncHierarchicalSGD(settings(asynchronous=AsyncEdges(1)))
+    algo = AsyncHierarchicalSGD(settings(asynchronous=AsyncEdges(1, rule=SHIFTED_MEAN)))
     algo.setup(fake, {"w": torch.tensor([2.0, 3.0])}, info=info, hierarchy=tree)
     assert algo.hierarchy is tree and algo.info is info
     assert algo.edge_models["w"].tolist() == [[2.0, 3.0], [2.0, 3.0]]

@@ -11,6 +11,7 @@ import torch
 
 from fedhier.round.asynchrony.edges import EdgeJob
 from fedhier.round.asynchrony.reports import merge_reports
+from fedhier.round.asynchrony.rules import SHIFTED_MEAN
 from fedhier.tree.hierarchy import Hierarchy
 
 W = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
@@ -40,16 +41,18 @@ def _jobs(stale: int, shifted: bool = False):
 @pytest.mark.parametrize("above", ["mean", "median"])  # the linear way and the moved one
 def test_clip_measures_a_stale_report_from_its_moved_start(above):
     """A stale report with clip at the edges = the same report moved by w - base and made
-    fresh, its clients' weights times 1/sqrt(1 + s): clip(x + d; r + d) = clip(x; r) + d."""
+    fresh, its clients' weights times 1/sqrt(1 + s) (the shifted mean renormalises them):
+    clip(x + d; r + d) = clip(x; r) + d."""
     rules = ("clip:0.5x", above)
-    stale = merge_reports(_jobs(3), {"p": W}, WEIGHTS, TREE, rules, _node_models)
+    stale = merge_reports(_jobs(3), {"p": W}, WEIGHTS, TREE, rules, _node_models,
+                          rule=SHIFTED_MEAN)
     factor = np.array([1 / math.sqrt(4)] * 3 + [1.0] * 3)
     fresh = merge_reports(_jobs(3, shifted=True), {"p": W}, WEIGHTS * factor, TREE, rules,
-                          _node_models)
+                          _node_models, rule=SHIFTED_MEAN)
     assert stale is not None and fresh is not None
     torch.testing.assert_close(stale["p"], fresh["p"], rtol=1e-12, atol=1e-12)
     unclipped = merge_reports(_jobs(3), {"p": W}, WEIGHTS, TREE, ("mean", above),
-                              _node_models)
+                              _node_models, rule=SHIFTED_MEAN)
     assert unclipped is not None
     assert float((unclipped["p"] - stale["p"]).abs().max()) > 1e-3  # clip acts here
 

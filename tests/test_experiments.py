@@ -145,3 +145,18 @@ def test_a_run_from_before_a_setting_existed_is_reused(tmp_path):
     assert _same_config(tmp_path, cfg)
     assert not _same_config(tmp_path, cfg.replace(async_buffer=2))
     assert not _same_config(tmp_path, cfg.replace(clients=7))
+
+
+def test_a_run_from_before_the_async_rules_ran_the_shifted_mean(tmp_path):
+    """An async run folder without async_rule was made by the shifted mean: it is the same
+    run as async_rule shifted-mean, not as the new default (fedbuff), and is run again."""
+    from fedhier.runs.folder import write_json
+    from fedhier.settings.run_config import RunConfig
+    from fedhier.studies.experiments.runner import _same_config
+
+    cfg = RunConfig(clients=6, groups=(2,), async_buffer=1)
+    saved = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.to_dict().items()
+             if k != "async_rule"}
+    write_json(tmp_path / "config.json", saved)
+    assert _same_config(tmp_path, cfg.replace(async_rule="shifted-mean"))
+    assert not _same_config(tmp_path, cfg)

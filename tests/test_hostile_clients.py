@@ -399,8 +399,8 @@ def test_an_evaluate_reply_without_metrics_is_named(tmp_path, caplog):
 
     code, _, records, _ = run(hostile_app("evaluate", bare), tmp_path / "run")
     assert code == 0 and len(records) == 2
-    assert any(f"client(s) [{HOSTILE}] replied without a loss (loss/eval_loss) or an accuracy" in r.getMessage()
-               for r in caplog.records)
+    said = f"client(s) [{HOSTILE}] replied without a loss (loss/eval_loss) or an accuracy"
+    assert any(said in r.getMessage() for r in caplog.records)
 
 
 def test_the_reply_guard_state_round_trips_and_refuses_a_damaged_one():

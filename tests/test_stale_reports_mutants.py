@@ -10,20 +10,23 @@ import pytest
 import torch
 
 from fedhier.round.asynchrony.reports import merge_reports
+from fedhier.round.asynchrony.rules import SHIFTED_MEAN
 from tests.test_async_mutants import TREE, WEIGHTS, W, X, _jobs, _node_models
 
 
 def test_a_median_above_the_edges_takes_the_moved_models():
     """mean at the edges, median above: the stale report enters as the same report moved
     by w - base and made fresh (its clients' weights times 1/sqrt(1 + s)), not as the
-    median of the unmoved models plus the mean shift (the linear rules' way)."""
+    median of the unmoved models plus the mean shift (the linear rules' way). The shifted
+    mean's numbers (its weights are renormalised)."""
     rules = ("mean", "median")
-    stale = merge_reports(_jobs(3), {"p": W}, WEIGHTS, TREE, rules, _node_models)
+    stale = merge_reports(_jobs(3), {"p": W}, WEIGHTS, TREE, rules, _node_models,
+                          rule=SHIFTED_MEAN)
     factor = np.array([1 / math.sqrt(4)] * 3 + [1.0] * 3)
     fresh = merge_reports(_jobs(3, shifted=True), {"p": W}, WEIGHTS * factor, TREE, rules,
-                          _node_models)
+                          _node_models, rule=SHIFTED_MEAN)
     linear = merge_reports(_jobs(3), {"p": W}, WEIGHTS, TREE, ("mean", "mean"),
-                           _node_models)
+                           _node_models, rule=SHIFTED_MEAN)
     assert stale is not None and fresh is not None and linear is not None
     torch.testing.assert_close(stale["p"], fresh["p"], rtol=1e-12, atol=1e-12)
     assert float((stale["p"] - linear["p"]).abs().max()) > 1e-3
@@ -47,7 +50,7 @@ def test_a_cloud_step_is_given_the_cloud_children_and_their_weights():
     clients' mean, weight 2 + 1 + 4 = 7."""
     step = Recorder()
     new = merge_reports(_jobs(2), {"p": W}, WEIGHTS, TREE, ("mean", "mean"), _node_models,
-                        step, cloud_round=5)
+                        step, cloud_round=5, rule=SHIFTED_MEAN)
     assert new is not None and len(step.seen) == 1
     cloud_round, children, weights = step.seen[0]
     w = torch.as_tensor(WEIGHTS)[:, None]

@@ -219,8 +219,26 @@ class DeclaredSettings:
         part=("asynchronous", "regions"))
     max_staleness: int = setting(
         4, "asynchronous edges: drop a report more than S cloud aggregations old; fresher ones "
-        "weigh 1/sqrt(1+s)",
+        "are discounted by staleness_fn",
         valid=AT_LEAST_0, part="asynchronous")
+    async_rule: str = setting(
+        "fedbuff", "asynchronous edges and regions: how the accepted reports make the new model: "
+        "fedbuff (Nguyen et al. 2022: w + async_server_lr x the data-weighted mean of the "
+        "discounted updates), fedasync (Xie et al. 2019: each report's model mixed into w "
+        "with weight async_mixing x s), shifted-mean (the rule before these existed: the "
+        "updates moved to w, their discounts renormalised)",
+        valid=("fedbuff", "fedasync", "shifted-mean"), part=("async_rule", "name"))
+    async_server_lr: float = setting(
+        1.0, "async_rule fedbuff: the server learning rate eta_g applied to the buffer's update",
+        valid=POSITIVE, part=("async_rule", "server_lr"))
+    async_mixing: float = setting(
+        0.5, "async_rule fedasync: the mixing weight alpha of a fresh report, in (0, 1]",
+        valid=Range(0, 1, low_open=True), part=("async_rule", "mixing"))
+    staleness_fn: str = setting(
+        "polynomial:0.5", "asynchronous edges: the staleness discount s(t) of every async_rule, "
+        "t in cloud aggregations: polynomial:A ((1+t)^-A; polynomial:0.5 is FedBuff's "
+        "1/sqrt(1+t)), hinge:A:B (1 up to t = B, then 1/(A(t-B)+1)) or constant",
+        part=("async_rule", "staleness", "fedhier.settings.views:staleness_function"))
     # simulated time (fedhier.round.clock): metrics.jsonl's sim_seconds
     step_seconds: float = setting(
         0.01, "simulated time: seconds of compute per local step of a typical client",

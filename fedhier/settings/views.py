@@ -27,7 +27,8 @@ PARTS: dict[str, tuple[str, dict[str, str]]] = {
     "mobility": ("fedhier.tree.mobility:Mobility", {}),
     "time_model": ("fedhier.round.clock:TimeModel", {}),
     "reply_policy": ("fedhier.round.reply_policy:ReplyPolicy", {}),
-    "asynchronous": ("fedhier.round.asynchrony.settings:AsyncEdges", {}),
+    "asynchronous": ("fedhier.round.asynchrony.settings:AsyncEdges", {"rule": "async_rule"}),
+    "async_rule": ("fedhier.round.asynchrony.rules:AsyncRule", {}),
     "local_optimizer": ("fedhier.local.optimizer:LocalOptimizer", {}),
     "langevin": ("fedhier.local.langevin:Langevin", {}),
 }
@@ -65,6 +66,13 @@ def build_part(cfg: Any, part: str) -> Any:
 def parse_span(value: str, cfg: Any) -> tuple[int, int] | None:
     """``dropout_rounds`` ``"A-B"`` -> (A, B) (None: no span)."""
     from fedhier.round.faults import parse_span as parse
+
+    return parse(value)
+
+
+def staleness_function(value: str, cfg: Any) -> Any:
+    """``staleness_fn`` ``"polynomial:0.5"`` -> its :class:`StalenessFunction`."""
+    from fedhier.round.asynchrony.rules import staleness_function as parse
 
     return parse(value)
 

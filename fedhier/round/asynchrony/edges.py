@@ -11,10 +11,11 @@ to those K edges, which start their next job from it. The others keep going.
 
 A report that arrives s aggregations after its job's version is *stale* by s: over S
 (``max_staleness``) it is dropped and its edge restarts from the current model; otherwise it
-enters as its update applied to the current model, its clients weighted by
-``staleness_weight(s)`` (1/sqrt(1+s)), through the run's aggregators and cloud step
-(:mod:`fedhier.round.asynchrony.reports`). With K = N (every report fresh) this is exactly the
-synchronous round of :class:`fedhier.round.loop.HierarchicalSGD`, bit for bit.
+enters the new model by the run's rule (FedBuff, FedAsync or the shifted mean,
+:mod:`fedhier.round.asynchrony.rules`, discounted by its staleness), through the run's aggregators
+and cloud step (:mod:`fedhier.round.asynchrony.reports`). With K = N (every report fresh) this is
+exactly the synchronous round of :class:`fedhier.round.loop.HierarchicalSGD`, bit for bit, under
+every rule that reduces to it (FedBuff with η_g = 1, FedAsync with α = 1, the shifted mean).
 
 **Membership** (who is in a job). At the start of each cloud round (after each
 aggregation) a regrouping happens when due (``regroup_every``), and the mobility model
@@ -249,7 +250,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                 job.members = np.flatnonzero(grouping == job.edge)
         new = merge_reports(accepted, self.global_params, self.weights, self._hierarchy(),
                             self.settings.aggregators, self.node_models, self.cloud_step,
-                            cloud_round)
+                            cloud_round, self.settings.asynchronous.rule)
         if new is not None:
             self.global_params = new
 

@@ -22,8 +22,10 @@ own children's reports, as the cloud of :mod:`fedhier.round.asynchrony.edges` bu
 * **The cloud** aggregates its first K (``--async-buffer``; 0 = every child) of its
   children's reports to *arrive*: with regions buffering, the cloud's K counts region
   reports, not edge reports. The edge reports inside them are merged as asynchronous edges
-  merge theirs (:func:`fedhier.round.asynchrony.reports.merge_reports`: each client's model moved by
-  w - w_base(e), weighted 1 / sqrt(1 + s)), and the new model goes back down to their edges,
+  merge theirs (:func:`fedhier.round.asynchrony.reports.merge_reports`, the run's rule over the edge
+  reports, each discounted by its own staleness: every rule is linear in its reports, so
+  this is the rule applied at each buffering region with data weights and then at the
+  cloud, :mod:`fedhier.round.asynchrony.rules`), and the new model goes back down to their edges,
   which start their next job; every other edge keeps going or waits at its region.
 * **Staleness** s of an edge report = cloud aggregations between its job's start model and the
   aggregation that takes it (the version counter of asynchronous edges). A report more than S

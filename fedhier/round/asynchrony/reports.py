@@ -1,5 +1,11 @@
 """How the K accepted reports of asynchronous edges make the new global model.
 
+The rule (FedBuff, FedAsync or the shifted mean, :mod:`fedhier.round.asynchrony.rules`) is
+w_new = w + ρ (M - w), M the reports' combination below with each client's weight times the
+rule's factor f (s(τ), or α s(τ) under FedAsync) and the reports moved to w (not under
+FedAsync), ρ the rule's scale (:func:`fedhier.round.asynchrony.rules.finish`: M itself when ρ is 1,
+as under the shifted mean, whose M this docstring describes).
+
 A report is an edge job's result (:class:`fedhier.round.asynchrony.edges.EdgeJob`): its surviving
 clients' last models x_j, trained from the job's start model w_base(e), s cloud aggregations
 old (s = staleness). It enters the aggregation as its *update applied to the current model*
@@ -7,15 +13,15 @@ w: each of its clients' models is shifted to
 
     x'_j = x_j + (w - w_base(e))            (x'_j = x_j exactly when s = 0),
 
-each client weighs a_j = w~_j / sqrt(1 + s) (w~ its presence weight over the job's clients,
-:func:`fedhier.round.aggregators.averaging.presence_weights`;
-:func:`fedhier.round.asynchrony.settings.staleness_weight`), and the level's aggregators of the run
-(``--aggregators``, one per level or one for all) combine the x'_j up the tree exactly as in a
-synchronous cloud aggregation (:func:`fedhier.round.loop.aggregate_levels`). A rule that measures
-from each node's start model (``clip``) measures an edge's clients from that edge's model before its
-last edge round, shifted the same way; the cloud measures from the current model, and a node in
-between from its last aggregate inside a job
-(:meth:`~fedhier.round.loop.HierarchicalSGD.node_models`; the current model before it had one).
+each client weighs a_j = w~_j f(s) (w~ its presence weight over the job's clients,
+:func:`fedhier.round.aggregators.averaging.presence_weights`; f = 1 / sqrt(1 + s) by default), and
+the level's aggregators of the run (``--aggregators``, one per level or one for all) combine
+the x'_j up the tree exactly as in a synchronous cloud aggregation
+(:func:`fedhier.round.loop.aggregate_levels`). A rule that measures from each node's start model
+(``clip``) measures an edge's clients from that edge's model before its last edge round,
+shifted the same way; the cloud measures from the current model, and a node in between
+from its last aggregate inside a job (:meth:`~fedhier.round.loop.HierarchicalSGD.node_models`;
+the current model before it had one).
 
 How it is computed. Every built-in rule commutes with a shift within a node (median(x + d)
 = median(x) + d; ``clip`` with its start model shifted too), so when the levels above the
@@ -33,10 +39,13 @@ non-linear rule above the edges, or a cloud step) the rules run on the moved mod
 A **cloud step** (a Flower strategy, ``--cloud-strategy``): the levels below the cloud
 aggregate the x'_j as above; the strategy's ``aggregate_train`` receives those children
 (the cloud's children with an accepted survivor) weighted by Σ a_j of their clients, after
-``configure_train`` with w at the round's start: what a synchronous round does with them.
+``configure_train`` with w at the round's start: what a synchronous round does with them;
+each child is first moved to w + ρ (c - w), so that a strategy's plain weighted mean is the
+rule's model.
 
-With K = N every report is fresh (s = 0, factor 1, no shift): each way is the synchronous
-cloud aggregation, bit for bit.
+With K = N every report is fresh (s = 0, factor 1, no shift, ρ = 1 under FedBuff with
+η_g = 1, FedAsync with α = 1 and the shifted mean): each way is the synchronous cloud
+aggregation, bit for bit.
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ import numpy as np
 import torch
 
 from fedhier.round.aggregators.averaging import aggregator, presence_weights
-from fedhier.round.asynchrony.settings import staleness_weight
+from fedhier.round.asynchrony.rules import AsyncRule, finish
 from fedhier.round.faults import RunFailureError
 from fedhier.round.loop import CloudStep, Params, aggregate_levels
 from fedhier.tree.hierarchy import Hierarchy
@@ -77,8 +86,8 @@ NodeModels = Callable[[int, np.ndarray], Params]
 def merge_reports(reports: Sequence[tuple[EdgeJob, int]], global_params: Params,
                   weights: np.ndarray, hierarchy: Hierarchy, aggregators: tuple[str, ...],
                   node_models: NodeModels, cloud_step: CloudStep | None = None,
-                  cloud_round: int = 0) -> Params | None:
-    """The new global model from accepted reports (the module docstring's rule).
+                  cloud_round: int = 0, rule: AsyncRule | None = None) -> Params | None:
+    """The new global model from accepted reports by ``rule`` (the module docstring).
 
     Args:
         reports: (job, staleness) of the accepted reports; jobs without a surviving client
@@ -88,10 +97,13 @@ def merge_reports(reports: Sequence[tuple[EdgeJob, int]], global_params: Params,
         node_models: the models of level-``level`` nodes before this aggregation (levels
             above the edges; :meth:`fedhier.round.loop.HierarchicalSGD.node_models`).
         cloud_step: the cloud's update over its children, None = the levels' rules.
+        rule: FedBuff, FedAsync or the shifted mean with their settings
+            (:mod:`fedhier.round.asynchrony.rules`; None = the default, FedBuff).
 
     Returns:
         name -> [*shape], or None when no report has a survivor (the model stays).
     """
+    rule = AsyncRule() if rule is None else rule
     reports = [(job, s) for job, s in reports if job.models is not None]
     if not reports:
         return None
@@ -109,12 +121,14 @@ def merge_reports(reports: Sequence[tuple[EdgeJob, int]], global_params: Params,
     factor = np.ones(n)
     for job, staleness in reports:
         report_edge[job.members] = job.edge
-        factor[job.survivors] = staleness_weight(staleness)
-    weights = presence_weights(weights, present, report_edge) * factor
+        factor[job.survivors] = rule.factors(np.array([staleness]))[0]
+    data = presence_weights(weights, present, report_edge)
+    weights = data * factor
+    scale = rule.scale(float(weights[survivors].sum()), float(data[survivors].sum()))
     tree = hierarchy.with_edge_map(np.where(report_edge < num_edges, report_edge,
                                             hierarchy.edge_of_client()))
     shift = {job.edge: {k: global_params[k] - job.base[k] for k in keys}
-             for job, s in reports if s > 0}
+             for job, s in reports if s > 0 and rule.moves}
     jobs = {job.edge: job for job, _ in reports}
     top = hierarchy.num_levels
 
@@ -136,20 +150,22 @@ def merge_reports(reports: Sequence[tuple[EdgeJob, int]], global_params: Params,
                                        top, aggregators,
                                        lambda level, nodes: reference(level, nodes, False))
         new = {k: v[0] for k, v in averaged.items()}
-        stale = [(job, float(weights[job.survivors].sum())) for job, s in reports if s > 0]
+        stale = [(job, float(weights[job.survivors].sum())) for job, _ in reports
+                 if job.edge in shift]
         if stale:
             total = float(weights[survivors].sum())
             for key in keys:
                 correction = sum(mass * (global_params[key] - job.base[key])
                                  for job, mass in stale)
                 new[key] = new[key] + correction / total
-        return new
+        return finish(global_params, new, scale)
     models = _rows(reports, keys, index, shift)
     level = top if cloud_step is None else top - 1
     averaged, nodes = aggregate_levels(models, survivors, weights, tree, level, aggregators,
                                        reference)
     if cloud_step is None:
-        return {k: v[0] for k, v in averaged.items()}
+        return finish(global_params, {k: v[0] for k, v in averaged.items()}, scale)
+    averaged = finish({k: v.unsqueeze(0) for k, v in global_params.items()}, averaged, scale)
     child_weight = np.bincount(tree.ancestors(level)[survivors], weights=weights[survivors],
                                minlength=tree.num_nodes(level))
     new = cloud_step.step(cloud_round,

@@ -3,9 +3,10 @@
 With ``buffer`` K > 0 the cloud does not wait for every edge: it aggregates as soon as K edges
 have reported the result of their G local steps (:mod:`fedhier.round.asynchrony.edges`). An edge's
 report is *stale* by s when s cloud aggregations happened since the edge took the global model
-it started from; reports staler than ``max_staleness`` S are dropped, the others weigh
-``staleness_weight(s) = 1 / sqrt(1 + s)`` times their data weight (FedBuff's polynomial rule).
-K = N edges is synchronous H-SGD: every report is then fresh.
+it started from; reports staler than ``max_staleness`` S are dropped, the others make the new
+model by the run's ``rule`` (:mod:`fedhier.round.asynchrony.rules`: FedBuff, FedAsync or the shifted
+mean, with a staleness function s such as FedBuff's 1 / sqrt(1 + s)). K = N edges is
+synchronous H-SGD under every rule that reduces to it: every report is then fresh.
 
 With ``regions`` (one K per level between the edges and the cloud, trees of 3+ levels) the
 nodes of those levels buffer too: a region aggregates its first K children's reports and sends
@@ -15,10 +16,12 @@ them): :mod:`fedhier.round.asynchrony.regions`.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from fedhier.common.errors import ConfigError
+from fedhier.round.asynchrony.rules import AsyncRule, StalenessFunction
 
 
 @dataclass(frozen=True)
@@ -26,11 +29,14 @@ class AsyncEdges:
     """K (``buffer``: reports per cloud aggregation, 0 = synchronous) and S
     (``max_staleness``: cloud aggregations a report may be behind); ``regions``: K_l of each
     level l = 2..L-1 between the edges and the cloud (0 = all of a node's children), () = the
-    regions relay the edges' reports and the cloud's K counts those."""
+    regions relay the edges' reports and the cloud's K counts those; ``rule``: how the
+    accepted reports make the new model (:mod:`fedhier.round.asynchrony.rules`; FedBuff by
+    default)."""
 
     buffer: int = 0
     max_staleness: int = 4
     regions: tuple[int, ...] = ()
+    rule: AsyncRule = field(default_factory=AsyncRule)
 
     @property
     def active(self) -> bool:
@@ -46,6 +52,7 @@ class AsyncEdges:
         if any(k < 0 for k in self.regions):
             raise ConfigError(f"region_buffer must be >= 0 at every level, got "
                               f"{','.join(map(str, self.regions))}")
+        self.rule.check()
         if not self.active or self.regions:
             return
         if self.buffer > num_edges:
@@ -81,5 +88,6 @@ def check_region_buffers(asynchronous: AsyncEdges, groups: tuple[int, ...]) -> N
 
 
 def staleness_weight(staleness: int) -> float:
-    """The factor of a report ``staleness`` cloud aggregations behind: 1 / sqrt(1 + s)."""
-    return 1.0 / math.sqrt(1.0 + staleness)
+    """FedBuff's factor of a report ``staleness`` cloud aggregations behind: 1 / sqrt(1 + s)
+    (:class:`fedhier.round.asynchrony.rules.StalenessFunction`'s default)."""
+    return float(StalenessFunction()(np.array([staleness]))[0])

@@ -2,9 +2,10 @@
 really receives (``fedhier deploy local --edges E --async-buffer K``).
 
 The round is :class:`fedhier.round.asynchrony.edges.AsyncHierarchicalSGD`'s (the simulation's: the K
-accepted reports, staleness s = aggregations since the job's start model, weight
-1/sqrt(1+s), dropped past ``max_staleness``, :mod:`fedhier.round.asynchrony.reports`), with three
-parts replaced for edge servers (:mod:`fedhier.round.tiers.jobs`):
+accepted reports, staleness s = aggregations since the job's start model, the run's rule
+(:mod:`fedhier.round.asynchrony.rules`), dropped past ``max_staleness``,
+:mod:`fedhier.round.asynchrony.reports`), with three parts
+replaced for edge servers (:mod:`fedhier.round.tiers.jobs`):
 
 * **jobs run remotely**: an idle edge gets a job (:class:`fedhier.round.tiers.jobs.EdgeJob`: the
   G / I edge rounds of cloud round ``version + 1`` from the current global model, what the
@@ -237,7 +238,8 @@ class EdgeTierAsyncHSGD(AsyncHierarchicalSGD, EdgeTierHierarchicalSGD):
         hierarchy = self._hierarchy()
         new = merge_reports(stand_ins, self.global_params, weights, hierarchy,
                             edge_level_mean(self.settings.aggregators, hierarchy.num_levels),
-                            self.node_models, self.cloud_step, cloud_round)
+                            self.node_models, self.cloud_step, cloud_round,
+                            self.settings.asynchronous.rule)
         if new is not None:
             self.global_params = new
 

@@ -29,13 +29,17 @@ class SuiteArm:
     config: RunConfig
 
 
+#: settings whose default is not what a run made before the setting existed did
+BEFORE_THE_SETTING = {"async_rule": "shifted-mean"}
+
+
 def _same_config(run_dir: Path, cfg: RunConfig) -> bool:
     """Whether a finished run folder ran ``cfg`` (the engine may differ: same numbers). A
-    setting missing from an older config.json is taken at its default, which is what that run
-    did before the setting existed."""
+    setting missing from an older config.json is taken at what that run did before the
+    setting existed: its default, or :data:`BEFORE_THE_SETTING`'s value."""
     saved = read_json(run_dir, "config.json")
-    return all(saved.get(k, _listed(FIELD_DEFAULTS[k])) == _listed(v)
-               for k, v in cfg.to_dict().items() if k not in ("out", "engine"))
+    return all(saved.get(k, _listed(BEFORE_THE_SETTING.get(k, FIELD_DEFAULTS[k])))
+               == _listed(v) for k, v in cfg.to_dict().items() if k not in ("out", "engine"))
 
 
 def _listed(value: Any) -> Any:
