@@ -392,6 +392,9 @@ class HierarchicalSGD:
         if diagnostics_due(cloud_round, s.diagnostics_every):
             record.update(diagnostics_record(executor, self.global_params, self.weights,
                                              self._hierarchy(), cloud_round))
+        dropped = getattr(executor, "take_dropped_replies", None)
+        if dropped is not None and (count := dropped()):
+            record["dropped_replies"] = count  # since the last record (docs/security.md)
         record.update(self.communication.as_dict())
         record["sim_seconds"] = self.elapsed_seconds()
         return record
