@@ -149,6 +149,11 @@ class RunConfig:
     max_update_ratio: float = field(default=1000.0, metadata=_help(
         "a train reply whose update is longer than this multiple of the round's median "
         "update is a bad reply (0 = no check; docs/security.md)"))
+    metrics_aggregator: str = field(default="mean", metadata=_help(
+        "how the clients' evaluations become the recorded train_loss / train_accuracy: "
+        "mean (weighted by the rows each evaluated), a robust rule (median, "
+        "trimmed-mean[:b], krum[:f], multi-krum[:f]; per metric, unweighted) or model (the "
+        "cloud level's rule of --aggregators; docs/security.md)"))
     checkpoint_every: int = field(default=0, metadata=_help(
         "write a checkpoint every K cloud rounds (0 = only on Ctrl-C)"))
     async_buffer: int = field(default=0, metadata=_help(

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhier.aggregate import check_aggregators, presence_weights
+from fedhier.aggregate import check_aggregators, check_metrics_aggregator, presence_weights
 from fedhier.communication import Communication
 from fedhier.errors import ConfigError
 from fedhier.faults import failed_edges
@@ -45,7 +45,13 @@ from fedhier.grouping import ClientInfo
 from fedhier.mobility import Mobility
 from fedhier.plan import EdgeRoundPlan, Workload
 from fedhier.reply_policy import ReplyPolicy
-from fedhier.round.aggregation import NodeModels, aggregate_levels, broadcast, needs_node_models
+from fedhier.round.aggregation import (
+    NodeModels,
+    aggregate_levels,
+    broadcast,
+    needs_node_models,
+    new_run,
+)
 from fedhier.round.cloud import CloudStep, cloud_update, cloud_update_of_children
 from fedhier.round.executor import (
     ClientEvaluation,
@@ -98,9 +104,11 @@ class HSGDSettings:
     asynchronous: AsyncEdges = field(default_factory=AsyncEdges)
     edge_periods: tuple[int, ...] = ()
     policy: ReplyPolicy = field(default_factory=ReplyPolicy)
+    metrics_aggregator: str = "mean"
 
     def __post_init__(self) -> None:
         check_schedule(self.periods, self.groups, self.edge_periods)
+        check_metrics_aggregator(self.metrics_aggregator, self.aggregators)
         self.time_model.check_edges(self.groups[0] if self.groups else 1)
         self.asynchronous.check(self.groups[0] if self.groups else 1)
         check_aggregators(self.aggregators, len(self.periods))
@@ -163,6 +171,8 @@ class HierarchicalSGD:
         """
         s = self.settings
         self._executor = executor
+        if info is None:  # a run, not an edge server's job: rules' size warnings told anew
+            new_run()
         self.info = self._restored.info(executor.profiles() if info is None else info)
         self._restored.restore_executor(executor)
         self.weights = self._weights_of(self.info.num_examples)
@@ -206,6 +216,13 @@ class HierarchicalSGD:
         under ``samples``, else the clients' averaging weights)."""
         return evaluation_weights(evaluation.num_examples, self.weights,
                                   self.settings.weighting, self.settings.policy.max_weight_ratio)
+
+    @property
+    def metrics_rule(self) -> str:
+        """The rule that averages the clients' evaluations (``metrics_aggregator``;
+        ``model``: the cloud level's rule)."""
+        s = self.settings
+        return s.aggregators[-1] if s.metrics_aggregator == "model" else s.metrics_aggregator
 
     def regroup_due(self, cloud_round: int) -> bool:
         return regroup_due(self.settings.regroup_every, cloud_round)
@@ -382,7 +399,8 @@ class HierarchicalSGD:
         if evaluation is not None:
             self.learn_sizes(np.arange(len(self.weights)), evaluation.num_examples,
                              trained=False)
-            record.update(evaluation_metrics(evaluation, self.evaluation_weights(evaluation)))
+            record.update(evaluation_metrics(evaluation, self.evaluation_weights(evaluation),
+                                             self.metrics_rule))
         record.update(trained)
         excluded = getattr(executor, "excluded_clients", None)
         if excluded:

@@ -72,7 +72,7 @@ def settings_for(cfg: RunConfig) -> HSGDSettings:
                         regroup_every=cfg.regroup_every, aggregators=cfg.aggregator_names,
                         mobility=cfg.mobility(), time_model=cfg.time_model(),
                         asynchronous=cfg.asynchronous(), edge_periods=cfg.edge_period_list,
-                        policy=cfg.reply_policy())
+                        policy=cfg.reply_policy(), metrics_aggregator=cfg.metrics_aggregator)
 
 
 def central_evaluation(cfg: RunConfig, fed: Federation, model: torch.nn.Module,

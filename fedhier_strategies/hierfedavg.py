@@ -128,6 +128,11 @@ class HierFedAvg(Strategy):
         A reply that breaks the contract stops the run or is dropped; K dropped rounds in a
         row exclude the client; the cap on a client's claimed size (docs/security.md).
         None = stop, K = 3, cap 10 x the median claim.
+    metrics_aggregator : str (default: "mean")
+        How the clients' evaluations become the round's loss and accuracy: "mean" (weighted
+        by the rows each evaluated), a rule of ``aggregators`` without a start model
+        ("median", "trimmed-mean", "krum", "multi-krum": per metric) or "model" (the cloud
+        level's rule): a client cannot take over the recorded metrics (docs/security.md).
     """
 
     def __init__(
@@ -155,6 +160,7 @@ class HierFedAvg(Strategy):
         edge_periods: Sequence[int] = (),
         fraction_evaluate: float = 1.0,
         reply_policy: ReplyPolicy | None = None,
+        metrics_aggregator: str = DEFAULTS["metrics_aggregator"],
     ) -> None:
         all_periods = tuple(periods) if periods else (local_period, global_period)
         if all_periods[0] != local_period or all_periods[-1] != global_period:
@@ -167,7 +173,8 @@ class HierFedAvg(Strategy):
             diagnostics_every=diagnostics_every, regroup_every=regroup_every,
             aggregators=tuple(aggregators), mobility=mobility or Mobility(),
             time_model=time_model or TimeModel(), asynchronous=asynchronous or AsyncEdges(),
-            edge_periods=tuple(edge_periods), policy=reply_policy or ReplyPolicy()),
+            edge_periods=tuple(edge_periods), policy=reply_policy or ReplyPolicy(),
+            metrics_aggregator=metrics_aggregator),
             cloud_strategy, min_available_nodes, fraction_evaluate, arrayrecord_key,
             configrecord_key)
 
@@ -319,7 +326,8 @@ class HierFedAvg(Strategy):
         evaluation = self._require_executor().read_evaluate_replies(replies)
         if evaluation is None:
             return None
-        numbers = evaluation_metrics(evaluation, self.algorithm.evaluation_weights(evaluation))
+        numbers = evaluation_metrics(evaluation, self.algorithm.evaluation_weights(evaluation),
+                                     self.algorithm.metrics_rule)
         record = MetricRecord({"loss": numbers["train_loss"],
                                "accuracy": numbers["train_accuracy"]})
         if evaluation.holdout_accuracy is not None:

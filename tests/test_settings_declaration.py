@@ -116,7 +116,7 @@ CHANGED = dict(clients=12, groups=(3,), grouping="contiguous", weighting="unifor
                aggregators="median,mean", mobility_rate=0.1, handoff="carry", step_seconds=0.5,
                compute_spread=0.2, edge_slowdown="1:3", client_edge_mbps=7.0,
                edge_cloud_latency_ms=9.0, exclude_after=5, max_weight_ratio=4.0,
-               max_update_ratio=50.0, on_bad_reply="drop")
+               max_update_ratio=50.0, on_bad_reply="drop", metrics_aggregator="median")
 #: HSGDSettings field -> the RunConfig view it is made from, where the names differ
 VIEWS = {"aggregators": "aggregator_names", "edge_periods": "edge_period_list",
          "policy": "reply_policy"}
