@@ -353,3 +353,45 @@ def test_a_huge_array_is_refused_by_its_declared_shape_before_conversion(monkeyp
                                 "metrics": MetricRecord({"num-examples": 3})}), reply_to=sent)
     with pytest.raises(ContractError, match="carrying 1048"):
         read_train_reply(reply, 2, "arrays", expected)
+
+
+def forge_999(reply: Message) -> Message:
+    """A train reply claiming to come from node 999 (a node no run has)."""
+    reply.metadata.__dict__["_src_node_id"] = 999
+    return reply
+
+
+@pytest.mark.slow
+def test_the_simulation_engine_binds_replies_and_waits_for_its_nodes(tmp_path, monkeypatch):
+    """On Flower's Simulation Engine (its LinkState would drop the forged reply unseen: a
+    silent client), ``--round-timeout 20`` on 2 CPUs (the actors take ~30 s to start: the
+    first deadline starts at the first reply): under ``stop`` one line naming client 2;
+    under ``drop`` the run equals the in-process run of the same clients (1e-5), the reply
+    dropped and counted in each edge round."""
+    import fedhier.engines.flower_edges as flower_edges
+    from fedhier.cli_flags import error_text, exit_code_for
+    from fedhier.engines.flower import run_simulation_engine
+    from fedhier.engines.inprocess import run_inprocess
+    from fedhier.run_folder import RunFolder
+    from tests.helpers import assert_same_run, metrics
+
+    monkeypatch.setattr(flower_edges, "simulation_nodes",
+                        lambda cfg: (hostile_app("train", forge_999), cfg.clients))
+    cfg = CFG.replace(engine="flower", round_timeout=20.0)
+    with pytest.raises(Exception) as caught:  # noqa: PT011 - the line is the assertion
+        run_simulation_engine(cfg, RunFolder.create(tmp_path / "stop"), progress=False,
+                              num_cpus=2)
+    text = error_text(caught.value)
+    assert exit_code_for(caught.value) == 2 and text.startswith(f"client {HOSTILE} (node "), text
+    assert "src_node_id 999 is not node" in text, text
+    drop = cfg.replace(on_bad_reply="drop")
+    run_simulation_engine(drop, RunFolder.create(tmp_path / "flower"), progress=False,
+                          num_cpus=2)
+    import fedhier.engines.inprocess as inprocess
+
+    monkeypatch.setattr(inprocess, "client_app", hostile_app("train", forge_999))
+    run_inprocess(drop.replace(engine="inprocess"), RunFolder.create(tmp_path / "inprocess"),
+                  progress=False)
+    assert_same_run(tmp_path / "inprocess", tmp_path / "flower", drop.rounds)
+    records = metrics(tmp_path / "flower")
+    assert records[-1]["dropped_replies"] == 2 and records[-1]["failed_clients"] == 2
