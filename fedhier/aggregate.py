@@ -237,8 +237,10 @@ def _krum(arg: str, multi: bool) -> Aggregator:
              num_segments: int, reference: Params | None) -> Params:
         return krum(values, weights, segments, num_segments, int(f), multi)
 
-    # each score sums k - f - 2 nearest others: k > 2 f + 2 (Blanchard et al., 2017)
-    return Aggregator(None, linear=False, model_function=rule, min_members=2 * int(f) + 3)
+    # each score sums k - f - 2 nearest others: k > 2 f + 2 (Blanchard et al., 2017);
+    # multi-Krum with f = 0 keeps every member: the mean
+    least = None if multi and f == 0 else 2 * int(f) + 3
+    return Aggregator(None, linear=False, model_function=rule, min_members=least)
 
 
 def _number(rule: str, text: str) -> float:

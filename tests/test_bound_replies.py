@@ -395,3 +395,28 @@ def test_the_simulation_engine_binds_replies_and_waits_for_its_nodes(tmp_path, m
     assert_same_run(tmp_path / "inprocess", tmp_path / "flower", drop.rounds)
     records = metrics(tmp_path / "flower")
     assert records[-1]["dropped_replies"] == 2 and records[-1]["failed_clients"] == 2
+
+
+def test_a_rule_too_small_for_its_node_warns_once_per_run_naming_node_and_size(tmp_path,
+                                                                               caplog):
+    """trimmed-mean (b = 0.2) at edges of 3 clients trims floor(0.6) = 0: one warning per
+    edge and run (2 edge rounds aggregate each edge twice), again in the next run; the exact
+    minimum sizes of docs/security.md."""
+    from fedhier.aggregate import aggregator
+
+    assert {name: aggregator(name).min_members for name in (
+        "mean", "median", "trimmed-mean", "trimmed-mean:0.1", "trimmed-mean:0.25",
+        "trimmed-mean:0", "clip", "clip:5", "krum", "krum:2", "multi-krum",
+        "multi-krum:0")} == {
+        "mean": None, "median": 3, "trimmed-mean": 5, "trimmed-mean:0.1": 10,
+        "trimmed-mean:0.25": 4, "trimmed-mean:0": None, "clip": 3, "clip:5": 1, "krum": 5,
+        "krum:2": 7, "multi-krum": 5, "multi-krum:0": None}
+    cfg = CFG.replace(aggregators="trimmed-mean,mean")
+    for attempt in range(2):
+        caplog.clear()
+        assert run(hostile_app("none", lambda r: r), tmp_path / f"run{attempt}", cfg)[0] == 0
+        lines = sorted(r.getMessage() for r in caplog.records
+                       if r.getMessage().startswith("aggregator "))
+        assert lines == [f"aggregator trimmed-mean at the edges: node {e} aggregates 3 "
+                         "member(s), the rule needs >= 5 to resist one hostile member: not "
+                         "robust there (docs/security.md)" for e in (0, 1)]
