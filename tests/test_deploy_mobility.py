@@ -228,6 +228,43 @@ def test_a_mobile_deployment_equals_the_simulated_mobile_run(tmp_path, capsys):
     assert [h["bytes"] > 0 for h in handoffs] == [bool((m[0] - 1) % 3) for m in moves]
 
 
+@pytest.mark.slow
+@pytest.mark.deployment
+def test_a_supernode_killed_at_its_new_edge_is_a_failed_client_not_the_end(
+        tmp_path, capsys, monkeypatch):
+    """On real processes (no TLS: the move, not the transport, is under test) the first
+    moving client's SuperNode is killed each time it comes online at its new edge: the driver
+    tries 3 times, then answers it as failed; the run finishes (exit 0), its handoff record
+    says why, and that client is a failed client of its new edge's rounds."""
+    from fedhier.engines.deployment.edge_servers import EdgeTierDeployment
+    from fedhier.engines.deployment.ports import ports_needed
+    from tests.test_deploy_edges import deploy_on_free_ports
+
+    original = EdgeTierDeployment.reattach_client
+    killed: list[int] = []
+
+    def reattach(self, client: int, edge: int) -> float:
+        seconds = original(self, client, edge)
+        if not killed or killed[0] == client:
+            killed.append(client)
+            self.procs.stop([self.supernodes[client]], grace=2.0)
+            raise RuntimeError(f"the test killed client {client}'s SuperNode at edge {edge}")
+        return seconds
+
+    monkeypatch.setattr(EdgeTierDeployment, "reattach_client", reattach)
+    flags = ["--dataset", "digits", "--nodes", "4", "--grouping", "random", "--periods", "1,3",
+             "--rounds", "1", "--batch-size", "8", "--seed", "4", "--mobility-rate", "0.5",
+             "--insecure"]
+    out, _ = deploy_on_free_ports([*flags, "--edges", "2"], ports_needed(4, 2),
+                                  tmp_path / "real", capsys)
+    assert len(killed) == 3 and out.count("trying again") == 2, out[-2000:]
+    records = metrics(tmp_path / "real")
+    failed = [h for r in records for h in r.get("handoffs", []) if "failed" in h]
+    assert [h["client"] for h in failed] == killed[:1]
+    assert "the test killed client" in failed[0]["failed"]
+    assert records[-1]["failed_clients"] >= 3 - failed[0]["edge_round"] + 1
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(mobility_rate=0.5, edge_periods="1,2", local_period=1, global_period=4),
      "per-edge periods need static clients"),

@@ -34,6 +34,7 @@ def run_inprocess(cfg: RunConfig, folder: RunFolder, progress: bool = True,
         if freeze:
             gc.unfreeze()
         stuck = grid.close(wait=2.0)  # a late ClientApp call: see fedhier.cli.main
-        if stuck:
+        if stuck:  # nodes -> the clients they serve
+            clients = sorted(int(grid.contexts[n].node_config["partition-id"]) for n in stuck)
             log.warning("client(s) %s still computing a late reply after the run",
-                        stuck[:10])
+                        clients[:10])
