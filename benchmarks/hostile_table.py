@@ -13,7 +13,12 @@ from the initial model its fraction of the way toward the hostile client's last 
 (``--max-update-ratio 1000``) and ``--on-bad-reply drop``; the other rows measure the rules
 alone (``--max-update-ratio 0``).
 
-    python benchmarks/hostile_table.py            # ~2 min on 2 cores
+The second table: k hostile clients of n = 10 in ONE edge (clients 0 .. k-1, k = 1 .. 5,
+the rule at the edge: ``RULE,mean``), each attack's capture fraction after one cloud round
+toward the mean of the hostile replies; ``min_members`` is the fewest members at which the
+rule leaves one hostile member out (``fedhier.round.aggregators.averaging.Aggregator.min_members``).
+
+    python benchmarks/hostile_table.py --rounds 15   # both tables, ~8 min on 2 cores
     python benchmarks/hostile_table.py --rounds 2 --rules mean,median   # a quick look
 """
 
@@ -38,21 +43,23 @@ RULES = ("mean", "median", "trimmed-mean", "clip", "krum", "multi-krum", "mean+c
 HOSTILE = 0
 
 
-def attack_app(attack: str, last: dict) -> ClientApp:
-    """fedhier's ClientApp with client HOSTILE replying ``attack``'s model (kept in
-    ``last['model']``)."""
+def attack_app(attack: str, last: dict, hostile: frozenset[int] = frozenset({HOSTILE})
+               ) -> ClientApp:
+    """fedhier's ClientApp with the clients ``hostile`` replying ``attack``'s model (the
+    last one kept in ``last['model']``, each client's in ``last[client]``)."""
     app = ClientApp()
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         reply = fedhier_client.train(msg, context)
-        if attack == "none" or int(context.node_config["partition-id"]) != HOSTILE:
+        client = int(context.node_config["partition-id"])
+        if attack == "none" or client not in hostile:
             return reply
         sent = msg.content["arrays"].to_torch_state_dict()
         trained = reply.content["arrays"].to_torch_state_dict()
         bad = {k: 100 * sent[k] if attack == "poison" else sent[k] - 10 * (trained[k] - sent[k])
                for k in trained}
-        last["model"] = bad
+        last["model"] = last[client] = bad
         reply.content["arrays"] = ArrayRecord(bad)
         return reply
 
@@ -61,11 +68,12 @@ def attack_app(attack: str, last: dict) -> ClientApp:
     return app
 
 
-def run(cfg: RunConfig, attack: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """The final global model of ``cfg`` with ``attack`` and the hostile client's last."""
+def run(cfg: RunConfig, attack: str, hostile: frozenset[int] = frozenset({HOSTILE})
+        ) -> tuple[dict[str, torch.Tensor], dict]:
+    """The final global model of ``cfg`` with ``attack`` and the hostile clients' last."""
     last: dict = {}
     fed = prepare(cfg)
-    grid = InProcessGrid(attack_app(attack, last), cfg.clients, seed=cfg.seed)
+    grid = InProcessGrid(attack_app(attack, last, hostile), cfg.clients, seed=cfg.seed)
     strategy = HierFedAvg.from_settings(settings_for(cfg))
     initial = initial_model(cfg, fed).state_dict()
     result = strategy.start(grid, ArrayRecord(initial), num_rounds=cfg.rounds,
@@ -86,6 +94,33 @@ def accuracy(model: torch.nn.Module, params: dict, fed) -> float:
     if not all(bool(torch.isfinite(v).all()) for v in params.values()):
         return 0.0
     return float(test_metrics(model, params, fed, torch.device("cpu"))["test_accuracy"])
+
+
+def k_of_n(base: RunConfig, rules: list[str], n: int = 10) -> list[dict]:
+    """The second table: k = 1 .. n/2 hostile clients of ``n`` in one edge, per rule."""
+    from fedhier.round.aggregators.averaging import aggregator
+
+    rows = []
+    one = base.replace(clients=n, groups=(1,), rounds=1)
+    for rule in rules:
+        name = rule.removesuffix("+check")
+        cfg = one.replace(aggregators=f"{name},mean")
+        if rule.endswith("+check"):
+            cfg = cfg.replace(max_update_ratio=1000.0, on_bad_reply="drop")
+        honest, _ = run(cfg, "none")
+        row: dict = {"rule": rule, "n": n, "min_members": aggregator(name).min_members}
+        for attack in ("poison", "flip"):
+            for k in range(1, n // 2 + 1):
+                hostile = frozenset(range(k))
+                final, last = run(cfg, attack, hostile)
+                target = {key: torch.stack([last[c][key] for c in sorted(hostile)]).mean(0)
+                          for key in final}
+                row[f"{attack}_{k}"] = fraction(final, honest, target)
+        rows.append(row)
+        print(f"{rule:12s} n={n} " + "  ".join(
+            f"{a} " + " ".join(f"{row[f'{a}_{k}']:.4f}" for k in range(1, n // 2 + 1))
+            for a in ("poison", "flip")), flush=True)
+    return rows
 
 
 def main() -> None:
@@ -124,8 +159,10 @@ def main() -> None:
             print(f"{level:5s} {rule:12s} honest {row['honest_accuracy']:.3f}  poison "
                   f"{row['poison_accuracy']:.3f} ({row['poison_fraction']:.4f})  flip "
                   f"{row['flip_accuracy']:.3f} ({row['flip_fraction']:.4f})", flush=True)
+    several = k_of_n(base, args.rules.split(","))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rounds": args.rounds, "rows": rows}, indent=1) + "\n")
+    args.out.write_text(json.dumps({"rounds": args.rounds, "rows": rows, "k_of_n": several},
+                                   indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fedhier.clients.wire.array_records import to_record
@@ -25,7 +25,9 @@ from fedhier.round.loop import ClientEvaluation, EdgeRoundWork, Params, TrainRes
 from fedhier.round.reply_policy import ReplyGuard, ReplyPolicy, outlying_updates
 from fedhier.round.tiers.moves import ClientStates
 from fedhier.strategies.cloud_failure import TrainOutcomes
+from fedhier.strategies.exchange import SentMessages
 from fedhier.strategies.flower_log import HeldFlowerLog
+from fedhier.strategies.profiles import client_info, read_profiles
 from fedhier.strategies.replies import (
     ACCURACY_KEYS,
     EDGE_ROUND,
@@ -37,9 +39,7 @@ from fedhier.strategies.replies import (
     TRAIN_LOSS_KEYS,
     ContractError,
     NonFiniteLossError,
-    check_histogram,
     evaluate_rows,
-    num_examples_of,
     read_evaluate_reply,
     read_gradient_reply,
     read_train_reply,
@@ -113,6 +113,14 @@ class GridExecutor:
         self.train_loss_keys = ((train_loss_key, *TRAIN_LOSS_KEYS) if train_loss_key
                                 else TRAIN_LOSS_KEYS)
         self.metrics = metrics
+        self.sent = SentMessages()  # every reply is bound to one of them (exchange.py)
+        #: client -> the most rows its replies may claim (its profile; absent: no bound)
+        self.declared: dict[int, int] = {}
+        self._over_declared: set[int] = set()  # clients told once that they claim more
+        self.left_out: set[int] = set()  # clients without a usable profile reply (drop)
+        self._train_sent: list[Message] = []
+        self._evaluate_sent: list[Message] = []
+        self._evaluate_round = 0
 
     def reply_metrics(self, cloud_round: int, hierarchy: Any) -> dict[str, Any]:
         """The record keys of the clients' own metrics of ``cloud_round``, aggregated at
@@ -131,70 +139,85 @@ class GridExecutor:
 
     @property
     def excluded_clients(self) -> dict[int, str]:
-        """Clients sent nothing more (K bad replies in a row) -> why."""
+        """Clients sent nothing more (K bad replies in a row, or left out at the profile
+        query) -> why."""
         return self.guard.excluded
 
-    def _missing(self, what: str, sent: Iterable[int], replies: list[Message]) -> None:
-        """One log line naming the clients of ``sent`` (node ids) that did not reply."""
-        answered = {r.metadata.src_node_id for r in replies}
-        missing = [self.client_of_node.get(n, n) for n in sent if n not in answered]
-        if missing:
+    def take_dropped_replies(self) -> int:
+        """Replies dropped as bad since the last call (a record's ``dropped_replies``)."""
+        return self.guard.take_dropped()
+
+    def _bind(self, messages: list[Message], replies: Iterable[Message], what: str, *,
+              training: bool = False) -> list[tuple[Message, Message]]:
+        """(message, its reply) for each message of the batch ``what`` answered by a reply
+        bound to it (:mod:`fedhier.strategies.exchange`); every other reply is a bad reply
+        under the policy (a train reply's counts toward its client's streak)."""
+        bound = self.sent.bind(messages, replies, what, self.client_of_node)
+        for error, client in bound.bad:
+            self.guard.bad(error, client, training=training)
+        silent = [self.client_of_node.get(m.metadata.dst_node_id) for m in bound.unanswered]
+        named = sorted(c for c in silent if c is not None)
+        if silent:
             log.warning("%s: %d of %d clients did not reply within %.0f s: %s", what,
-                        len(missing), len(answered) + len(missing), self.timeout,
-                        sorted(missing)[:10])
+                        len(silent), len(messages), self.timeout,
+                        named[:10] if named else "(nodes not numbered yet)")
+        return bound.answers
+
+    def _exchange(self, messages: list[Message], what: str, *,
+                  training: bool = False) -> list[tuple[Message, Message]]:
+        """Send ``messages``, wait for their replies (the timeout) and bind them
+        (:meth:`_bind`)."""
+        if not messages:
+            return []
+        replies = self.grid.send_and_receive(messages, timeout=self.timeout)
+        return self._bind(messages, replies, what, training=training)
+
+    def _client(self, message: Message) -> int:
+        """The client a message of this executor was sent to."""
+        return self.client_of_node[message.metadata.dst_node_id]
 
     # ---------------------------------------------------------------- profiles
     def profiles(self) -> ClientInfo:
         """Wait for the nodes, then ask each for its partition id, rows, label histogram and
         edge tag (the optional profile query), one node first. When that node has no query
         handler, the others are not asked (Flower would log a traceback for each): the
-        clients are numbered by node id and weighted by their train replies' rows."""
+        clients are numbered by node id and weighted by their train replies' rows. A node
+        that fails the query stops the run, or under ``drop`` leaves its client out
+        (:mod:`fedhier.strategies.profiles`)."""
         nodes = self.wait_for_nodes(self.min_available_nodes, self.timeout)
         # One node first: a ClientApp without the (optional) handler answers with an error,
         # and Flower would log its traceback once per node.
         with HeldFlowerLog() as held:
-            replies = self._profile_replies(nodes[:1])
-        if replies and replies[0].has_error() and NO_HANDLER in (replies[0].error.reason or ""):
+            answers = self._profile_replies(nodes[:1])
+        if (answers and answers[0][1].has_error()
+                and NO_HANDLER in (answers[0][1].error.reason or "")):
             held.drop_errors()
             log.warning("the clients have no profile query handler (docs/contract.md): "
                         "clients are numbered by node id and weighted by the num-examples "
                         "of their train replies; label-based groupings are unavailable")
             return self._anonymous(sorted(nodes))
         held.release()
-        replies += self._profile_replies(nodes[1:])
-        failed = [r for r in replies if r.has_error()]
-        if failed:
-            reason = (failed[0].error.reason or "").strip().splitlines()
-            raise RunFailureError(f"node {failed[0].metadata.src_node_id} failed the profile "
-                                  f"query: {reason[0] if reason else 'no reason given'}")
-        if len(replies) != len(nodes):
-            raise RunFailureError(f"{len(nodes) - len(replies)} of {len(nodes)} nodes did not "
-                                  f"answer the profile query within {self.timeout:.0f} s")
-        self.packs = self.packed_models and all(reads_packed(r) for r in replies)
-        profiles = [self._profile(reply, _usual_length(replies)) for reply in replies]
-        profiles.sort()
-        ids = [p[0] for p in profiles]
-        if self.expected_clients is not None and ids != self.expected_clients:
-            raise RunFailureError(f"the nodes report partition ids {ids[:10]}, expected "
-                                  f"{self.expected_clients[:10]}")
-        if self.expected_clients is None and ids != list(range(len(ids))):
-            raise RunFailureError(f"partition ids must be 0..n-1 without gaps, got {ids[:10]}")
-        self._number([p[1] for p in profiles], ids)
-        classes = max((len(p[3]) for p in profiles), default=0)
-        histograms = np.zeros((len(profiles), classes), dtype=np.int64)
-        for row, profile in enumerate(profiles):
-            histograms[row, :len(profile[3])] = profile[3]
-        return ClientInfo(label_histograms=histograms,
-                          num_examples=np.array([p[2] for p in profiles], dtype=np.int64),
-                          edge_tags=np.array([p[4] for p in profiles], dtype=np.int64))
+        answers += self._profile_replies(nodes[1:])
+        replies = {m.metadata.dst_node_id: r for m, r in answers}
+        kept, left_out = read_profiles(nodes, replies, self.expected_clients, self.guard,
+                                       self.timeout)
+        self.packs = self.packed_models and all(reads_packed(replies[p.node]) for p in kept)
+        wanted = (list(range(len(nodes))) if self.expected_clients is None
+                  else self.expected_clients)
+        if self.num_clients is None:
+            self.num_clients = len(wanted)
+        self._number([p.node for p in kept], [p.client for p in kept])
+        self.declared = {p.client: p.declared for p in kept if p.declared > 0}
+        self.left_out = set(left_out)
+        for client, why in left_out.items():
+            self.guard.excluded.setdefault(client, why)
+        return client_info(kept, wanted)
 
-    def _profile_replies(self, nodes: list[int]) -> list[Message]:
-        """The replies of ``nodes`` to the profile query."""
-        if not nodes:
-            return []
+    def _profile_replies(self, nodes: list[int]) -> list[tuple[Message, Message]]:
+        """The profile query's messages to ``nodes`` and their bound replies."""
         messages = [Message(RecordDict({self.configrecord_key: self.train_config}),
                             message_type=MessageType.QUERY, dst_node_id=node) for node in nodes]
-        return list(self.grid.send_and_receive(messages, timeout=self.timeout))
+        return self._exchange(messages, "the profile query")
 
     def wait_for_nodes(self, count: int, timeout: float, what: str = "nodes") -> list[int]:
         """The grid's node ids once at least ``count`` are connected (RunFailureError after
@@ -206,27 +229,6 @@ class GridExecutor:
                                       f"{timeout:.0f} s")
             time.sleep(0.1)
         return nodes
-
-    def _profile(self, reply: Message, classes: int | None) -> tuple[int, int, int, list[int],
-                                                                        int]:
-        """(partition id, node, rows, label histogram, edge tag) of a profile reply. A bad
-        size or histogram stops the run or, under ``drop``, counts as not reported (the
-        rows are then learned from train replies); a missing partition id always stops."""
-        metrics = reply.content.metric_records.get("metrics")
-        pid = metrics.get("partition-id") if metrics is not None else None
-        if isinstance(pid, bool) or not isinstance(pid, int):
-            raise ContractError(f"{who(reply, None)} answered the profile query without a "
-                                "whole-number 'partition-id' (docs/contract.md)")
-        assert metrics is not None
-        tag = metrics.get("edge-tag", -1)
-        try:
-            size = num_examples_of(reply, None)
-            histogram = check_histogram(reply, metrics.get("label-histogram", []), classes)
-        except ContractError as exc:
-            self.guard.bad(exc, None)
-            size, histogram = 0, []
-        return (pid, reply.metadata.src_node_id, size, histogram,
-                int(tag) if isinstance(tag, int) else -1)
 
     def _number(self, node_ids: list[int], clients: list[int] | None = None) -> None:
         clients = list(range(len(node_ids))) if clients is None else clients
@@ -248,11 +250,14 @@ class GridExecutor:
     # ---------------------------------------------------------------- training
     def train_messages(self, work: EdgeRoundWork, edge_models: Params) -> list[Message]:
         """One train message per sent client: its start edge's model (its edge's, or its
-        old edge's after a ``carry`` handoff) and the contract's keys."""
+        old edge's after a ``carry`` handoff) and the contract's keys. An excluded client
+        (or one left out at the profile query) is sent nothing: it failed the edge round."""
         records: dict[int, ArrayRecord | ConfigRecord] = {}
         messages = []
         start_edges = work.start_edges
         for client, steps in zip(work.clients.tolist(), work.steps.tolist(), strict=True):
+            if client in self.guard.excluded or client not in self.node_ids:
+                continue
             edge = int(start_edges[client])
             if edge not in records:
                 records[edge] = model_record({k: v[edge] for k, v in edge_models.items()},
@@ -266,28 +271,30 @@ class GridExecutor:
                                   self.configrecord_key: cfg})
             messages.append(Message(content, message_type=MessageType.TRAIN,
                                     dst_node_id=self.node_ids[client]))
+        self._train_sent = messages
         return messages
 
     def read_train_replies(self, work: EdgeRoundWork, replies: Iterable[Message],
                            template: Params) -> TrainResult:
-        """The replies as a :class:`TrainResult` in ``work.clients`` order; an error reply
-        (or none) marks its client failed. ``template``: the model that was sent."""
+        """The replies to the last :meth:`train_messages` as a :class:`TrainResult` in
+        ``work.clients`` order; an error reply (or none, or a bad one) marks its client
+        failed. ``template``: the model that was sent."""
         row_of = {client: row for row, client in enumerate(work.clients.tolist())}
         k = len(row_of)
         params: list[dict[str, torch.Tensor] | None] = [None] * k
         losses = np.full(k, np.nan)
         reported = np.zeros(k, dtype=bool)
         sizes = np.zeros(k, dtype=np.int64)
-        sender: list[Message | None] = [None] * k
+        sender_of: list[Message | None] = [None] * k
         failures: list[tuple[str, str | None]] = []
-        for reply in replies:
+        what = f"edge round {work.edge_round}"
+        for message, reply in self._bind(self._train_sent, replies, what, training=True):
+            client = self._client(message)
             if reply.has_error():
-                failures.append((who(reply, self.client_of_node.get(reply.metadata.src_node_id)),
-                                 reply.error.reason))
+                failures.append((who(reply, client), reply.error.reason))
                 continue
-            client = self.client_of_node.get(reply.metadata.src_node_id, -1)
             if client not in row_of:
-                continue  # a reply nobody asked for (a late one)
+                continue  # not planned in this edge round (a hook's own messages)
             row = row_of[client]
             try:
                 parsed = read_train_reply(reply, client, self.arrayrecord_key, template,
@@ -296,22 +303,22 @@ class GridExecutor:
             except ContractError as exc:
                 self.guard.bad(exc, client)
                 continue
-            params[row], sender[row] = parsed.params, reply
-            sizes[row] = parsed.num_examples
+            params[row], sender_of[row] = parsed.params, reply
+            sizes[row] = self._bounded(client, parsed.num_examples, "trained on")
             if parsed.train_loss is not None:
                 losses[row], reported[row] = parsed.train_loss, True
         ratio = self.guard.policy.max_update_ratio
         for row, times in outlying_updates(params, template, ratio):
             client = int(work.clients[row])
             self.guard.bad(ContractError(
-                f"{who(sender[row], client)} replied an update {times:.3g} x the round's "
+                f"{who(sender_of[row], client)} replied an update {times:.3g} x the round's "
                 f"median length (max_update_ratio {ratio:g}): outlying"), client)
             params[row] = None
         ok = np.array([p is not None for p in params], dtype=bool)
         if self.metrics is not None:
             for row in np.flatnonzero(ok).tolist():
                 client = int(work.clients[row])
-                reply_row = sender[row]
+                reply_row = sender_of[row]
                 assert reply_row is not None
                 self.metrics.train.note(work.cloud_round, client, reply_row.content,
                                         int(work.edge_of_client[client]))
@@ -323,13 +330,23 @@ class GridExecutor:
         return TrainResult(models=models, losses=losses, ok=ok, loss_reported=reported,
                            num_examples=sizes)
 
+    def _bounded(self, client: int, rows: int, did: str) -> int:
+        """``rows`` a reply of ``client`` claims, at most what its profile declared (one
+        warning per client and run when it claims more)."""
+        bound = self.declared.get(client, 0)
+        if not bound or rows <= bound:
+            return rows
+        if client not in self._over_declared:
+            self._over_declared.add(client)
+            log.warning("client %d says it %s %d rows, its profile declared %d: weighted as "
+                        "%d (docs/security.md)", client, did, rows, bound, bound)
+        return bound
+
     def train(self, work: EdgeRoundWork, edge_models: Params) -> TrainResult:
         template = {k: v[0] for k, v in edge_models.items()}
-        messages = [m for m in self.train_messages(work, edge_models)
-                    if self.client_of_node[m.metadata.dst_node_id] not in self.guard.excluded]
-        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
-        self._missing(f"edge round {work.edge_round}",
-                      [m.metadata.dst_node_id for m in messages], replies)
+        messages = self.train_messages(work, edge_models)
+        replies = self.grid.send_and_receive(messages, timeout=self.timeout) if messages \
+            else []
         result = self.read_train_replies(work, replies, template)
         self.guard.end_round()
         return result
@@ -341,8 +358,10 @@ class GridExecutor:
         cfg[SERVER_ROUND] = cloud_round
         content = RecordDict({self.arrayrecord_key: model_record(params, self.packs),
                               self.configrecord_key: cfg})
-        return [Message(content, message_type=MessageType.EVALUATE, dst_node_id=node)
-                for node in self.node_ids.values()]
+        self._evaluate_sent = [Message(content, message_type=MessageType.EVALUATE,
+                                       dst_node_id=node) for node in self.node_ids.values()]
+        self._evaluate_round = cloud_round
+        return self._evaluate_sent
 
     def read_evaluate_replies(self, replies: Iterable[Message],
                               cloud_round: int | None = None) -> ClientEvaluation | None:
@@ -352,12 +371,11 @@ class GridExecutor:
         out = ClientEvaluation.unanswered(self.num_clients or 0)
         assert out.holdout_accuracy is not None and out.num_examples is not None
         silent: list[int] = []
-        for reply in replies:
+        what = f"evaluate (round {self._evaluate_round})"
+        for message, reply in self._bind(self._evaluate_sent, replies, what):
             if reply.has_error():
                 continue
-            client = self.client_of_node.get(reply.metadata.src_node_id, -1)
-            if client < 0:
-                continue
+            client = self._client(message)
             try:
                 numbers = read_evaluate_reply(reply, client, loss_keys=self.loss_keys,
                                               accuracy_keys=self.accuracy_keys)
@@ -377,7 +395,7 @@ class GridExecutor:
             out.loss[client], out.accuracy[client] = numbers[0], numbers[1]
             if numbers[2] is not None:
                 out.holdout_accuracy[client] = numbers[2]
-            out.num_examples[client] = size
+            out.num_examples[client] = self._bounded(client, size, "evaluated")
         if silent:
             log.warning("evaluate: client(s) %s replied without a loss (%s) or an accuracy "
                         "(%s): left out of train_loss / train_accuracy (name their keys: "
@@ -399,9 +417,8 @@ class GridExecutor:
                     f"({self.guard.policy.exclude_after} bad replies in a row each): no "
                     "client can train")
         messages = self.evaluate_messages(params, cloud_round)
-        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
-        self._missing(f"evaluate (round {cloud_round})",
-                      [m.metadata.dst_node_id for m in messages], replies)
+        replies = self.grid.send_and_receive(messages, timeout=self.timeout) if messages \
+            else []
         return self.read_evaluate_replies(replies, cloud_round)
 
     # ---------------------------------------------------------------- queries
@@ -413,24 +430,23 @@ class GridExecutor:
         messages = [Message(content, message_type=f"{MessageType.QUERY}.gradient",
                             dst_node_id=node) for node in self.node_ids.values()]
         grads: dict[int, torch.Tensor] = {}
-        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
-        self._missing("gradient query", [m.metadata.dst_node_id for m in messages], replies)
         # P: the model's floating-point entries (what flat_gradient differentiates), never
         # the length of whichever reply came first (a hostile first reply would fail the rest)
         size = sum(v.numel() for v in params.values() if v.is_floating_point())
-        for reply in replies:
+        for message, reply in self._exchange(messages, "the gradient query"):
             if reply.has_error() or "gradient" not in reply.content.array_records:
                 continue
-            client = self.client_of_node[reply.metadata.src_node_id]
+            client = self._client(message)
             try:
                 grads[client] = read_gradient_reply(reply, client, size)
             except ContractError as exc:
                 self.guard.bad(exc, client, training=False)
                 continue
-        if len(grads) != len(self.node_ids):
+        expected = (len(self.expected_clients) if self.expected_clients is not None
+                    else len(self.node_ids) + len(self.left_out))
+        if len(grads) != expected:
             log.warning("gradient query: %d of %d clients answered (a client needs a "
-                        "query.gradient handler: docs/contract.md)", len(grads),
-                        len(self.node_ids))
+                        "query.gradient handler: docs/contract.md)", len(grads), expected)
             return None
         return torch.stack([grads[c] for c in sorted(self.node_ids)])
 
@@ -452,16 +468,16 @@ class GridExecutor:
                             dst_node_id=node) for client, node in self.node_ids.items()
                     if wanted is None or client in wanted]
         states: ClientStates = {}
-        for reply in self.grid.send_and_receive(messages, timeout=self.timeout):
+        for message, reply in self._exchange(messages, "the state query"):
             if reply.has_error():
                 continue
-            states[self.client_of_node[reply.metadata.src_node_id]] = {
+            states[self._client(message)] = {
                 key: dict(record.to_torch_state_dict())
                 for key, record in reply.content.array_records.items()}
         if len(states) != len(messages):
-            asked = {self.client_of_node[m.metadata.dst_node_id] for m in messages}
+            asked = {self._client(m) for m in messages}
             missing = sorted(asked - set(states))
-            log.warning("clients %s did not send their kept state", missing[:10])
+            log.warning("client(s) %s did not send their kept state", missing[:10])
         return states
 
     def restore_client_state(self, state: ClientStates) -> None:
@@ -469,29 +485,15 @@ class GridExecutor:
         client that moved here (its state from its old edge)."""
         messages = []
         for client, records in state.items():
+            if client not in self.node_ids:
+                continue  # left out of the run: it never trains again
             content = RecordDict({key: ArrayRecord(tensors) for key, tensors in records.items()})
             content[self.configrecord_key] = self.train_config
             messages.append(Message(content, message_type=f"{MessageType.QUERY}.restore",
                                     dst_node_id=self.node_ids[client]))
-        failed = [reply.metadata.src_node_id
-                  for reply in self.grid.send_and_receive(messages, timeout=self.timeout)
-                  if reply.has_error()]
+        answers = self._exchange(messages, "the restore query")
+        failed = len(messages) - sum(not reply.has_error() for _, reply in answers)
         if failed:
-            raise RunFailureError(f"{len(failed)} client(s) could not restore their kept "
+            raise RunFailureError(f"{failed} client(s) could not restore their kept "
                                   "state (from a checkpoint, or brought by a move)")
 
-
-def _usual_length(replies: list[Message]) -> int | None:
-    """The label-histogram length most profile replies report (None: none reports one)."""
-    lengths: dict[int, int] = {}
-    for reply in replies:
-        metrics = reply.content.metric_records.get("metrics")
-        histogram = metrics.get("label-histogram") if metrics is not None else None
-        if isinstance(histogram, list) and histogram:
-            lengths[len(histogram)] = lengths.get(len(histogram), 0) + 1
-    return max(lengths, key=lambda n: (lengths[n], n)) if lengths else None
-
-
-def metric_record(values: dict[str, Any]) -> MetricRecord:
-    """A MetricRecord of the numbers in ``values`` (None dropped)."""
-    return MetricRecord({k: v for k, v in values.items() if v is not None})

@@ -43,7 +43,7 @@ from fedhier.settings.run_config import FIELD_DEFAULTS as DEFAULTS
 from fedhier.strategies.cloud_step import as_cloud_step
 from fedhier.strategies.fedavg_options import FedAvgOptions
 from fedhier.strategies.flower_log import log_cloud_round
-from fedhier.strategies.grid_executor import GridExecutor, metric_record
+from fedhier.strategies.grid_executor import GridExecutor
 from fedhier.tree.grouping import ClientInfo
 from fedhier.tree.hierarchy import Hierarchy
 from fedhier.tree.mobility import Mobility
@@ -142,6 +142,11 @@ class HierFedAvg(Strategy):
         A reply that breaks the contract stops the run or is dropped; K dropped rounds in a
         row exclude the client; the cap on a client's claimed size (docs/security.md).
         None = stop, K = 3, cap 10 x the median claim.
+    metrics_aggregator : str (default: "mean")
+        How the clients' evaluations become the round's loss and accuracy: "mean" (weighted
+        by the rows each evaluated), a rule of ``aggregators`` without a start model
+        ("median", "trimmed-mean", "krum", "multi-krum": per metric) or "model" (the cloud
+        level's rule): a client cannot take over the recorded metrics (docs/security.md).
     """
 
     def __init__(
@@ -178,6 +183,7 @@ class HierFedAvg(Strategy):
         loss_key: str | None = None,
         accuracy_key: str | None = None,
         train_loss_key: str | None = None,
+        metrics_aggregator: str = DEFAULTS["metrics_aggregator"],
     ) -> None:
         options = FedAvgOptions(
             fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
@@ -198,7 +204,8 @@ class HierFedAvg(Strategy):
             diagnostics_every=diagnostics_every, regroup_every=regroup_every,
             aggregators=tuple(aggregators), mobility=mobility or Mobility(),
             time_model=time_model or TimeModel(), asynchronous=asynchronous or AsyncEdges(),
-            edge_periods=tuple(edge_periods), policy=reply_policy or ReplyPolicy()),
+            edge_periods=tuple(edge_periods), policy=reply_policy or ReplyPolicy(),
+            metrics_aggregator=metrics_aggregator),
             cloud_strategy, options)
 
     def _adopt(self, settings: HSGDSettings, cloud_strategy: Strategy | None,
@@ -360,7 +367,8 @@ class HierFedAvg(Strategy):
         own = executor.reply_metrics(server_round, self.algorithm.hierarchy)
         if evaluation is None:
             return MetricRecord(own["evaluate_metrics"]) if own else None
-        numbers = evaluation_metrics(evaluation, self.algorithm.evaluation_weights(evaluation))
+        numbers = evaluation_metrics(evaluation, self.algorithm.evaluation_weights(evaluation),
+                                     self.algorithm.metrics_rule)
         record = MetricRecord({**own.get("evaluate_metrics", {}),
                                "loss": numbers["train_loss"],
                                "accuracy": numbers["train_accuracy"]})
@@ -470,3 +478,8 @@ class HierFedAvg(Strategy):
         if self.executor is None:
             raise RuntimeError("HierFedAvg.setup(grid, ...) or start(...) must run first")
         return self.executor
+
+
+def metric_record(values: dict[str, Any]) -> MetricRecord:
+    """A MetricRecord of the numbers in ``values`` (None dropped)."""
+    return MetricRecord({k: v for k, v in values.items() if v is not None})

@@ -25,7 +25,12 @@ from fedhier.clients.wire.keys import (
     START_STEP,
     TRAIN_LOSS_KEYS,
 )
-from fedhier.clients.wire.packed_model import PackedModelError, get_model, has_model
+from fedhier.clients.wire.packed_model import (
+    PackedModelError,
+    declared_layout,
+    get_model,
+    has_model,
+)
 from fedhier.common.errors import FedhierError
 
 __all__ = ["ACCURACY_KEYS", "EDGE_ROUND", "LOCAL_STEPS", "LOSS_KEYS", "NUM_EXAMPLES",
@@ -112,6 +117,7 @@ def read_train_reply(reply: Message, client: int, arrays_key: str,
     if not has_model(reply.content, arrays_key):
         raise ContractError(f"{who(reply, client)} replied without ArrayRecord "
                             f"'{arrays_key}' (the trained model; docs/contract.md)")
+    check_layout(reply, client, arrays_key, expected)  # before any array is converted
     try:
         params = get_model(reply.content, arrays_key, remember=False)
     except PackedModelError as exc:
@@ -127,6 +133,32 @@ def read_train_reply(reply: Message, client: int, arrays_key: str,
     loss = _metric(reply, loss_keys, client)
     return TrainReply(params=params, num_examples=train_rows(reply, client, size_key),
                       train_loss=loss)
+
+
+#: Bytes an array's record may carry beyond its data (the serialisation's own header).
+ARRAY_HEADER_BYTES = 4096
+
+
+def check_layout(reply: Message, client: int, arrays_key: str,
+                 expected: dict[str, torch.Tensor]) -> None:
+    """The reply's model as its record declares it (names, dtypes, shapes, bytes carried:
+    :func:`fedhier.clients.wire.packed_model.declared_layout`) matches ``expected``, checked
+    before any array is decoded, so that a reply holding a huge array costs no copy of it."""
+    try:
+        layout = declared_layout(reply.content, arrays_key)
+    except PackedModelError as exc:
+        raise ContractError(f"{who(reply, client)} replied '{arrays_key}': {exc}") from None
+    if layout.keys() != expected.keys():
+        raise ContractError(key_difference(who(reply, client), layout, expected))
+    for key, (dtype, shape, size) in layout.items():
+        want = expected[key]
+        if shape != tuple(want.shape) or dtype != str(want.dtype)[6:]:
+            raise ContractError(
+                f"{who(reply, client)} replied '{key}' as {dtype} {shape}, expected the "
+                f"model's {str(want.dtype)[6:]} {tuple(want.shape)}")
+        if size > want.numel() * want.element_size() + ARRAY_HEADER_BYTES:
+            raise ContractError(f"{who(reply, client)} replied '{key}' carrying {size} bytes "
+                                f"for a {str(want.dtype)[6:]} {tuple(want.shape)} array")
 
 
 def read_evaluate_reply(reply: Message, client: int, *,
@@ -183,9 +215,11 @@ def read_gradient_reply(reply: Message, client: int, size: int | None) -> torch.
     if "g" not in record:
         raise ContractError(f"{who(reply, client)} replied ArrayRecord 'gradient' without "
                             f"'g' (docs/contract.md)")
-    g = record.to_torch_state_dict()["g"]
-    if g.dim() != 1 or not g.is_floating_point() or (size is not None and len(g) != size):
-        raise ContractError(f"{who(reply, client)} replied gradient 'g' as "
-                            f"{str(g.dtype)[6:]} {tuple(g.shape)}, expected float "
-                            f"({size if size is not None else 'P'},)")
-    return g
+    array = record["g"]  # its declared shape first: a huge 'g' is never decoded
+    shape, dtype = tuple(array.shape), str(array.dtype)
+    if (len(shape) != 1 or dtype not in ("float16", "bfloat16", "float32", "float64")
+            or (size is not None and shape[0] != size)
+            or len(array.data) > shape[0] * 8 + ARRAY_HEADER_BYTES):
+        raise ContractError(f"{who(reply, client)} replied gradient 'g' as {dtype} {shape}, "
+                            f"expected float ({size if size is not None else 'P'},)")
+    return torch.from_numpy(array.numpy().copy())

@@ -1,5 +1,5 @@
-"""The asynchronous rules (fedhier/round/asynchrony/rules.py, docs/hsgd.md "Asynchronous rules"): FedBuff,
-FedAsync and the shifted mean by hand, in the merge, against the independent oracle through
+"""The asynchronous rules (fedhier/round/asynchrony/rules.py, docs/hsgd.md "Asynchronous rules"):
+FedBuff, FedAsync and the shifted mean by hand, in the merge, against the independent oracle through
 ``fedhier run`` (inprocess and vectorized) and their exact reductions, bit for bit.
 
 The oracle case: the tiny data of tests/test_oracle.py, 4 edges, K = 2, edge 0 four times

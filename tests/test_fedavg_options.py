@@ -46,7 +46,8 @@ def constant_app(size_key: str = "num-examples", calls: list | None = None) -> C
     def profile(msg: Message, context: Context) -> Message:
         pid = int(context.node_config["partition-id"])
         return Message(RecordDict({"metrics": MetricRecord(
-            {"partition-id": pid, "num-examples": 10 * (pid + 1)})}), reply_to=msg)
+            # at least the rows any reply claims (claims past it are capped: docs/security.md)
+            {"partition-id": pid, "num-examples": 10 * (pid + 1) + 10})}), reply_to=msg)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:

@@ -346,6 +346,7 @@ FLAG_VALUES: dict[str, list[str]] = {
     "exclude_after": ["3", "0", "1", *INT_NOISE],
     "max_weight_ratio": ["10", "0", "1.5", *FLOAT_NOISE],
     "max_update_ratio": ["1000", "0", "2", *FLOAT_NOISE],
+    "metrics_aggregator": ["mean", "median", "model", "trimmed-mean:0.1", "clip", "mode", ""],
     "checkpoint_every": ["0", "1", *INT_NOISE],
     "async_buffer": ["0", "0", "1", "2", "3", *INT_NOISE],
     "region_buffer": ["", "", "1", "0", "2", "1,1", "-1", "x", "1,,2"],

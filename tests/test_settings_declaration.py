@@ -137,7 +137,7 @@ CHANGED = dict(clients=12, groups=(3,), grouping="contiguous", weighting="unifor
                aggregators="median,mean", mobility_rate=0.1, handoff="carry", step_seconds=0.5,
                compute_spread=0.2, edge_slowdown="1:3", client_edge_mbps=7.0,
                edge_cloud_latency_ms=9.0, exclude_after=5, max_weight_ratio=4.0,
-               max_update_ratio=50.0, on_bad_reply="drop")
+               max_update_ratio=50.0, on_bad_reply="drop", metrics_aggregator="median")
 #: settings refused together with one of CHANGED's (quantize_bits with edge_periods): checked
 #: on CHANGED without edge_periods
 APART = dict(quantize_bits=4)

@@ -80,10 +80,8 @@ def pack(tensors: Mapping[str, torch.Tensor]) -> bytes | None:
     return b"".join([header, *(a.tobytes(order="C") for _, a in arrays)])
 
 
-def unpack(blob: bytes) -> dict[str, torch.Tensor]:
-    """The tensors of a blob (fresh CPU tensors, in the packed order); PackedModelError when
-    ``blob`` is malformed (a bad header, a dtype outside :data:`PACKABLE`, data of the wrong
-    length)."""
+def _layout(blob: bytes) -> tuple[list[tuple[str, np.dtype, tuple[int, ...]]], int]:
+    """A blob's header: (name, dtype, shape) per tensor, and where its data starts."""
     if not isinstance(blob, bytes) or not blob.startswith(MAGIC):
         raise PackedModelError("not a packed model (bad magic bytes)")
     start = len(MAGIC) + _LENGTH.size
@@ -97,7 +95,14 @@ def unpack(blob: bytes) -> dict[str, torch.Tensor]:
         entries = [(str(n), _DTYPE_OF[d], tuple(s)) for n, d, s in layout]
     except (ValueError, TypeError, KeyError) as exc:
         raise PackedModelError(f"packed model with a bad header: {exc}") from None
-    offset = start + length
+    return entries, start + length
+
+
+def unpack(blob: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of a blob (fresh CPU tensors, in the packed order); PackedModelError when
+    ``blob`` is malformed (a bad header, a dtype outside :data:`PACKABLE`, data of the wrong
+    length)."""
+    entries, offset = _layout(blob)
     out: dict[str, torch.Tensor] = {}
     for name, dtype, shape in entries:
         if name in out or not all(type(d) is int and d >= 0 for d in shape):
@@ -141,6 +146,20 @@ def get_model(content: RecordDict, key: str, remember: bool = True) -> dict[str,
     if is_packed(content, key):
         return unpack(content.config_records[key][BLOB_KEY])  # type: ignore[arg-type]
     return to_tensors(content.array_records[key], remember)
+
+
+def declared_layout(content: RecordDict, key: str) -> dict[str, tuple[str, tuple, int]]:
+    """name -> (dtype name, shape, bytes it carries) of the model at ``content[key]`` as its
+    record declares them, read without decoding an array (a reply's shapes are checked
+    before its arrays are converted: bounded memory). KeyError when there is none,
+    PackedModelError when a blob's header is malformed."""
+    if is_packed(content, key):
+        blob = content.config_records[key][BLOB_KEY]
+        entries, _ = _layout(blob)  # type: ignore[arg-type]
+        return {name: (dtype.name, shape, math.prod(shape) * dtype.itemsize)
+                for name, dtype, shape in entries}
+    return {name: (str(array.dtype), tuple(array.shape), len(array.data))
+            for name, array in content.array_records[key].items()}
 
 
 def reads_packed(reply: Message) -> bool:

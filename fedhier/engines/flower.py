@@ -27,6 +27,7 @@ from flwr.app import Context, Message
 from flwr.serverapp import Grid, ServerApp
 
 from fedhier.engines.grid_run import run_federation
+from fedhier.engines.reply_binding import bound
 from fedhier.runs.checkpoint import Checkpoint
 from fedhier.runs.folder import RunFolder
 from fedhier.runs.prepare import quiet_flower
@@ -107,20 +108,37 @@ DISPATCH_INTERVAL = 0.01
 #: under any other the Simulation Engine runs unpatched.
 PATCHED_FLOWER = "1.42.0"
 PULL_INTERVAL = 0.1
+#: Seconds the first batch of messages waits for the engine's first reply (its actors
+#: starting: ~30 s on 2 CPUs) before its own deadline starts.
+STARTUP_SECONDS = 600.0
 
 
 class _Replies:
     """Counts the replies the Simulation Engine stores, so that the ServerApp's
-    ``send_and_receive`` wakes when its last reply is in instead of looking every 0.1 s."""
+    ``send_and_receive`` wakes when its last reply is in instead of looking every 0.1 s;
+    notes when the first one came (the nodes are up: deadlines start from then)."""
 
     def __init__(self) -> None:
         self.stored = 0
         self.changed = threading.Condition()
+        self.first_at: float | None = None  # time.time() of the first reply stored
 
     def add(self) -> None:
         with self.changed:
             self.stored += 1
+            if self.first_at is None:
+                self.first_at = time.time()
             self.changed.notify_all()
+
+    def deadline(self, pushed: float, timeout: float | None) -> float:
+        """When a batch pushed at ``pushed`` stops waiting: ``timeout`` seconds from its
+        push, or from the engine's first reply when that came later (the nodes were still
+        starting); before any reply, at most :data:`STARTUP_SECONDS` more."""
+        if timeout is None:
+            return math.inf
+        if self.first_at is None:
+            return pushed + max(timeout, STARTUP_SECONDS)
+        return max(pushed, self.first_at) + timeout
 
     def _all_in(self, seen: int, target: int) -> bool:
         return self.stored > seen and self.stored >= target
@@ -135,9 +153,9 @@ class _Replies:
                              timeout: float | None = None) -> list[Message]:
             with self.changed:
                 base = self.stored
+            pushed = time.time()
             ids = set(grid.push_messages(messages))
             total = len(ids)
-            end = math.inf if timeout is None else time.time() + timeout
             out: list[Message] = []
             while True:
                 with self.changed:
@@ -145,7 +163,7 @@ class _Replies:
                 replies = list(grid.pull_messages(ids))
                 out.extend(replies)
                 ids.difference_update(r.metadata.reply_to_message_id for r in replies)
-                left = end - time.time()
+                left = self.deadline(pushed, timeout) - time.time()
                 if not ids or left <= 0:
                     return out
                 with self.changed:  # all replies in since the push, or a new one since the pull
@@ -167,7 +185,10 @@ def _fast_dispatch(replies: _Replies) -> Iterator[None]:
     same messages (at most one per node per tick, each checked once as Flower checks it,
     marked delivered as Flower marks it) in one walk. Where the LinkState is not the
     in-memory one it knows, Flower's own dispatcher runs. The injector stores each reply as
-    Flower's ``put_message_into_state`` does, then counts it in ``replies``.
+    Flower's ``put_message_into_state`` does, then counts it in ``replies``. The backend's
+    reply to a message is bound to it (:func:`fedhier.engines.reply_binding.bound`): a
+    ClientApp reply that does not answer its message becomes an error reply to it that says
+    so, where Flower's LinkState would drop it unseen.
     """
     import flwr
     from flwr.server.superlink.fleet.vce import vce_api
@@ -175,8 +196,17 @@ def _fast_dispatch(replies: _Replies) -> Iterator[None]:
     if flwr.__version__ != PATCHED_FLOWER:  # another Flower: its own dispatcher, unpatched
         yield
         return
+    from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
+
     original = vce_api.add_messages_to_queue
     original_injector = vce_api.put_message_into_state
+    original_process = RayBackend.process_message
+
+    def process(backend: Any, message: Message, context: Context) -> tuple[Message, Context]:
+        # the reply to exactly this message, or an error reply to it saying what did not
+        # match (Flower's LinkState would drop it unseen: a silent client)
+        reply, updated = original_process(backend, message, context)
+        return bound(message, reply), updated
 
     def dispatch(state: Any, queue: Queue, nodes_mapping: dict[int, int],
                  f_stop: threading.Event) -> None:
@@ -197,11 +227,13 @@ def _fast_dispatch(replies: _Replies) -> Iterator[None]:
 
     vce_api.add_messages_to_queue = dispatch
     vce_api.put_message_into_state = inject
+    RayBackend.process_message = process  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
         vce_api.add_messages_to_queue = original
         vce_api.put_message_into_state = original_injector
+        RayBackend.process_message = original_process  # type: ignore[method-assign]
 
 
 def _add_messages_to_queue(state: Any, queue: Queue, nodes_mapping: dict[int, int],

@@ -33,7 +33,8 @@ def run_inprocess(cfg: RunConfig, folder: RunFolder, progress: bool = True,
     finally:
         if freeze:
             gc.unfreeze()
-        stuck = grid.close(wait=2.0)  # a late ClientApp call: see fedhier.cli.commands
-        if stuck:
+        stuck = grid.close(wait=2.0)  # a late ClientApp call: see fedhier.cli.commands.main
+        if stuck:  # nodes -> the clients they serve
+            clients = sorted(int(grid.contexts[n].node_config["partition-id"]) for n in stuck)
             log.warning("client(s) %s still computing a late reply after the run",
-                        stuck[:10])
+                        clients[:10])

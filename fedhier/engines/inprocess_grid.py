@@ -2,7 +2,9 @@
 
 It implements Flower's ``Grid`` interface, so any ``flwr.serverapp.strategy`` strategy (ours
 or Flower's own) runs on it unchanged. Messages are handled one after another in the order
-sent; a ClientApp exception becomes an error reply, as on Flower's engines. Under
+sent; a ClientApp exception becomes an error reply, as on Flower's engines, and a reply that
+does not answer the message it was returned for (another reply-to id or sender) an error reply
+saying so (:mod:`fedhier.engines.reply_binding`). Under
 ``send_and_receive(..., timeout=T)`` each client gets T seconds of its own (as if the nodes
 ran in parallel): a reply that takes longer is dropped, and a node still busy with it gets
 no reply to later messages until it finishes, so a client that never answers does not hang
@@ -33,6 +35,7 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedhier.common.rng import generator
+from fedhier.engines.reply_binding import bound
 
 #: The name prefix of the threads that run ClientApp calls under a timeout.
 THREAD_PREFIX = "fedhier-node-"
@@ -169,10 +172,11 @@ class InProcessGrid(Grid):
         return sorted(self._busy)
 
     def _call(self, msg: Message) -> Message:
-        """The ClientApp's reply to ``msg`` (an exception becomes an error reply)."""
+        """The ClientApp's reply to ``msg`` (an exception becomes an error reply, and so does
+        a reply that does not answer ``msg``: :func:`fedhier.engines.reply_binding.bound`)."""
         context = self.contexts[msg.metadata.dst_node_id]
         try:
-            return self.client_app(msg, context)
+            return bound(msg, self.client_app(msg, context))
         except Exception as exc:  # noqa: BLE001 - reported to the strategy as in Flower
             reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
             error = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason)

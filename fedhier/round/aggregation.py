@@ -10,14 +10,55 @@ from one, such as ``clip``). No Flower import.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from fedhier.round.aggregators.averaging import aggregator, check_aggregators, occupied_segments
+from fedhier.round.aggregators.averaging import (
+    Aggregator,
+    aggregator,
+    check_aggregators,
+    occupied_segments,
+)
 from fedhier.round.executor import Params, device_of
 from fedhier.tree.hierarchy import Hierarchy
+
+log = logging.getLogger("fedhier")
+
+#: (rule, level, node, members) already warned about in this run (see :func:`warn_size`).
+_WARNED: set[tuple[str, int, int, int]] = set()
+
+
+def level_name(level: int, num_levels: int) -> str:
+    """'the edges', 'the cloud', 'level 2': where a rule runs."""
+    return "the cloud" if level == num_levels else "the edges" if level == 1 \
+        else f"level {level}"
+
+
+def new_run() -> None:
+    """A run starts: its rules' size warnings are told again (:func:`warn_size`)."""
+    _WARNED.clear()
+
+
+def warn_size(rule: Aggregator, level: int, num_levels: int, nodes: np.ndarray,
+              sizes: np.ndarray) -> None:
+    """One warning per run, node and size where ``rule`` aggregates fewer members than it
+    needs to leave one hostile member out (``Aggregator.min_members``, docs/security.md):
+    there it is not robust (the median of 2 is their mean; a trimmed mean that trims
+    nothing is the mean)."""
+    if rule.linear:
+        return
+    least = rule.min_members
+    for node, k in zip(nodes.tolist(), sizes.tolist(), strict=True):
+        if (least is not None and k >= least) or (rule.name, level, node, k) in _WARNED:
+            continue
+        _WARNED.add((rule.name, level, node, k))
+        need = f"needs >= {least}" if least is not None else "never leaves one out"
+        log.warning("aggregator %s at %s: node %d aggregates %d member(s), the rule %s "
+                    "to resist one hostile member: not robust there (docs/security.md)",
+                    rule.name, level_name(level, num_levels), node, k, need)
 
 
 def aggregate_levels(models: dict[str, torch.Tensor], survivors: np.ndarray,
@@ -57,6 +98,8 @@ def aggregate_levels(models: dict[str, torch.Tensor], survivors: np.ndarray,
         nodes, compact = occupied_segments(parent, hierarchy.num_nodes(lv))
         w = torch.as_tensor(member_weights, device=device)
         owner = torch.as_tensor(compact, device=device)
+        warn_size(rule, lv, hierarchy.num_levels, nodes,
+                  np.bincount(compact, minlength=len(nodes)))
         # without a reference, a rule that needs one refuses in Aggregator.apply
         start = reference(lv, nodes) if rule.needs_reference and reference else None
         values = rule.apply(values, w, owner, len(nodes), start)

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from fedhier.round.aggregation import aggregate_levels
+from fedhier.round.aggregation import aggregate_levels, warn_size
 from fedhier.round.aggregators.averaging import aggregator
 from fedhier.round.executor import Params, device_of
 from fedhier.round.faults import RunFailureError
@@ -71,6 +71,7 @@ def cloud_update_of_children(step: CloudStep | None, cloud_round: int, children:
     if step is not None:
         return step_on(step, cloud_round, children, nodes, child_weight)
     rule = aggregator(aggregators[-1])
+    warn_size(rule, 2, 2, np.zeros(1, dtype=np.int64), np.array([len(nodes)]))  # the cloud
     device = device_of(children)
     w = torch.as_tensor(child_weight, device=device)
     owner = torch.zeros(len(nodes), dtype=torch.int64, device=device)

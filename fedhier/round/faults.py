@@ -44,9 +44,15 @@ def failed_edges(edge_of_client: np.ndarray, sent: np.ndarray, alive: np.ndarray
 
 
 def non_finite_message(client: int, edge: int, edge_round: int,
-                       edge_rounds_per_cloud_round: int) -> str:
-    """The one-line stop message for a client update holding NaN or inf (every engine)."""
+                       edge_rounds_per_cloud_round: int, loss: float | None = None) -> str:
+    """The one-line stop message for a client update holding NaN or inf (every engine);
+    ``loss``: the update is finite but the train loss the client reported is not."""
     cloud_round = (edge_round - 1) // edge_rounds_per_cloud_round + 1
+    if loss is not None:
+        return (f"client {client} (edge {edge}) reported a train loss of {loss} in edge round "
+                f"{edge_round} (cloud round {cloud_round}) with a finite model; the last "
+                "checkpoint is kept (its loss is not a number: --on-nan skip-client drops "
+                "its update)")
     return (f"non-finite values in the update of client {client} (edge {edge}) in edge round "
             f"{edge_round} (cloud round {cloud_round}); the last checkpoint is kept (lower "
             "--lr, clip with --clip-norm, or --on-nan skip-client)")

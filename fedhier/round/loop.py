@@ -40,8 +40,18 @@ import torch
 from fedhier.common.errors import ConfigError
 from fedhier.diagnostics.in_rounds import diagnostics_due
 from fedhier.local.quantization import upload_bytes
-from fedhier.round.aggregation import NodeModels, aggregate_levels, broadcast, needs_node_models
-from fedhier.round.aggregators.averaging import check_aggregators, presence_weights
+from fedhier.round.aggregation import (
+    NodeModels,
+    aggregate_levels,
+    broadcast,
+    needs_node_models,
+    new_run,
+)
+from fedhier.round.aggregators.averaging import (
+    check_aggregators,
+    check_metrics_aggregator,
+    presence_weights,
+)
 from fedhier.round.asynchrony.settings import AsyncEdges
 from fedhier.round.clock import SimClock, TimeModel
 from fedhier.round.cloud import CloudStep, cloud_update, cloud_update_of_children
@@ -104,9 +114,11 @@ class HSGDSettings:
     edge_periods: tuple[int, ...] = ()
     policy: ReplyPolicy = field(default_factory=ReplyPolicy)
     quantize_bits: int = 0  # clients' uploads counted at b bits per value (0: float32)
+    metrics_aggregator: str = "mean"
 
     def __post_init__(self) -> None:
         check_schedule(self.periods, self.groups, self.edge_periods)
+        check_metrics_aggregator(self.metrics_aggregator, self.aggregators)
         self.time_model.check_edges(self.groups[0] if self.groups else 1)
         self.asynchronous.check(self.groups[0] if self.groups else 1)
         check_aggregators(self.aggregators, len(self.periods))
@@ -170,6 +182,8 @@ class HierarchicalSGD:
         """
         s = self.settings
         self._executor = executor
+        if info is None:  # a run, not an edge server's job: rules' size warnings told anew
+            new_run()
         self.info = self._restored.info(executor.profiles() if info is None else info)
         self._restored.restore_executor(executor)
         self.weights = self._weights_of(self.info.num_examples)
@@ -214,6 +228,13 @@ class HierarchicalSGD:
         under ``samples``, else the clients' averaging weights)."""
         return evaluation_weights(evaluation.num_examples, self.weights,
                                   self.settings.weighting, self.settings.policy.max_weight_ratio)
+
+    @property
+    def metrics_rule(self) -> str:
+        """The rule that averages the clients' evaluations (``metrics_aggregator``;
+        ``model``: the cloud level's rule)."""
+        s = self.settings
+        return s.aggregators[-1] if s.metrics_aggregator == "model" else s.metrics_aggregator
 
     def regroup_due(self, cloud_round: int) -> bool:
         return regroup_due(self.settings.regroup_every, cloud_round)
@@ -391,7 +412,8 @@ class HierarchicalSGD:
         if evaluation is not None:
             self.learn_sizes(np.arange(len(self.weights)), evaluation.num_examples,
                              trained=False)
-            record.update(evaluation_metrics(evaluation, self.evaluation_weights(evaluation)))
+            record.update(evaluation_metrics(evaluation, self.evaluation_weights(evaluation),
+                                             self.metrics_rule))
         record.update(trained)
         own = getattr(executor, "reply_metrics", None)  # the clients' own metrics, per level
         if own is not None:
@@ -404,6 +426,9 @@ class HierarchicalSGD:
         if diagnostics_due(cloud_round, s.diagnostics_every):
             record.update(diagnostics_record(executor, self.global_params, self.weights,
                                              self._hierarchy(), cloud_round))
+        dropped = getattr(executor, "take_dropped_replies", None)
+        if dropped is not None and (count := dropped()):
+            record["dropped_replies"] = count  # since the last record (docs/security.md)
         record.update(self.communication.as_dict())
         record["sim_seconds"] = self.elapsed_seconds()
         return record

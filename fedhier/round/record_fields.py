@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from fedhier.diagnostics.in_rounds import client_diagnostics
+from fedhier.round.aggregators.averaging import robust_mean
 from fedhier.round.executor import ClientEvaluation, Executor, Params
 from fedhier.round.reply_policy import outlying_gradients
 from fedhier.tree.hierarchy import Hierarchy
@@ -20,16 +21,23 @@ from fedhier.tree.hierarchy import Hierarchy
 log = logging.getLogger("fedhier")
 
 
-def evaluation_metrics(evaluation: ClientEvaluation, weights: np.ndarray) -> dict[str, Any]:
+def evaluation_metrics(evaluation: ClientEvaluation, weights: np.ndarray,
+                       rule: str = "mean") -> dict[str, Any]:
     """train_loss / train_accuracy: client-weighted over the clients that answered (the
-    global objective f(w)), and the held-out accuracy summary when clients hold rows out."""
+    global objective f(w)), or under a robust ``rule`` (``metrics_aggregator``:
+    :func:`fedhier.round.aggregators.averaging.robust_mean`, each metric alone), and the held-out
+    accuracy summary when clients hold rows out."""
     answered = ~np.isnan(evaluation.loss)
     if not answered.any():
         return {}
     w = weights[answered]
-    out: dict[str, Any] = {
-        "train_loss": float(np.dot(w, evaluation.loss[answered]) / w.sum()),
-        "train_accuracy": float(np.dot(w, evaluation.accuracy[answered]) / w.sum())}
+    if rule == "mean":  # as always (published numbers)
+        loss = float(np.dot(w, evaluation.loss[answered]) / w.sum())
+        accuracy = float(np.dot(w, evaluation.accuracy[answered]) / w.sum())
+    else:
+        loss = robust_mean(evaluation.loss[answered], w, rule)
+        accuracy = robust_mean(evaluation.accuracy[answered], w, rule)
+    out: dict[str, Any] = {"train_loss": loss, "train_accuracy": accuracy}
     holdout = evaluation.holdout_accuracy
     if holdout is not None and not np.isnan(holdout).all():
         out.update(client_accuracy_summary(holdout))

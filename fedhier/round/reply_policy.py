@@ -72,6 +72,7 @@ class ReplyGuard:
     streak: dict[int, int] = field(default_factory=dict)
     excluded: dict[int, str] = field(default_factory=dict)  # client -> why
     dropped_now: set[int] = field(default_factory=set)
+    dropped: int = 0  # replies dropped since the last take_dropped()
 
     def bad(self, error: FedhierError, client: int | None, *, training: bool = True) -> None:
         """A reply that breaks the contract: raise ``error`` (stop) or log it (drop). Only a
@@ -80,8 +81,14 @@ class ReplyGuard:
         if self.policy.on_bad_reply == "stop":
             raise error
         log.warning("dropped a bad reply: %s", error)
+        self.dropped += 1
         if client is not None and training:
             self.dropped_now.add(client)
+
+    def take_dropped(self) -> int:
+        """The replies dropped since the last call (a cloud round's record)."""
+        count, self.dropped = self.dropped, 0
+        return count
 
     def state_dict(self) -> dict[str, list]:
         """The streaks and exclusions for a checkpoint: [client, rounds] and [client, why]

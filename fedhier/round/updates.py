@@ -72,12 +72,15 @@ def screen(work: EdgeRoundWork, result: TrainResult, on_nan: str,
     finite = torch.ones(len(alive), dtype=torch.bool, device=device)
     for value in result.models.values():
         finite &= torch.isfinite(value.reshape(len(alive), -1)).all(dim=1)
-    bad = np.flatnonzero(alive & ~(finite.cpu().numpy() & loss_ok))
+    model_ok = finite.cpu().numpy()
+    bad = np.flatnonzero(alive & ~(model_ok & loss_ok))
     if on_nan == "stop":
-        client = int(work.clients[bad[0]])
+        row = int(bad[0])
+        client = int(work.clients[row])
         raise RunFailureError(non_finite_message(
             client, int(work.edge_of_client[client]), work.edge_round,
-            edge_rounds_per_cloud_round))
+            edge_rounds_per_cloud_round,
+            loss=float(result.losses[row]) if model_ok[row] else None))
     log.warning("dropping the non-finite update of client(s) %s in edge round %d",
                 work.named(work.clients[bad]), work.edge_round)
     alive[bad] = False

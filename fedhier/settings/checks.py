@@ -34,9 +34,10 @@ def validate(cfg: RunConfig) -> None:
     from fedhier.local.devices import check_device_name
 
     check_device_name(cfg.device)
-    from fedhier.round.aggregators.averaging import check_aggregators
+    from fedhier.round.aggregators.averaging import check_aggregators, check_metrics_aggregator
 
     check_aggregators(cfg.aggregator_names, len(cfg.periods) or 2)
+    check_metrics_aggregator(cfg.metrics_aggregator, cfg.aggregator_names)
     below, below_name = cfg.clients, "clients"
     for level, count in enumerate(cfg.groups, start=1):
         if count < 1:

@@ -205,6 +205,12 @@ class DeclaredSettings:
         1000.0, "a train reply whose update is longer than this multiple of the round's median "
         "update is a bad reply (0 = no check; docs/security.md)",
         valid=AT_LEAST_0, part="reply_policy")
+    metrics_aggregator: str = setting(
+        "mean", "how the clients' evaluations become the recorded train_loss / train_accuracy: "
+        "mean (weighted by the rows each evaluated), a robust rule (median, "
+        "trimmed-mean[:b], krum[:f], multi-krum[:f]; per metric, unweighted) or model (the "
+        "cloud level's rule of --aggregators; docs/security.md)",
+        part="algorithm")
     checkpoint_every: int = setting(
         0, "write a checkpoint every K cloud rounds (0 = only on Ctrl-C)",
         valid=AT_LEAST_0)

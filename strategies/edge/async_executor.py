@@ -14,10 +14,16 @@ import logging
 import time
 
 import numpy as np
+from flwr.app import Message
 
+from fedhier.engines.reply_binding import mismatch
 from fedhier.round.loop import ClientEvaluation, Params
 from fedhier.round.tiers.jobs import EdgeJob, EdgeReport
-from fedhier.strategies.edge.cloud_executor import EdgeServersExecutor, error_reason
+from fedhier.strategies.edge.cloud_executor import (
+    EdgeServersExecutor,
+    dropped_count,
+    error_reason,
+)
 from fedhier.strategies.edge.messages import MalformedReplyError, report_from_reply
 
 log = logging.getLogger("fedhier")
@@ -33,14 +39,16 @@ class AsyncEdgeServersExecutor(EdgeServersExecutor):
         self.in_flight: dict[str, tuple[int, float]] = {}  # message id -> (edge, pushed at)
         self.job_of: dict[str, EdgeJob] = {}  # message id -> its job (to check the reply)
         self.arrived: dict[int, EdgeReport] = {}  # edge -> its report, in arrival order
+        self.pushed: dict[str, Message] = {}  # message id -> the job's message (binding)
 
     def submit(self, jobs: list[EdgeJob]) -> None:
         messages = self.job_messages(jobs)
         now = time.monotonic()
         ids = list(self.grid.push_messages(messages))
-        for message_id, job in zip(ids, jobs, strict=True):
+        for message_id, job, message in zip(ids, jobs, messages, strict=True):
             self.in_flight[message_id] = (job.edge, now)
             self.job_of[message_id] = job
+            self.pushed[message_id] = message
 
     def _pull(self) -> None:
         """The replies in now, by edge, after the earlier ones."""
@@ -48,7 +56,19 @@ class AsyncEdgeServersExecutor(EdgeServersExecutor):
             return
         replies = list(self.grid.pull_messages(list(self.in_flight)))
         reports: dict[int, EdgeReport] = {}
-        for reply in replies:
+        pulled = []
+        for reply in replies:  # bound to a job in flight (fedhier.strategies.exchange)
+            message = self.pushed.get(reply.metadata.reply_to_message_id)
+            why = ("it answers no job in flight" if message is None
+                   or reply.metadata.reply_to_message_id not in self.in_flight
+                   else mismatch(message, reply))
+            if why is None:
+                pulled.append(reply)
+                self.pushed.pop(reply.metadata.reply_to_message_id)
+            else:
+                log.warning("left out a server's reply to its job: %s", why)
+        for reply in pulled:
+            self.guard.dropped += dropped_count(reply)
             edge, _ = self.in_flight.pop(reply.metadata.reply_to_message_id)
             job = self.job_of.pop(reply.metadata.reply_to_message_id)
             if reply.has_error():
@@ -80,6 +100,7 @@ class AsyncEdgeServersExecutor(EdgeServersExecutor):
                             edge, self.timeout)
                 self.in_flight = {m: v for m, v in self.in_flight.items() if v[0] != edge}
                 self.job_of = {m: j for m, j in self.job_of.items() if m in self.in_flight}
+                self.pushed = {m: p for m, p in self.pushed.items() if m in self.in_flight}
                 self.arrived[edge] = EdgeReport(edge, None, np.zeros((0, 2)), reached=False)
                 return edge
             if not any(edge in edges for edge, _ in self.in_flight.values()):

@@ -23,6 +23,8 @@ from fedhier.round.faults import RunFailureError
 from fedhier.round.loop import ClientEvaluation, EdgeRoundWork, Params, TrainResult
 from fedhier.round.tiers.jobs import EdgeJob, EdgeReport, server_name
 from fedhier.strategies.edge.messages import (
+    ABSENT,
+    DROPPED,
     EDGE_ID,
     PARTITION_IDS,
     PATH,
@@ -47,6 +49,14 @@ def error_reason(reply: Message) -> str:
     """The first line of an error reply's reason ("" if it gave none)."""
     lines = (reply.error.reason or "").strip().splitlines()
     return lines[0] if lines else ""
+
+def dropped_count(reply: Message) -> int:
+    """The bad client replies a server's report says it dropped (0 when it does not say)."""
+    metrics = reply.content.metric_records.get("metrics")
+    value = None if metrics is None else metrics.get(DROPPED)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 \
+        else 0
+
 
 class EdgeServersExecutor(GridExecutor):
     """``num_edges`` servers reached through ``grid`` (the children ``children``, default
@@ -79,6 +89,8 @@ class EdgeServersExecutor(GridExecutor):
         from fedhier.engines.deployment.reattach import reattacher_from_env
         #: moves clients between edges (fedhier.round.tiers.moves.Reattacher); from the deployment
         self.reattacher = reattacher_from_env()
+        #: client -> why its last re-attachment failed (it fails its new edge's rounds)
+        self.unattached: dict[int, str] = {}
 
     @property
     def edge_of_client(self) -> np.ndarray:
@@ -94,7 +106,9 @@ class EdgeServersExecutor(GridExecutor):
         nodes = self.wait_for_nodes(self.num_edges, timeout, "servers")
         messages = [Message(RecordDict({"config": self.train_config}),
                             message_type=MessageType.QUERY, dst_node_id=node) for node in nodes]
-        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+        replies = self._servers_answer(
+            messages, self.grid.send_and_receive(messages, timeout=timeout),
+            "the servers' profile query")
         for reply in replies:
             if reply.has_error():
                 raise RunFailureError(f"edge server on node {reply.metadata.src_node_id} "
@@ -146,6 +160,16 @@ class EdgeServersExecutor(GridExecutor):
         return ClientInfo(label_histograms=histograms, num_examples=sizes,
                           edge_tags=self.edge_of_client.copy())
 
+    def _servers_answer(self, messages: list[Message], replies: Iterable[Message],
+                        what: str) -> list[Message]:
+        """The replies bound to ``messages`` (:mod:`fedhier.strategies.exchange`), in
+        message order; a reply that answers none of them is named in a warning and left
+        out (its server counts as not answering)."""
+        bound = self.sent.bind(messages, replies, what, {})
+        for error, _ in bound.bad:
+            log.warning("left out a server's reply: %s", error)
+        return [reply for _, reply in bound.answers]
+
     def reattach(self, moves: dict[int, int]) -> dict[int, float]:
         """Connect each client of ``moves`` (client -> edge) to its new edge and wait until it
         is online there (:class:`fedhier.round.tiers.moves.Reattacher`); client -> seconds."""
@@ -153,6 +177,14 @@ class EdgeServersExecutor(GridExecutor):
             raise RunFailureError("clients move between edge servers but this deployment "
                                   "cannot re-attach them (fedhier deploy local --edges can)")
         seconds = self.reattacher.reattach(moves)
+        failed = dict(getattr(self.reattacher, "failed", {}))
+        for client in moves:
+            self.unattached.pop(client, None)
+        self.unattached.update({c: why for c, why in failed.items() if c in moves})
+        if failed:
+            log.warning("client(s) %s could not be re-attached to their new edge (%s): they "
+                        "fail its edge rounds until they come online there",
+                        sorted(failed)[:10], next(iter(failed.values())))
         for client, edge in moves.items():
             self.edge_of_client[client] = edge
             if self.level > 2:  # its server among the children (its region) too
@@ -167,15 +199,22 @@ class EdgeServersExecutor(GridExecutor):
     def job_messages(self, jobs: list[EdgeJob]) -> list[Message]:
         """One train message per job, to its server's node. A job outlives its round by
         nothing (``ttl``): a server that restarts must not take it late."""
-        return [Message(job_content(job, self.train_config), message_type=MessageType.TRAIN,
-                        dst_node_id=self.node_of_edge[job.edge], ttl=self.timeout)
-                for job in jobs]
+        messages = []
+        for job in jobs:
+            content = job_content(job, self.train_config)
+            if self.unattached:  # clients it must not wait for (failed re-attachments)
+                content.config_records["config"][ABSENT] = sorted(self.unattached)
+            messages.append(Message(content, message_type=MessageType.TRAIN,
+                                    dst_node_id=self.node_of_edge[job.edge], ttl=self.timeout))
+        return messages
 
     def run_edge_jobs(self, jobs: list[EdgeJob]) -> list[EdgeReport]:
         """Send each edge its job; an edge that fails or does not answer within the timeout
         is reported ``reached=False``."""
         messages = self.job_messages(jobs)
-        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
+        replies = self._servers_answer(
+            messages, self.grid.send_and_receive(messages, timeout=self.timeout),
+            f"cloud round {jobs[0].cloud_round if jobs else 0}'s jobs")
         # By the message answered: an error reply may come from the SuperLink itself (an
         # expired message), not from the edge's node.
         edge_of_message = {m.metadata.message_id: job.edge
@@ -188,6 +227,7 @@ class EdgeServersExecutor(GridExecutor):
             if reply.has_error():
                 log.warning("%s %d failed its job: %s", child, edge, error_reason(reply))
                 continue
+            self.guard.dropped += dropped_count(reply)
             try:
                 reports[edge] = report_from_reply(reply, job_of_edge[edge])
             except MalformedReplyError as exc:
@@ -217,8 +257,9 @@ class EdgeServersExecutor(GridExecutor):
                  else [self.node_of_edge[c] for c in children if c in self.node_of_edge])
         messages = [Message(content, message_type=message_type, dst_node_id=node)
                     for node in nodes]
-        return [r for r in self.grid.send_and_receive(messages, timeout=self.timeout)
-                if not r.has_error()]
+        replies = self.grid.send_and_receive(messages, timeout=self.timeout)
+        return [r for r in self._servers_answer(messages, replies, f"the '{message_type}' "
+                                                "messages") if not r.has_error()]
 
     def evaluate(self, params: Params, cloud_round: int) -> ClientEvaluation | None:
         out = ClientEvaluation.unanswered(self.num_clients or 0)
@@ -282,7 +323,9 @@ class EdgeServersExecutor(GridExecutor):
             content["config"] = self.evaluate_config
             messages.append(Message(content, message_type=f"{MessageType.QUERY}.restore",
                                     dst_node_id=self.node_of_edge[edge]))
-        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
+        replies = self._servers_answer(
+            messages, self.grid.send_and_receive(messages, timeout=self.timeout),
+            "the restore query")
         failed = len(messages) - sum(not r.has_error() for r in replies)
         if failed:
             raise RunFailureError(f"{failed} server(s) could not restore their clients' "

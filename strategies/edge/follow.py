@@ -12,12 +12,12 @@ job (:func:`follow_subtree`), for its answers by client (evaluation, gradients).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 from flwr.app import Message, MessageType, RecordDict
 
-from fedhier.round.faults import RunFailureError
 from fedhier.round.tiers.jobs import EdgeJob
 from fedhier.strategies.grid_executor import GridExecutor
 
@@ -26,8 +26,11 @@ FOLLOW_TIMEOUT = 60.0
 
 
 def follow_clients(executor: GridExecutor, clients: list[int], seen: dict[int, int],
-                   timeout: float = FOLLOW_TIMEOUT) -> None:
-    """Make ``executor`` (an edge's GridExecutor) serve exactly ``clients`` (partition ids).
+                   timeout: float = FOLLOW_TIMEOUT, absent: Iterable[int] = ()) -> list[int]:
+    """Make ``executor`` (an edge's GridExecutor) serve ``clients`` (partition ids);
+    returns those that did not come online within ``timeout`` seconds (not waited for at all:
+    ``absent``, the clients the cloud could not re-attach here). Those are served by no
+    node: each edge round they fail (they are sent nothing), until a later job finds them.
 
     ``seen``: node -> client of every node this edge has known (updated): a node of a client
     that left and is not coming back is not asked (it may still be listed while it stops).
@@ -35,7 +38,8 @@ def follow_clients(executor: GridExecutor, clients: list[int], seen: dict[int, i
     clients = sorted(int(c) for c in clients)
     seen.update(executor.client_of_node)
     nodes = {c: n for c, n in executor.node_ids.items() if c in clients}
-    missing = set(clients) - set(nodes)
+    skip = {int(c) for c in absent}
+    missing = set(clients) - set(nodes) - skip
     deadline = time.time() + timeout
     while missing:
         fresh = [n for n in executor.grid.get_node_ids() if n not in nodes.values()
@@ -43,23 +47,27 @@ def follow_clients(executor: GridExecutor, clients: list[int], seen: dict[int, i
         if fresh:
             messages = [Message(RecordDict({executor.configrecord_key: executor.train_config}),
                                 message_type=MessageType.QUERY, dst_node_id=n) for n in fresh]
-            for reply in executor.grid.send_and_receive(messages, timeout=timeout):
+            replies = executor.grid.send_and_receive(messages, timeout=timeout)
+            for message, reply in executor.sent.bind(messages, replies, "the profile query "
+                                                     "of arriving clients", {}).answers:
                 metrics = (None if reply.has_error() else
                            reply.content.metric_records.get("metrics"))
                 pid = None if metrics is None else metrics.get("partition-id")
+                node = message.metadata.dst_node_id
                 if isinstance(pid, int) and pid in missing:
-                    nodes[pid] = reply.metadata.src_node_id
-                    seen[reply.metadata.src_node_id] = pid
+                    nodes[pid] = node
+                    seen[node] = pid
                     missing.discard(pid)
         if missing and time.time() > deadline:
-            raise RunFailureError(f"clients {sorted(missing)[:10]} did not come online at "
-                                  f"this edge within {timeout:.0f} s")
+            break
         if missing:
             time.sleep(0.05)
-    executor.node_ids = {c: nodes[c] for c in clients}
+    lost = sorted(set(clients) - set(nodes))
+    executor.node_ids = {c: nodes[c] for c in clients if c in nodes}
     executor.client_of_node = {n: c for c, n in executor.node_ids.items()}
     executor.expected_clients = clients
-    executor.min_available_nodes = len(clients)
+    executor.min_available_nodes = len(executor.node_ids)
+    return lost
 
 
 def clients_of(edge_of_client: np.ndarray, edge: int) -> list[int]:

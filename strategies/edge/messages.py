@@ -14,7 +14,8 @@ server its clients through its own SuperLink under the client message contract
                        (``edge-of-client``, ``num-examples`` int64 [n], ``edge-seconds``
                        float64 [E], ``parents-k`` the tree above the edges), ``config``: the
                        run configuration plus ``server-round``, ``edge-id``, ``node-level``,
-                       ``first-edge-round``, ``num-edge-rounds``; with a ``carry``
+                       ``first-edge-round``, ``num-edge-rounds`` and, when a client could not
+                       be re-attached, ``absent-clients`` (its partition ids); with a ``carry``
                        handoff also ``start-edge-of-client``, and with it or a region's job
                        that starts inside its period ``carried-edges`` in the job record and
                        ArrayRecord ``carried`` (those edges' models); clients that moved
@@ -24,6 +25,8 @@ server its clients through its own SuperLink under the client message contract
                        and ``metrics`` (see :func:`report_from_reply`); a region's job that
                        ends inside its parent's period: ArrayRecord ``edge-models`` (its
                        edges' models, ``edges`` in the metrics) instead of ``arrays``
+                       The report's ``dropped-replies``: the clients' replies the server
+                       dropped as bad during the job.
 ``evaluate``           ``arrays`` (the global model); reply ``metrics``: per client ``loss``,
                        ``accuracy``, ``holdout-accuracy`` (NaN: none), ``num-examples``
 ``query.gradient``     ``arrays``; reply ArrayRecord ``gradient`` (``g``: [k, P] in
@@ -68,8 +71,13 @@ UNREACHED = "unreached"
 LEVEL = "node-level"
 FIRST_ROUND = "first-edge-round"
 NUM_ROUNDS = "num-edge-rounds"
+#: A job's clients that could not be re-attached to their new edge (the edge does not wait
+#: for them: they fail its edge rounds until they come online there).
+ABSENT = "absent-clients"
+#: A report's count of the clients' replies the server dropped as bad during the job.
+DROPPED = "dropped-replies"
 #: The config keys a parent adds for a server (not the run configuration's).
-EDGE_KEYS = (EDGE_ID, LEVEL, FIRST_ROUND, NUM_ROUNDS)
+EDGE_KEYS = (EDGE_ID, LEVEL, FIRST_ROUND, NUM_ROUNDS, ABSENT)
 #: The prefix of a client's kept-state record: ``state/<client>/<name>``.
 STATE_PREFIX = "state/"
 

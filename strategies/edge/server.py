@@ -17,6 +17,7 @@ one process on :class:`~fedhier.engines.inprocess_grid.InProcessGrid` s.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import cast
 
@@ -28,11 +29,18 @@ from flwr.serverapp import Grid
 from fedhier.clients.app import run_config_of
 from fedhier.clients.wire.packed_model import get_model
 from fedhier.common.errors import ConfigError
-from fedhier.round.tiers.jobs import run_edge_job
+from fedhier.round.tiers.jobs import EdgeJob, run_edge_job
 from fedhier.runs.prepare import settings_for
 from fedhier.settings.run_config import RunConfig
-from fedhier.strategies.edge.follow import clients_of, follow_clients, follow_subtree
+from fedhier.strategies.edge.follow import (
+    FOLLOW_TIMEOUT,
+    clients_of,
+    follow_clients,
+    follow_subtree,
+)
 from fedhier.strategies.edge.messages import (
+    ABSENT,
+    DROPPED,
     EDGE_ID,
     EDGE_KEYS,
     PARTITION_IDS,
@@ -44,6 +52,8 @@ from fedhier.strategies.edge.messages import (
     states_of,
 )
 from fedhier.strategies.grid_executor import GridExecutor
+
+log = logging.getLogger("fedhier")
 
 #: The share of its parent's wait a server spends waiting for its children (the rest: its own
 #: work and the messages to and from its parent).
@@ -84,6 +94,7 @@ class EdgeServer:
             raise ConfigError(f"server {edge} of level {level} needs its child servers")
         self._executor: GridExecutor | None = None
         self.seen: dict[int, int] = {}  # node -> client, every node it has known (follow)
+        self.lost: set[int] = set()  # its clients not online here at the last job
         self._config: RunConfig | None = None
 
     def executor(self, cfg: RunConfig) -> GridExecutor:
@@ -128,13 +139,13 @@ class EdgeServer:
             if (job.edge, job.level) != (self.edge, self.level):
                 raise ConfigError(f"server {self.edge} (level {self.level}) got the job of "
                                   f"server {job.edge} (level {job.level})")
-            if self.level == 1 and clients_of(job.edge_of_client, self.edge) != self.clients:
-                clients = clients_of(job.edge_of_client, self.edge)  # clients moved
-                follow_clients(executor, clients, self.seen)
-                self.clients = clients  # only once followed: a failed follow is tried again
+            if self.level == 1:
+                self._follow(executor, job, config)
             if self.level > 1:  # clients moved between its edges, in or out of its subtree
                 self.clients = follow_subtree(executor, job, self.edge)
-            return report_content(run_edge_job(settings_for(cfg), executor, job))
+            content = report_content(run_edge_job(settings_for(cfg), executor, job))
+            cast(MetricRecord, content["metrics"])[DROPPED] = executor.take_dropped_replies()
+            return content
         if kind == f"{MessageType.QUERY}.state":  # the clients keep it: ask them
             return state_content(executor.client_state(state_clients(msg.content)))
         if kind == f"{MessageType.QUERY}.restore":
@@ -151,6 +162,24 @@ class EdgeServer:
                                "metrics": MetricRecord({EDGE_ID: self.edge,
                                                         PARTITION_IDS: self.clients})})
         raise ConfigError(f"server {self.edge} has no handler for '{kind}' messages")
+
+    def _follow(self, executor: GridExecutor, job: EdgeJob, config: ConfigRecord) -> None:
+        """Serve the clients ``job``'s map puts here (clients moved): a newly arrived one is
+        waited for (:data:`~fedhier.strategies.edge.follow.FOLLOW_TIMEOUT`), one still
+        missing since an earlier job only looked for, one the cloud could not re-attach
+        (``absent-clients``) not at all; those missing fail this job's edge rounds."""
+        clients = clients_of(job.edge_of_client, self.edge)
+        if clients == self.clients and not self.lost:
+            return
+        absent = [int(c) for c in config.get(ABSENT, [])]  # type: ignore[union-attr]
+        waited = [c for c in clients if c not in self.lost]
+        lost = follow_clients(executor, clients, self.seen, absent=absent,
+                              timeout=FOLLOW_TIMEOUT if set(waited) - set(self.clients)
+                              else 0.0)
+        if set(lost) - self.lost:
+            log.warning("edge %d: client(s) %s are not online here: they fail its edge "
+                        "rounds until they are", self.edge, lost[:10])
+        self.clients, self.lost = clients, set(lost)
 
     def _profile(self, executor: GridExecutor) -> RecordDict:
         info = executor.profiles()

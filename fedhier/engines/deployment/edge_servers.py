@@ -85,7 +85,8 @@ class EdgeTierDeployment(LocalDeployment):
         self.servers = [(level, node) for level in range(1, len(self.parents) + 1)
                         for node in range(max(self.parents[level - 1]) + 1)]
         check_ports(self.base_port, ports_needed(self.nodes, len(self.servers)) - 1)
-        self.reattacher = ReattachDriver(self.work / "reattach", self.reattach_client)
+        self.reattacher = ReattachDriver(self.work / "reattach", self.reattach_client,
+                                         echo=self.echo)
         if self.moves_clients:
             self.cloud_env[REATTACH_ENV] = str(self.work / "reattach")
 

@@ -15,7 +15,9 @@ Who does what (docs/deployment.md "Moving clients"):
 * the **deployment driver** (``fedhier deploy local``, :class:`ReattachDriver`, polled
   twice a second) stops each moved client's SuperNode (it deactivates itself at its old
   SuperLink), starts it at the new edge's SuperLink, waits until its log says it is online
-  there and answers with the seconds each took;
+  there and answers with the seconds each took; a move that fails is tried again, then
+  answered as failed: that client is a failed client of its new edge's rounds (the cloud
+  tells the edge not to wait for it), never the end of the run;
 * the **edge servers** follow the job's client -> edge map: an edge looks up the node id of
   a client that arrived by its profile (``partition-id``) and forgets one that left
   (:func:`fedhier.strategies.edge.follow.follow_clients`).
@@ -43,13 +45,19 @@ def _write_json(path: Path, value: object) -> None:
 
 
 class FileReattacher:
-    """The cloud's side: one request file per batch of moves, answered by the driver."""
+    """The cloud's side: one request file per batch of moves, answered by the driver.
+    ``failed`` (after :meth:`reattach`): client -> why, for the clients of the last batch
+    the driver could not re-attach (after its retries)."""
 
     def __init__(self, folder: Path, timeout: float = REATTACH_TIMEOUT) -> None:
         self.folder = Path(folder)
         self.timeout = timeout
+        self.failed: dict[int, str] = {}
 
     def reattach(self, moves: dict[int, int]) -> dict[int, float]:
+        """client -> seconds for each client of ``moves`` now online at its new edge; the
+        others are in :attr:`failed` (a driver that answers with one error for the batch
+        fails all of them)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         seq = 1 + max((int(p.stem.split("-")[1]) for p in self.folder.glob("request-*.json")),
                       default=0)
@@ -64,7 +72,9 @@ class FileReattacher:
             time.sleep(0.02)
         answer = json.loads(done.read_text())
         if answer.get("error"):
-            raise RuntimeError(f"re-attaching clients failed: {answer['error']}")
+            self.failed = {int(c): str(answer["error"]) for c in moves}
+            return {}
+        self.failed = {int(c): str(why) for c, why in answer.get("failed", {}).items()}
         return {int(c): float(s) for c, s in answer["seconds"].items()}
 
 
@@ -74,13 +84,42 @@ def reattacher_from_env() -> FileReattacher | None:
     return FileReattacher(Path(folder)) if folder else None
 
 
+#: Tries of one client's re-attachment (the first and its retries) before it counts failed.
+REATTACH_TRIES = 3
+#: Seconds between two tries (the old SuperLink may still hold the node as active: Flower's
+#: "Failed to activate SuperNode").
+RETRY_PAUSE = 2.0
+
+
 class ReattachDriver:
     """The driver's side: answers every request in ``folder`` with ``move(client, edge)``
-    (returns the seconds it took) for each of its clients, side by side."""
+    (returns the seconds it took) for each of its clients, side by side; a move that raises
+    is tried again (:data:`REATTACH_TRIES` in all), then answered as failed for that client
+    (the cloud leaves it out of its new edge's rounds) without stopping the deployment."""
 
-    def __init__(self, folder: Path, move: Callable[[int, int], float]) -> None:
+    def __init__(self, folder: Path, move: Callable[[int, int], float],
+                 tries: int = REATTACH_TRIES, pause: float = RETRY_PAUSE,
+                 echo: Callable[[str], None] | None = None) -> None:
         self.folder = Path(folder)
         self.move = move
+        self.tries = tries
+        self.pause = pause
+        self.echo = echo
+
+    def _move(self, client: int, edge: int) -> float:
+        """One client's move, tried up to ``tries`` times; raises the last failure."""
+        for attempt in range(1, self.tries + 1):
+            try:
+                return self.move(client, edge)
+            except Exception as exc:  # noqa: BLE001 - tried again, then reported
+                if attempt == self.tries:
+                    raise
+                if self.echo is not None:
+                    self.echo(f"client {client}: re-attaching to edge {edge} failed (try "
+                              f"{attempt} of {self.tries}: {str(exc).splitlines()[0][:200]});"
+                              " trying again")
+                time.sleep(self.pause)
+        raise AssertionError("unreachable")
 
     def poll(self) -> int:
         """Serve the requests not answered yet; returns how many were served."""
@@ -91,14 +130,15 @@ class ReattachDriver:
             if done.is_file():
                 continue
             moves = json.loads(request.read_text())["moves"]
-            try:  # the clients of one request restart side by side
-                with ThreadPoolExecutor(max_workers=max(1, len(moves))) as pool:
-                    futures = {c: pool.submit(self.move, int(c), int(e))
-                               for c, e in moves.items()}
-                seconds = {c: f.result() for c, f in futures.items()}
-                _write_json(done, {"seconds": seconds})
-            except Exception as exc:  # noqa: BLE001 - the cloud reports it in one line
-                _write_json(done, {"error": f"{type(exc).__name__}: {exc}"})
-                raise
+            seconds: dict[str, float] = {}
+            failed: dict[str, str] = {}
+            with ThreadPoolExecutor(max_workers=max(1, len(moves))) as pool:  # side by side
+                futures = {c: pool.submit(self._move, int(c), int(e)) for c, e in moves.items()}
+            for client, future in futures.items():
+                try:
+                    seconds[client] = future.result()
+                except Exception as exc:  # noqa: BLE001 - the cloud leaves the client out
+                    failed[client] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            _write_json(done, {"seconds": seconds, "failed": failed})
             served += 1
         return served

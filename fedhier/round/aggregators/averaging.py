@@ -190,6 +190,9 @@ class Aggregator:
     model_function: ModelAggregateFn | None = None
     needs_reference: bool = False
     name: str = ""
+    #: the fewest members of a node at which the rule can leave one hostile member out
+    #: (docs/security.md); 1: any node; None: no size (a rule that is the mean, or not robust)
+    min_members: int | None = 1
 
     def apply(self, values: Params, weights: torch.Tensor, segments: torch.Tensor,
               num_segments: int, reference: Params | None = None) -> Params:
@@ -207,7 +210,10 @@ def _trimmed(fraction: float) -> Aggregator:
     if not 0 <= fraction < 0.5:
         raise ConfigError(f"trimmed-mean:{fraction}: the fraction cut at each end must be "
                           "in [0, 0.5)")
-    return Aggregator(lambda v, w, s, n: trimmed_mean(v, s, n, fraction), linear=False)
+    # it trims min(floor(b k), (k - 1) // 2) members at each end: >= 1 from this k on
+    least = next((k for k in range(3, 10**6) if math.floor(fraction * k) >= 1), None)
+    return Aggregator(lambda v, w, s, n: trimmed_mean(v, s, n, fraction), linear=False,
+                      min_members=least)
 
 
 def _clip(arg: str) -> Aggregator:
@@ -224,7 +230,9 @@ def _clip(arg: str) -> Aggregator:
         return clipped_mean(values, weights, segments, num_segments, reference, bound,
                             relative)
 
-    return Aggregator(None, linear=False, model_function=rule, needs_reference=True)
+    # tau from the median norm: honest only with an honest majority, 2 of 3
+    return Aggregator(None, linear=False, model_function=rule, needs_reference=True,
+                      min_members=3 if relative else 1)
 
 
 def _krum(arg: str, multi: bool) -> Aggregator:
@@ -237,7 +245,10 @@ def _krum(arg: str, multi: bool) -> Aggregator:
              num_segments: int, reference: Params | None) -> Params:
         return krum(values, weights, segments, num_segments, int(f), multi)
 
-    return Aggregator(None, linear=False, model_function=rule)
+    # each score sums k - f - 2 nearest others: k > 2 f + 2 (Blanchard et al., 2017);
+    # multi-Krum with f = 0 keeps every member: the mean
+    least = None if multi and f == 0 else 2 * int(f) + 3
+    return Aggregator(None, linear=False, model_function=rule, min_members=least)
 
 
 def _number(rule: str, text: str) -> float:
@@ -253,8 +264,8 @@ def _number(rule: str, text: str) -> float:
 
 #: Aggregation rules by name (``--aggregators``): one function plus one line here adds one.
 AGGREGATORS: dict[str, Aggregator] = {
-    "mean": Aggregator(mean_aggregate, linear=True),
-    "median": Aggregator(median_aggregate, linear=False),
+    "mean": Aggregator(mean_aggregate, linear=True, min_members=None),
+    "median": Aggregator(median_aggregate, linear=False, min_members=3),
     "trimmed-mean": _trimmed(0.2),
     "clip": _clip("1x"),
     "krum": _krum("1", multi=False),
@@ -290,3 +301,28 @@ def check_aggregators(names: tuple[str, ...], num_levels: int) -> None:
     if len(names) not in (1, num_levels):
         raise ConfigError(f"aggregators: give one name for every level or {num_levels} "
                           f"(edge ... cloud), got {len(names)}: {','.join(names)}")
+
+
+def check_metrics_aggregator(name: str, aggregators: tuple[str, ...] = ()) -> None:
+    """``--metrics-aggregator``: ``mean``, ``model`` (the cloud level's rule of
+    ``aggregators``) or a rule that needs no start model (ConfigError otherwise)."""
+    if name == "model":
+        name = aggregators[-1] if aggregators else "mean"
+    if aggregator(name).needs_reference:
+        raise ConfigError(f"metrics_aggregator '{name}': clip bounds updates from a start "
+                          "model, which a metric has not; choose mean, median, "
+                          "trimmed-mean[:b], krum[:f], multi-krum[:f] or model")
+
+
+def robust_mean(values: np.ndarray, weights: np.ndarray, rule: str) -> float:
+    """The rule ``rule`` (a name of :data:`AGGREGATORS`, not ``clip``) over k clients'
+    values of one metric (float64 [k], weights float64 [k]), as it aggregates a model of one
+    entry; ``mean``: sum w v / sum w."""
+    if rule == "mean":
+        return float(np.dot(weights, values) / weights.sum())
+    import torch
+
+    out = aggregator(rule).apply({"m": torch.as_tensor(values, dtype=torch.float64)[:, None]},
+                                 torch.as_tensor(weights, dtype=torch.float64),
+                                 torch.zeros(len(values), dtype=torch.int64), 1)
+    return float(out["m"][0, 0])

@@ -270,8 +270,9 @@ def reattach(executor: Any, hierarchy: Hierarchy, edge_round: int, handoff: Hand
     kept state taken from its old edge first (:func:`moved_states`: the new edge's job
     brings it back, as in every engine a client's momentum travels with it); one record per
     client: edge round, client, from, to, seconds to re-attach, bytes its handoff moved (a
-    ``carry`` model from its old edge, else 0), and with kept state ``state_bytes`` (its
-    state's tensors); and the moved clients' states."""
+    ``carry`` model from its old edge, else 0), with kept state ``state_bytes`` (its
+    state's tensors), and ``failed`` (why) for a client the deployment could not
+    re-attach; and the moved clients' states."""
     where = np.array(executor.edge_of_client, dtype=np.int64)  # a copy: reattach moves it
     target = hierarchy.edge_of_client()
     moved = np.flatnonzero(where != target)
@@ -284,6 +285,7 @@ def reattach(executor: Any, hierarchy: Hierarchy, edge_round: int, handoff: Hand
     t0 = time.perf_counter()
     seconds = executor.reattach({int(c): int(target[c]) for c in moved})
     wall = time.perf_counter() - t0
+    failed = getattr(executor, "unattached", {})  # client -> why (after the driver's retries)
     carried = (np.zeros(len(target), dtype=bool) if handoff is None or
                handoff.start_edges is None else handoff.start_edges != target)
     keeps = getattr(executor, "keeps_client_state", False)
@@ -295,6 +297,8 @@ def reattach(executor: Any, hierarchy: Hierarchy, edge_round: int, handoff: Hand
             "bytes": model_bytes if carried[c] else 0}
         if keeps:
             record["state_bytes"] = state_bytes(states.get(c, {}))
+        if c in failed:  # not online at its new edge: it fails that edge's rounds
+            record["failed"] = failed[c]
         records.append(record)
     return records, states
 
