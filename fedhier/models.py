@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from fedhier.errors import ConfigError
 
-MODELS = ("logreg", "mlp", "cnn", "lstm")
+MODELS = ("logreg", "mlp", "cnn", "lenet5", "lstm")
 
 
 def _flat_features(input_shape: tuple[int, ...]) -> int:
@@ -87,6 +88,87 @@ class CNN(nn.Module):
         return self.out(x.flatten(1))
 
 
+class LeNet5(nn.Module):
+    """LeNet-5 (LeCun et al. 1998; the model of HierFAVG's MNIST runs): conv 6@5x5, 2x2
+    max-pool, conv 16@5x5, 2x2 max-pool, fc 120, fc 84, fc ``num_classes``, ReLU after every
+    layer but the last.
+
+    conv1 pads 2 px (LeCun fed 32x32 images, MNIST's 28x28 digits padded by 2), so 28x28
+    input gives LeCun's maps 28 -> 14 -> 10 -> 5 and 16 x 5 x 5 = 400 features to fc1. A map
+    smaller than conv2's 5x5 kernel (digits, 8x8: 8 -> 4) is padded by 2 px there too (4 -> 4
+    -> 2: 64 features); a pool is skipped where the map is below 2 px.
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        if len(input_shape) != 3:
+            raise ConfigError(
+                f"model 'lenet5' needs image input (channels, height, width), got shape "
+                f"{list(input_shape)}; use 'mlp' or 'logreg' for this dataset"
+            )
+        channels, height, width = input_shape
+        self.conv1 = nn.Conv2d(channels, 6, kernel_size=5, padding=2)
+        self.pool1 = min(height, width) >= 2
+        if self.pool1:
+            height, width = height // 2, width // 2
+        pad2 = 0 if min(height, width) >= 5 else 2
+        self.conv2 = nn.Conv2d(6, 16, kernel_size=5, padding=pad2)
+        height, width = height + 2 * pad2 - 4, width + 2 * pad2 - 4
+        self.pool2 = min(height, width) >= 2
+        if self.pool2:
+            height, width = height // 2, width // 2
+        self.fc1 = nn.Linear(16 * height * width, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv1(x))
+        if self.pool1:
+            x = nn.functional.max_pool2d(x, 2)
+        x = torch.relu(self.conv2(x))
+        if self.pool2:
+            x = nn.functional.max_pool2d(x, 2)
+        x = torch.relu(self.fc1(x.flatten(1)))
+        return self.fc3(torch.relu(self.fc2(x)))
+
+
+@dataclass(frozen=True)
+class ConvStage:
+    """One block of a :class:`ConvChain`: Conv2d (stride 1, ``padding`` px) -> ReLU ->
+    (2x2 max-pool when ``pool``)."""
+
+    weight: str
+    bias: str
+    padding: int
+    pool: bool
+
+
+@dataclass(frozen=True)
+class ConvChain:
+    """A model that is conv blocks, flatten (channel, row, column order), then a
+    Linear (-> ReLU -> Linear)* head: ``cnn`` and ``lenet5``. The vectorized engine batches
+    such models across clients (``fedhier.engines.conv_kernels``)."""
+
+    stages: tuple[ConvStage, ...]
+    head: tuple[tuple[str, str], ...]  # (weight, bias) of each Linear layer
+
+
+def conv_chain(model: nn.Module) -> ConvChain | None:
+    """The :class:`ConvChain` that ``model`` computes (``cnn``, ``lenet5``), else None
+    (also for subclasses, whose forward may differ)."""
+    if type(model) is CNN:
+        return ConvChain((ConvStage("conv1.weight", "conv1.bias", 1, model.pool1),
+                          ConvStage("conv2.weight", "conv2.bias", 1, model.pool2)),
+                         (("out.weight", "out.bias"),))
+    if type(model) is LeNet5:
+        return ConvChain((ConvStage("conv1.weight", "conv1.bias", 2, model.pool1),
+                          ConvStage("conv2.weight", "conv2.bias", int(model.conv2.padding[0]),
+                                    model.pool2)),
+                         (("fc1.weight", "fc1.bias"), ("fc2.weight", "fc2.bias"),
+                          ("fc3.weight", "fc3.bias")))
+    return None
+
+
 class LSTM(nn.Module):
     """Next-token model of LEAF's Shakespeare task: Embedding(vocab, 8) -> 2-layer LSTM -> Linear.
 
@@ -135,7 +217,7 @@ def build_model(
     name: str, input_shape: tuple[int, ...], num_classes: int, seed: int | None = None
 ) -> nn.Module:
     """A model by name; with ``seed`` its initial weights are a function of the seed only."""
-    builders = {"logreg": LogReg, "mlp": MLP, "cnn": CNN, "lstm": LSTM}
+    builders = {"logreg": LogReg, "mlp": MLP, "cnn": CNN, "lenet5": LeNet5, "lstm": LSTM}
     if name not in builders:
         raise ConfigError(f"unknown model '{name}'; choose one of {', '.join(MODELS)}")
     if seed is None:

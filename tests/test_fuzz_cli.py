@@ -366,7 +366,7 @@ FLAG_VALUES: dict[str, list[str]] = {
     "clip_norm": ["0", "1", "1e-30", *FLOAT_NOISE],
     "optimizer_state": ["reset", "keep", "global"],
     "client_holdout": ["0", "0.2", "0.99", "1", *FLOAT_NOISE],
-    "model": ["mlp", "mlp", "logreg", "cnn", "lstm", "resnet", ""],
+    "model": ["mlp", "mlp", "logreg", "cnn", "lenet5", "lstm", "resnet", ""],
     "weighting": ["samples", "uniform", "equal"],
     "engine": ["inprocess", "inprocess", "vectorized", "vectorized", "spark", "",
                "Inprocess"],
