@@ -197,7 +197,8 @@ class RunConfig:
         "momentum buffers: reset at each edge round, or keep per client across rounds"))
     client_holdout: float = field(default=0.0, metadata=_help(
         "fraction of each client's rows held out (seeded) for per-client evaluation"))
-    model: str = field(default="mlp", metadata=_help("model: logreg, mlp, cnn, lenet5, lstm (text)"))
+    model: str = field(default="mlp", metadata=_help(
+        "model: logreg, mlp, cnn, lenet5, lstm (text)"))
     weighting: str = field(default="samples", metadata=_help(
         "averaging weights: samples (by client data size) or uniform (each client equal)"))
     # execution
