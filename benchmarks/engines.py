@@ -149,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                              "benchmarks/results/engines_w2.json); w2p: W2', LeNet-5 on "
                              "Fashion-MNIST, 50 clients, plain/inprocess/vectorized at 1 and "
                              "2 threads, 2 cloud rounds (benchmarks/results/engines_w2p.json)")
+    parser.add_argument("--global-period", type=int, default=0,
+                        help="--scale: G of the replicated W1 (default W1's 20; 5 = one edge "
+                             "round per cloud round, for the million-client case)")
     parser.add_argument("--device", default="cpu",
                         help="torch device of the fedhier engines (cpu, cuda, auto)")
     parser.add_argument("--batched-seeds", type=int, default=0, metavar="K",

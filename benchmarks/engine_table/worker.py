@@ -83,7 +83,8 @@ def scaling_run(args: argparse.Namespace, marks: Marks, load_before: float) -> d
     rss_before = rss_mb()
     start = time.perf_counter()
     cfg = w1_config(args.rounds, clients=args.clients, groups=(max(1, args.clients // 10),),
-                    client_chunk=args.client_chunk, device=args.device)
+                    client_chunk=args.client_chunk, device=args.device,
+                    **({"global_period": args.global_period} if args.global_period else {}))
     fed = replicated_federation(cfg, args.clients)
     federation_seconds = time.perf_counter() - start
     run_engine("vectorized", cfg, marks, fed)

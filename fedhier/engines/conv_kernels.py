@@ -168,12 +168,17 @@ def conv_chain_training(chain: ConvChain) -> LocalTraining:
         num_classes = params[chain.head[-1][0]].shape[1]
         targets = weighted_targets(batches.y, batches.weight, num_classes)  # [I, c, C, b]
         total = torch.zeros(len(batches.batch), dtype=torch.float64, device=targets.device)
+        plain = optimizer == LocalOptimizer()
         with torch.no_grad():
             for s, lr in enumerate(lrs):
                 grads, losses = conv_chain_grads(chain, params, batches.x[s], targets[s])
-                new, buffers = optimizer.step(params, grads, lr, buffers, client_axis=True)
-                for key, value in new.items():
-                    params[key].copy_(value)
+                if plain:  # w.sub_(lr * g): the values of w - lr * g, bit for bit, in place
+                    for key, value in params.items():
+                        value.sub_(lr * grads[key])
+                else:
+                    new, buffers = optimizer.step(params, grads, lr, buffers, client_axis=True)
+                    for key, value in new.items():
+                        params[key].copy_(value)
                 total += losses.to(torch.float64)
         return total, buffers
 
