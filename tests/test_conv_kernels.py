@@ -147,3 +147,19 @@ def test_lenet5_run_equals_inprocess_and_repeats(tmp_path):
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="glibc only")
 def test_freed_memory_is_kept():
     assert keep_freed_memory()
+
+
+def test_lenet5_seeds_batched_equal_one_seed_runs(tmp_path):
+    """Two seeds of lenet5 batched (one grouped computation per edge round, evaluation with
+    the grouped forward too) = each seed's own run, bit for bit."""
+    from fedhier.engines.seed_batch import SeedLockstep, run_seeds
+    from tests.test_batched_seeds import same_run
+
+    cfgs = [W2_TINY.replace(engine="vectorized", rounds=1, seed=s) for s in (1, 2)]
+    lockstep = SeedLockstep()
+    results = run_seeds(cfgs, [RunFolder.create(tmp_path / f"b{c.seed}") for c in cfgs],
+                        progress=False, lockstep=lockstep)
+    assert [e for _, e in results] == [None, None] and max(lockstep.batch_sizes) == 2
+    for cfg in cfgs:
+        run_vectorized(cfg, RunFolder.create(tmp_path / f"s{cfg.seed}"), progress=False)
+        same_run(tmp_path / f"b{cfg.seed}", tmp_path / f"s{cfg.seed}")
