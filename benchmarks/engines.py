@@ -55,6 +55,13 @@ per example are counted from the model's Conv2d and Linear layers (:func:`model_
 takes 10-20 minutes on 2 cores, so it is not part of the default run (results:
 benchmarks/results/engines_w2.json). ``benchmarks/profile_cnn.py`` profiles one W2 step.
 
+``--workload w2p``: workload W2' (HierFAVG's setting with LeNet-5: Fashion-MNIST, 50
+one-class clients, 5 edges, ``lenet5``, batch 20, I=6, G=60, lr 0.05, 2 cloud rounds = 6,000
+client SGD steps): plain, inprocess and vectorized at 1 and at 2 torch threads, each in a
+fresh process after a 10-client warm-up run, ``--repeats`` interleaved passes (default 1);
+the window's wall and CPU seconds and the ratios to the plain loop and to inprocess at the
+same thread count, with the load average around every run (results:
+benchmarks/results/engines_w2p.json). ``benchmarks/profile_lenet5.py`` profiles its step.
 ``--batched-seeds 5``: only K seeds of W1 batched into one computation against K separate
 runs, interleaved pairs, each in a fresh process (benchmarks/batched_seeds.py; results:
 benchmarks/results/engines_seeds.json).
@@ -81,6 +88,7 @@ from engine_table.runs import plain_loop, run_engine  # noqa: E402
 from engine_table.scale_table import parent_scale, print_scale  # noqa: E402
 from engine_table.w1_table import parent, print_report  # noqa: E402
 from engine_table.w2_table import parent_w2, print_w2  # noqa: E402
+from engine_table.w2p_table import parent_w2p, print_w2p  # noqa: E402
 from engine_table.worker import worker  # noqa: E402
 from engine_table.workload import (  # noqa: E402
     ENGINES,
@@ -138,7 +146,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="w1 (default): digits mlp, every engine; w2: the Fashion-MNIST "
                              "cnn at 1,000 clients, plain/inprocess/vectorized only, one cloud "
                              "round and one pass by default (~10 min on 2 cores; "
-                             "benchmarks/results/engines_w2.json)")
+                             "benchmarks/results/engines_w2.json); w2p: W2', LeNet-5 on "
+                             "Fashion-MNIST, 50 clients, plain/inprocess/vectorized at 1 and "
+                             "2 threads, 2 cloud rounds (benchmarks/results/engines_w2p.json)")
+    parser.add_argument("--global-period", type=int, default=0,
+                        help="--scale: G of the replicated W1 (default W1's 20; 5 = one edge "
+                             "round per cloud round, for the million-client case)")
     parser.add_argument("--device", default="cpu",
                         help="torch device of the fedhier engines (cpu, cuda, auto)")
     parser.add_argument("--batched-seeds", type=int, default=0, metavar="K",
@@ -153,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--engines: unknown {sorted(chosen - set(ENGINES))}; choose from {ENGINES}")
     args.engines = [e for e in ENGINES if e in chosen]
     rounds_given = args.rounds
-    w2 = args.workload == "w2"
+    w2 = args.workload in ("w2", "w2p")
     args.rounds = args.rounds or (3 if args.quick and not w2 else WORKLOADS[args.workload][
         "rounds"])
     args.repeats = args.repeats or (1 if args.quick or w2 else 3)
@@ -183,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         report = parent_scale(args)
         print_scale(report)
         write_report(report, args.out or RESULTS.with_name("engines_scale.json"))
+        return 0
+    if args.workload == "w2p":
+        report = parent_w2p(args)
+        print_w2p(report)
+        write_report(report, args.out or RESULTS.with_name("engines_w2p.json"))
         return 0
     if w2:
         report = parent_w2(args)

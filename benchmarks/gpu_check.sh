@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# The GPU check of the vectorized engine, as run on a lent NVIDIA H200 (docs/engines.md,
-# "Accelerators"). Runs from the repository root with the Python that holds a CUDA torch;
-# flwr, flwr-datasets and the packages they import that the machine lacks come as wheels in
-# .whl/ (`pip download --no-deps --only-binary=:all: --python-version 3.12 ...` of the
-# versions in .venv: flwr, flwr-datasets, datasets, dill, multiprocess, pycryptodome,
-# iterators, grpcio(-health-checking), protobuf, cryptography, cffi, fastapi, starlette,
-# pydantic(-core), sqlalchemy, alembic, mako, ...).
-# Writes logs and JSON results under ${OUT:-benchmarks/results/gpu}.
+# The GPU check of the batched engine (docs/engines.md, "Accelerators"): W1, W2' and the
+# million-client case with --device cuda against the cpu, then their table into
+# docs/engines.md (benchmarks/gpu_table.py). Without a CUDA device it stops at once with one
+# line and exit code 2. Runs from the repository root with the Python that holds a CUDA
+# torch; flwr, flwr-datasets and the packages they import that the machine lacks may come as
+# wheels in .whl/ (`pip download --no-deps --only-binary=:all: ...` of the versions in
+# .venv). Writes logs and JSON results under ${OUT:-benchmarks/results/gpu}.
 set -u
 OUT=${OUT:-benchmarks/results/gpu}
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_check: no CUDA device here ($PY: torch.cuda.is_available() is not true); nothing measured" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 else
@@ -19,14 +23,22 @@ else
 fi
 export PYTHONUNBUFFERED=1
 nvidia-smi -L; nproc
-python3 -c "import torch, flwr, flwr_datasets; print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
+"$PY" -c "import torch, flwr, flwr_datasets; print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
 # 1. equality: cuda against cpu on both engines
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
-# 2. W1 (100 clients, --quick: 3 cloud rounds, one thread): plain loop and vectorized on the cpu,
-#    then vectorized on cuda
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
+# 2. W1 (100 clients, --quick: 3 cloud rounds, one thread): plain loop and vectorized
 for device in cpu cuda; do
-  timeout 90 python3 benchmarks/engines.py --quick --engines plain,vectorized --skip-scaling \
-    --device $device --out "$OUT/w1_$device.json" 2>&1 | tail -12
+  timeout 120 "$PY" benchmarks/engines.py --quick --engines plain,vectorized --skip-scaling \
+    --device $device --out "$OUT/w1_$device.json" 2>&1 | tail -6
 done
-# 3. at scale: W1 replicated, vectorized (run separately: --scale 1000,10000,100000, with and
-#    without --device cuda; 100,000 clients take ~2.5 minutes on one cpu thread)
+# 3. W2' (LeNet-5 on Fashion-MNIST, 50 clients), one cloud round, one pass
+for device in cpu cuda; do
+  timeout 240 "$PY" benchmarks/engines.py --workload w2p --rounds 1 --repeats 1 \
+    --device $device --out "$OUT/w2p_$device.json" 2>&1 | tail -9
+done
+# 4. the million-client case: W1 replicated to 1,000,000 clients, G = 5 (one edge round)
+for device in cuda cpu; do
+  timeout 240 "$PY" benchmarks/engines.py --scale 1000000 --rounds 1 --global-period 5 \
+    --device $device --out "$OUT/scale_1m_$device.json" 2>&1 | tail -3
+done
+"$PY" benchmarks/gpu_table.py "$OUT" --docs docs/engines.md

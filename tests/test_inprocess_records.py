@@ -124,7 +124,7 @@ def reference_local_sgd(model, params, x, y, lr, indices, optimizer):
     return params, float(total) / max(len(indices), 1), buffers
 
 
-@pytest.mark.parametrize("name", ["logreg", "mlp", "cnn", "lstm"])
+@pytest.mark.parametrize("name", ["logreg", "mlp", "cnn", "lenet5", "lstm"])
 @pytest.mark.parametrize("optimizer", [LocalOptimizer(),
                                        LocalOptimizer(momentum=0.9, weight_decay=1e-2,
                                                       clip_norm=0.5)])
@@ -134,7 +134,7 @@ def test_local_sgd_is_bit_identical_to_the_functional_loop(name, optimizer) -> N
         model = build_model(name, (6,), 11, seed=1)
         x, y = torch.randint(0, 11, (20, 6)), torch.randint(0, 11, (20,))
     else:
-        shape = (1, 8, 8) if name == "cnn" else (64,)
+        shape = (1, 8, 8) if name in ("cnn", "lenet5") else (64,)
         model = build_model(name, shape, 10, seed=1)
         x, y = torch.randn(20, *shape), torch.randint(0, 10, (20,))
     rng = np.random.default_rng(0)

@@ -33,9 +33,11 @@ def test_lenet5_has_lenet5s_layers():
                       "out.weight": [10, 84], "out.bias": [10]}
     assert sum(v.numel() for v in net.parameters()) == 61_706
     assert net(torch.zeros(3, 1, 28, 28)).shape == (3, 10)
-    assert build_model("lenet5", (3, 32, 32), 10)(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
-    with pytest.raises(ConfigError, match="model 'lenet5' needs 28x28 or 32x32 images"):
-        build_model("lenet5", (1, 8, 8), 10)
+    big = build_model("lenet5", (3, 32, 32), 10)  # LeCun's own input: no padding, 400 features
+    assert big.conv1.padding == (0, 0) and big.fc1.in_features == 16 * 5 * 5
+    assert big(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    with pytest.raises(ConfigError, match="model 'lenet5' needs image input"):
+        build_model("lenet5", (64,), 10)
 
 
 def _base(*argv: str) -> RunConfig:

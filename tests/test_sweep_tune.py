@@ -20,7 +20,7 @@ from fedhier.studies.sweep.stats import t_interval
 ARGV = ["sweep", "--grid", "grouping=random,contiguous", "--seeds", "2", "--clients", "6",
         "--groups", "2", "--rounds", "3", "--local-period", "2", "--global-period", "4",
         "--engine", "vectorized", "--min-partition-size", "2", "--jobs", "2",
-        "--target-accuracy", "0.3", "--tracker", "tensorboard"]
+        "--target-accuracy", "0.3", "--tracker", "tensorboard", "--runner", "tune"]
 
 
 PRINTED: dict[str, str] = {}

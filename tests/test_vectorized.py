@@ -47,6 +47,10 @@ CASES = {
                                              clip_norm=0.5),
     "cnn-momentum-kept": BASE.replace(model="cnn", momentum=0.5, optimizer_state="keep",
                                       batch_size=16, rounds=1),
+    "lenet5": UNEQUAL.replace(model="lenet5", rounds=1),
+    "lenet5-momentum-kept-clipped-participation": BASE.replace(
+        model="lenet5", momentum=0.5, optimizer_state="keep", clip_norm=0.5,
+        participation=0.5, batch_size=16, rounds=2),
     "diagnostics": UNEQUAL.replace(diagnostics_every=1),
     "regroup": BASE.replace(regroup_every=1, rounds=3),
     "gradient-grouping": BASE.replace(groups=(4, 2), periods=(2, 4, 8), grouping="gradient",
@@ -132,7 +136,7 @@ def test_vectorized_equals_inprocess(case, tmp_path):
     assert max(float((initial[k] - final[k]).abs().max()) for k in final) > 1e-3  # it trained
 
 
-@pytest.mark.parametrize("model", ["mlp", "cnn"])
+@pytest.mark.parametrize("model", ["mlp", "cnn", "lenet5"])
 def test_client_chunks_change_nothing(model, tmp_path, monkeypatch):
     """All clients at once, chunks of 3, and the automatic size (made 2 clients here): the
     same bits."""
@@ -244,17 +248,26 @@ def test_minibatch_rows_come_from_batch_indices():
         assert float(rows.weight[j, b:].sum()) == 0.0
 
 
-def test_cnn_on_cpu_uses_the_client_loop_and_equals_vmap():
-    """Conv models on the CPU train one client after another (local_sgd); the vmap path,
-    which they use on other devices, gives the same models, losses and momentum."""
+@pytest.mark.parametrize("name", ["cnn", "lenet5"])
+def test_conv_models_on_cpu_grouped_loop_and_vmap_agree(name):
+    """Conv chains (cnn, lenet5) train batched as grouped convolutions on the CPU; the client
+    loop (local_sgd, for other conv models on the CPU) and the vmap path (other devices) give
+    the same models, losses and momentum."""
     from fedhier.engines.vectorized.engine import client_loop_training, training_for
     from fedhier.engines.vectorized.kernels import EdgeRoundBatches, local_training_for
+    from fedhier.local.models import CNN
     from fedhier.local.optimizer import LocalOptimizer
 
-    net = build_model("cnn", (1, 8, 8), 10, seed=2)
-    assert training_for(net, torch.device("cpu")).__qualname__.startswith("client_loop")
+    net = build_model(name, (1, 8, 8), 10, seed=2)
+    assert training_for(net, torch.device("cpu")).__qualname__.startswith("conv_chain")
     assert training_for(build_model("mlp", (1, 8, 8), 10), torch.device("cpu")).__qualname__ \
         .startswith("linear_chain")
+
+    class OwnCNN(CNN):  # a subclass may compute something else: not a known conv chain
+        pass
+
+    assert training_for(OwnCNN((1, 8, 8), 10), torch.device("cpu")).__qualname__.startswith(
+        "client_loop")
     torch.manual_seed(0)
     sizes = np.array([4, 2, 4])  # b_j; width 4, padding rows hold garbage
     c, steps = len(sizes), 3
@@ -267,15 +280,19 @@ def test_cnn_on_cpu_uses_the_client_loop_and_equals_vmap():
     optimizer = LocalOptimizer(momentum=0.5, clip_norm=1.0)
     lrs = [0.1, 0.05, 0.1]
     start = {k: 0.01 * torch.randn_like(v) for k, v in params.items()}  # kept momentum
-    loop_params = {k: v.clone() for k, v in params.items()}
-    loop_loss, loop_buf = client_loop_training(net)(
-        loop_params, batches, lrs, optimizer, {k: v.clone() for k, v in start.items()})
-    vmap_params = {k: v.clone() for k, v in params.items()}
-    vmap_loss, vmap_buf = local_training_for(net)(
-        vmap_params, batches, lrs, optimizer, {k: v.clone() for k, v in start.items()})
-    torch.testing.assert_close(loop_loss, vmap_loss, rtol=1e-5, atol=1e-6)
-    assert loop_buf is not None and vmap_buf is not None
-    for k in params:
-        torch.testing.assert_close(loop_params[k], vmap_params[k], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(loop_buf[k], vmap_buf[k], rtol=1e-5, atol=1e-6)
+    results = {}
+    for path, train in (("loop", client_loop_training(net)), ("vmap", local_training_for(net)),
+                        ("grouped", training_for(net, torch.device("cpu")))):
+        trained = {k: v.clone() for k, v in params.items()}
+        loss, buffers = train(trained, batches, lrs, optimizer,
+                              {k: v.clone() for k, v in start.items()})
+        assert buffers is not None
+        results[path] = (trained, loss, buffers)
+    loop_params, loop_loss, loop_buf = results["loop"]
+    for path in ("vmap", "grouped"):
+        other_params, other_loss, other_buf = results[path]
+        torch.testing.assert_close(loop_loss, other_loss, rtol=1e-5, atol=1e-6)
+        for k in params:
+            torch.testing.assert_close(loop_params[k], other_params[k], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(loop_buf[k], other_buf[k], rtol=1e-5, atol=1e-6)
     assert max(float((loop_params[k] - params[k]).abs().max()) for k in params) > 1e-3

@@ -45,6 +45,10 @@ def spawn(name: str, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
            "--threads", str(extra.pop("threads", args.threads))]
     if args.workload != "w1":
         cmd += ["--workload", args.workload]
+    if getattr(args, "device", "cpu") != "cpu" and "device" not in extra:  # fedhier's engines
+        cmd += ["--device", args.device]  # (the plain loop stays on the cpu: worker.py)
+    if getattr(args, "global_period", 0) and "global_period" not in extra:
+        cmd += ["--global-period", str(args.global_period)]
     for key, value in extra.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     if args.profile and name in PROFILED:

@@ -17,7 +17,7 @@ from .measure import (
     rss_mb,
 )
 from .runs import plain_loop, run_engine, run_summary
-from .workload import PROFILED, SHARDED, W2_WARMUP, replicated_federation, w1_config
+from .workload import PROFILED, SHARDED, WARMUPS, replicated_federation, w1_config
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -43,7 +43,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     repeats = 1 if args.worker == "flower" else args.repeats
     untimed_start = time.perf_counter()
     if args.worker != "flower":  # warm-up: lazy initialisation, caches, allocator
-        warm = cfg.replace(**(W2_WARMUP if args.workload == "w2" else {"rounds": 1}))
+        warm = cfg.replace(**WARMUPS.get(args.workload, {"rounds": 1}))
         if args.worker == "plain":
             plain_loop(warm, marks)
         else:
@@ -83,7 +83,8 @@ def scaling_run(args: argparse.Namespace, marks: Marks, load_before: float) -> d
     rss_before = rss_mb()
     start = time.perf_counter()
     cfg = w1_config(args.rounds, clients=args.clients, groups=(max(1, args.clients // 10),),
-                    client_chunk=args.client_chunk, device=args.device)
+                    client_chunk=args.client_chunk, device=args.device,
+                    **({"global_period": args.global_period} if args.global_period else {}))
     fed = replicated_federation(cfg, args.clients)
     federation_seconds = time.perf_counter() - start
     run_engine("vectorized", cfg, marks, fed)

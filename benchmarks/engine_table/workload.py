@@ -32,7 +32,19 @@ W2: dict[str, Any] = dict(
 W2_WARMUP: dict[str, Any] = dict(clients=20, groups=(2,), rounds=1)
 #: W2's vectorized engine is measured whole and with this ``--client-chunk`` too.
 W2_CHUNK = 100
-WORKLOADS = {"w1": W1, "w2": W2}
+#: Workload W2' (``--workload w2p``): HierFAVG's setting with LeNet-5, the ``hierfavg``
+#: suite's full base (fedhier/studies/experiments/cli.py): Fashion-MNIST (60,000 training images),
+#: 50 clients of one class each (shards), 5 edges, ``lenet5``, batch 20, I=6, G=60, lr 0.05;
+#: one cloud round = 50 x 60 = 3,000 client SGD steps (one epoch of the training set).
+W2P: dict[str, Any] = dict(
+    dataset="fashion-mnist", clients=50, groups=(5,), partition="shards", classes_per_client=1,
+    model="lenet5", local_period=6, global_period=60, batch_size=20, lr=0.05, rounds=2, seed=0)
+#: Untimed warm-up runs (W2: the same model and data at 20 clients, a full-size warm-up would
+#: double every engine's time; W2': 10 clients, one edge round).
+WARMUPS: dict[str, dict[str, Any]] = {"w2": W2_WARMUP,
+                                      "w2p": dict(clients=10, groups=(2,), rounds=1,
+                                                  global_period=6)}
+WORKLOADS = {"w1": W1, "w2": W2, "w2p": W2P}
 
 
 def model_macs(model: Any, input_shape: tuple[int, ...]) -> dict[str, int]:

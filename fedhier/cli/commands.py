@@ -151,11 +151,9 @@ def cmd_run_seeds(args: argparse.Namespace) -> int:
     from fedhier.engines.vectorized.seed_batch import (
         check_seeds,
         parse_seeds,
-        run_seeds,
         seed_folder,
     )
-    from fedhier.local.train import resolve_device
-    from fedhier.runs.folder import RunFolder, default_run_dir
+    from fedhier.runs.folder import default_run_dir
 
     if args.resume:
         raise FedhierError("--seeds starts new runs; resume a seed on its own: fedhier run "
@@ -169,48 +167,69 @@ def cmd_run_seeds(args: argparse.Namespace) -> int:
     out = Path(base.out) if base.out else default_run_dir(
         f"{base.dataset.replace('/', '-')}-{base.engine}-seeds")
     cfgs = [base.replace(seed=s, out=str(seed_folder(out, s))) for s in seeds]
-    resolve_device(base.device)
-    for cfg in cfgs:
-        RunFolder.check_target(cfg.out, overwrite=args.overwrite)
+    code = run_configs_batched(cfgs, [args.overwrite] * len(cfgs), args.tracker,
+                               not args.no_progress, [f"seed {s}" for s in seeds],
+                               f"{out}/seed<S>", same_but_seed=True)
+    if code == 0:
+        print(f"{len(seeds)} seeds batched [vectorized]: {out}")
+    return code
+
+
+def run_configs_batched(cfgs: Sequence[Any], overwrite: Sequence[bool], tracker: str | None,
+                        progress: bool, names: Sequence[str], resume_hint: str,
+                        same_but_seed: bool = False) -> int:
+    """Runs of the vectorized engine as one batched computation, each into its own folder
+    ``cfg.out`` (``fedhier run --seeds``; a sweep's trials, :mod:`fedhier.studies.sweep.trials`):
+    every folder checked, every federation prepared and every folder claimed before any
+    runs; a run that fails is reported (and its folder marked) as a lone run's would be, the
+    others' folders are kept. ``same_but_seed``: the runs are seeds of one configuration
+    (:func:`fedhier.engines.vectorized.seed_batch.run_seeds`), else they may differ in anything
+    (:func:`~fedhier.engines.vectorized.seed_batch.run_batched`). Returns the exit code."""
+    from fedhier.engines.vectorized.seed_batch import run_batched, run_seeds
+    from fedhier.local.train import resolve_device
+    from fedhier.runs.folder import RunFolder
+
+    for cfg, again in zip(cfgs, overwrite, strict=True):
+        resolve_device(cfg.device)
+        RunFolder.check_target(cfg.out, overwrite=again)
     feds = [prepare_data(cfg) for cfg in cfgs]  # kept: S federations outgrow prepare's cache
     folders: list[RunFolder] = []
     try:
-        for cfg in cfgs:
-            folders.append(RunFolder.claim(cfg.out, overwrite=args.overwrite))
+        for cfg, again in zip(cfgs, overwrite, strict=True):
+            folders.append(RunFolder.claim(cfg.out, overwrite=again))
     except BaseException:
         for folder in folders:
-            folder.fail("another seed's folder could not be claimed", EXIT_BAD_INPUT)
+            folder.fail("another run's folder could not be claimed", EXIT_BAD_INPUT)
         raise
 
     def tracked(_: int, run: Any) -> Any:
-        with attached(make_trackers(args.tracker)):
+        with attached(make_trackers(tracker)):
             return run()
 
     try:
-        results = run_seeds(cfgs, folders, not args.no_progress, wrap=tracked,
-                            federations=feds)
+        results = (run_seeds if same_but_seed else run_batched)(
+            cfgs, folders, progress, wrap=tracked, federations=feds)
     except KeyboardInterrupt:
         for folder in folders:
             folder.fail("interrupted (Ctrl-C)", EXIT_INTERRUPTED, interrupted=True)
-        print(f"fedhier: interrupted; resume each seed with: fedhier run --resume "
-              f"{out}/seed<S>", file=sys.stderr)
+        print(f"fedhier: interrupted; resume each run with: fedhier run --resume "
+              f"{resume_hint}", file=sys.stderr)
         return EXIT_INTERRUPTED
     errors: list[BaseException] = []
-    for seed, folder, (summary, error) in zip(seeds, folders, results, strict=True):
+    for name, folder, (summary, error) in zip(names, folders, results, strict=True):
         if error is None:
             folder.succeed()
-            print(f"seed {seed}: final test accuracy {summary['final_test_accuracy']:.4f}, "
+            print(f"{name}: final test accuracy {summary['final_test_accuracy']:.4f}, "
                   f"test loss {summary['final_test_loss']:.4f} after {summary['iterations']} "
                   f"iterations in {summary['wall_seconds']:.1f} s: {folder.path}")
         else:
-            error.add_note(f"seed {seed}")
+            error.add_note(name)
             error.add_note(folder.fail(error_text(error), exit_code_for(error)))
             errors.append(error)
     if errors:
         for error in errors[1:]:
             print(f"fedhier: {error_text(error)}", file=sys.stderr)
         raise errors[0]
-    print(f"{len(seeds)} seeds batched [vectorized]: {out}")
     return 0
 
 
@@ -326,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 "sweep": cmd_sweep}
     args.argv = list(argv if argv is not None else sys.argv[1:])
     code = run_command(handlers[args.command], args)
-    if argv is None:  # the process's entry point (fedhier, python -m fedhier.cli)
+    if argv is None:  # the process's entry point (fedhier, python -m fedhier.cli.commands)
         leave_if_threads_stuck(code)
     return code
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -90,32 +91,88 @@ class CNN(nn.Module):
 
 
 class LeNet5(nn.Module):
-    """LeNet-5 (LeCun et al. 1998) with its layer sizes: conv 6@5x5 -> 2x2 max-pool ->
-    conv 16@5x5 -> 2x2 max-pool -> fc 120 -> fc 84 -> fc classes, ReLU between layers.
+    """LeNet-5 (LeCun et al. 1998; the model of HierFAVG's MNIST runs): conv 6@5x5, 2x2
+    max-pool, conv 16@5x5, 2x2 max-pool, fc 120, fc 84, fc ``num_classes``, ReLU after every
+    layer but the last; 61,706 parameters for one channel and 10 classes.
 
-    Input [batch, C, 28, 28] (MNIST, Fashion-MNIST: the first convolution pads by 2, giving
-    LeNet-5's 32x32 input field) or [batch, C, 32, 32] (no padding); 61,706 parameters
-    for one channel and 10 classes.
+    32x32 input is LeCun's own (no padding: 32 -> 28 -> 14 -> 10 -> 5); smaller images are
+    padded by 2 px at conv1 (MNIST's and Fashion-MNIST's 28x28, as LeCun padded the digits:
+    the same maps and 16 x 5 x 5 = 400 features to fc1). A map smaller than conv2's 5x5
+    kernel (digits, 8x8: 8 -> 4) is padded by 2 px there too (4 -> 4 -> 2: 64 features); a
+    pool is skipped where the map is below 2 px.
     """
 
     def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
         super().__init__()
-        if len(input_shape) != 3 or tuple(input_shape[1:]) not in ((28, 28), (32, 32)):
+        if len(input_shape) != 3:
             raise ConfigError(
-                f"model 'lenet5' needs 28x28 or 32x32 images (channels, height, width), got "
-                f"shape {list(input_shape)}; use 'cnn' for smaller images")
-        channels, height, _ = input_shape
-        self.conv1 = nn.Conv2d(channels, 6, kernel_size=5, padding=2 if height == 28 else 0)
-        self.conv2 = nn.Conv2d(6, 16, kernel_size=5)
-        self.fc1 = nn.Linear(16 * 5 * 5, 120)
+                f"model 'lenet5' needs image input (channels, height, width), got shape "
+                f"{list(input_shape)}; use 'mlp' or 'logreg' for this dataset"
+            )
+        channels, height, width = input_shape
+        pad1 = 0 if min(height, width) >= 32 else 2
+        self.conv1 = nn.Conv2d(channels, 6, kernel_size=5, padding=pad1)
+        height, width = height + 2 * pad1 - 4, width + 2 * pad1 - 4
+        self.pool1 = min(height, width) >= 2
+        if self.pool1:
+            height, width = height // 2, width // 2
+        pad2 = 0 if min(height, width) >= 5 else 2
+        self.conv2 = nn.Conv2d(6, 16, kernel_size=5, padding=pad2)
+        height, width = height + 2 * pad2 - 4, width + 2 * pad2 - 4
+        self.pool2 = min(height, width) >= 2
+        if self.pool2:
+            height, width = height // 2, width // 2
+        self.fc1 = nn.Linear(16 * height * width, 120)
         self.fc2 = nn.Linear(120, 84)
         self.out = nn.Linear(84, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = nn.functional.max_pool2d(torch.relu(self.conv1(x)), 2)
-        x = nn.functional.max_pool2d(torch.relu(self.conv2(x)), 2)
+        x = torch.relu(self.conv1(x))
+        if self.pool1:
+            x = nn.functional.max_pool2d(x, 2)
+        x = torch.relu(self.conv2(x))
+        if self.pool2:
+            x = nn.functional.max_pool2d(x, 2)
         x = torch.relu(self.fc1(x.flatten(1)))
         return self.out(torch.relu(self.fc2(x)))
+
+
+@dataclass(frozen=True)
+class ConvStage:
+    """One block of a :class:`ConvChain`: Conv2d (stride 1, ``padding`` px) -> ReLU ->
+    (2x2 max-pool when ``pool``)."""
+
+    weight: str
+    bias: str
+    padding: int
+    pool: bool
+
+
+@dataclass(frozen=True)
+class ConvChain:
+    """A model that is conv blocks, flatten (channel, row, column order), then a
+    Linear (-> ReLU -> Linear)* head: ``cnn`` and ``lenet5``. The vectorized engine batches
+    such models across clients (``fedhier.engines.vectorized.conv_kernels``)."""
+
+    stages: tuple[ConvStage, ...]
+    head: tuple[tuple[str, str], ...]  # (weight, bias) of each Linear layer
+
+
+def conv_chain(model: nn.Module) -> ConvChain | None:
+    """The :class:`ConvChain` that ``model`` computes (``cnn``, ``lenet5``), else None
+    (also for subclasses, whose forward may differ)."""
+    if type(model) is CNN:
+        return ConvChain((ConvStage("conv1.weight", "conv1.bias", 1, model.pool1),
+                          ConvStage("conv2.weight", "conv2.bias", 1, model.pool2)),
+                         (("out.weight", "out.bias"),))
+    if type(model) is LeNet5:
+        return ConvChain((ConvStage("conv1.weight", "conv1.bias", int(model.conv1.padding[0]),
+                                    model.pool1),
+                          ConvStage("conv2.weight", "conv2.bias", int(model.conv2.padding[0]),
+                                    model.pool2)),
+                         (("fc1.weight", "fc1.bias"), ("fc2.weight", "fc2.bias"),
+                          ("out.weight", "out.bias")))
+    return None
 
 
 class LSTM(nn.Module):

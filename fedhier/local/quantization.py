@@ -28,11 +28,12 @@ import torch
 
 from fedhier.common.errors import ConfigError
 from fedhier.common.rng import generator
+from fedhier.settings.declaration import RANGES
 
 Params = dict[str, torch.Tensor]
 
-#: Bits per value fedhier quantises to (0 = off).
-MAX_BITS = 16
+#: The most bits per value fedhier quantises to (the declared range of ``quantize_bits``).
+MAX_BITS = int(RANGES["quantize_bits"].high or 0)
 
 
 def levels(bits: int) -> int:

@@ -25,6 +25,9 @@ Params = dict[str, torch.Tensor]
 #: step's index within the call, its learning rate) -> None (Langevin noise:
 #: :meth:`fedhier.local.langevin.Langevin.perturb_one_`).
 StepNoise = Callable[[Params, int, float], None]
+#: (one model's params, rows x [m, ...]) -> logits [m, classes]: a forward other than the
+#: model's own (the batched engines' grouped kernels, ``fedhier.engines.vectorized.conv_kernels``).
+Forward = Callable[[Mapping[str, torch.Tensor], torch.Tensor], torch.Tensor]
 
 
 def effective_batch_size(batch_size: int, num_rows: int) -> int:
@@ -203,14 +206,19 @@ def _resident(model: nn.Module) -> _Resident | None:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, params: Mapping[str, torch.Tensor], x: torch.Tensor,
-             y: torch.Tensor, chunk: int = 4096) -> tuple[float, float]:
-    """(mean cross-entropy, accuracy) of the model on x [m, ...], y [m]."""
+             y: torch.Tensor, chunk: int = 4096,
+             forward: Forward | None = None) -> tuple[float, float]:
+    """(mean cross-entropy, accuracy) of the model on x [m, ...], y [m]; ``forward``
+    (params, rows) -> logits replaces the model's own forward (the batched engines' grouped
+    kernels for conv models, ``fedhier.engines.vectorized.conv_kernels.forward_for``)."""
     if len(y) == 0:
         return float("nan"), float("nan")
     loss_sum = 0.0
     correct = 0
     for start in range(0, len(y), chunk):
-        logits = functional_call(model, dict(params), (x[start:start + chunk],))
+        rows = x[start:start + chunk]
+        logits = (functional_call(model, dict(params), (rows,)) if forward is None
+                  else forward(params, rows))
         target = y[start:start + chunk]
         loss_sum += float(nn.functional.cross_entropy(logits, target, reduction="sum"))
         correct += int((logits.argmax(1) == target).sum())

@@ -17,7 +17,7 @@ from fedhier.common.rng import torch_seed
 from fedhier.data.federation import Federation, federation_for
 from fedhier.diagnostics.in_rounds import diagnostics_due, sample_diagnostics
 from fedhier.local.models import build_model
-from fedhier.local.train import evaluate
+from fedhier.local.train import Forward, evaluate
 from fedhier.round.loop import HSGDSettings, Params
 from fedhier.settings.run_config import RunConfig
 from fedhier.settings.views import build_part
@@ -35,7 +35,7 @@ def prepare(cfg: RunConfig) -> Federation:
     if token_input != (cfg.model == "lstm"):
         kind = "token ids (text)" if token_input else "real-valued features"
         raise ConfigError(f"dataset {cfg.dataset} has {kind}; model '{cfg.model}' does not fit: "
-                          f"use {'lstm' if token_input else 'logreg, mlp or cnn'}")
+                          f"use {'lstm' if token_input else 'logreg, mlp, cnn or lenet5'}")
     if fed.num_clients != cfg.clients:
         raise ConfigError(
             f"the partition has {fed.num_clients} clients but clients={cfg.clients}; set "
@@ -50,10 +50,11 @@ def initial_model(cfg: RunConfig, fed: Federation) -> torch.nn.Module:
 
 
 def test_metrics(model: torch.nn.Module, params: dict[str, torch.Tensor], fed: Federation,
-                 device: torch.device) -> dict[str, Any]:
-    """``test_loss`` and ``test_accuracy`` of ``params`` on the held-out test set."""
+                 device: torch.device, forward: Forward | None = None) -> dict[str, Any]:
+    """``test_loss`` and ``test_accuracy`` of ``params`` on the held-out test set
+    (``forward``: see :func:`fedhier.local.train.evaluate`)."""
     x_test, y_test = fed.test_tensors(device)
-    loss, accuracy = evaluate(model, params, x_test, y_test)
+    loss, accuracy = evaluate(model, params, x_test, y_test, forward=forward)
     return {"test_loss": loss, "test_accuracy": accuracy}
 
 
@@ -72,14 +73,15 @@ def settings_for(cfg: RunConfig) -> HSGDSettings:
 
 
 def central_evaluation(cfg: RunConfig, fed: Federation, model: torch.nn.Module,
-                       device: torch.device) -> Callable[[int, Params], dict[str, Any]]:
+                       device: torch.device, forward: Forward | None = None,
+                       ) -> Callable[[int, Params], dict[str, Any]]:
     """The server's own evaluation of the global model after each cloud round: test loss
-    and accuracy, and (when diagnostics are due) the sample-level gradient diversity of the
-    pooled training rows."""
+    and accuracy (with ``forward``'s logits when given), and (when diagnostics are due) the
+    sample-level gradient diversity of the pooled training rows."""
 
     def evaluate_fn(cloud_round: int, params: Params) -> dict[str, Any]:
         on_device = {k: v.to(device) for k, v in params.items()}
-        metrics = test_metrics(model, on_device, fed, device)
+        metrics = test_metrics(model, on_device, fed, device, forward)
         if diagnostics_due(cloud_round, cfg.diagnostics_every):
             x, y = pooled_train_tensors(fed, device)
             metrics.update(sample_diagnostics(model, on_device, x, y,

@@ -77,9 +77,9 @@ def validate(cfg: RunConfig) -> None:
 def check_mechanisms(cfg: RunConfig) -> None:
     """Stochastic quantisation of the updates: 0 or 2..16 bits, and an update per edge
     round (per-edge periods carry unaggregated models across edge rounds)."""
-    from fedhier.local.quantization import check_bits
-
-    check_bits(cfg.quantize_bits)
+    if cfg.quantize_bits == 1:  # the declared range [0, 16] holds it: 1 bit has no level
+        raise ConfigError("quantize_bits must be 0 (off) or 2..16 bits per value (a sign and "
+                          "s = 2**(b-1) - 1 levels), got 1")
     if cfg.quantize_bits and cfg.edge_periods:
         raise ConfigError("quantize_bits quantises each edge round's update; with "
                           "edge_periods a client sends one only when its edge aggregates: "

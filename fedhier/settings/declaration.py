@@ -313,7 +313,7 @@ class DeclaredSettings:
         0.0, "fraction of each client's rows held out (seeded) for per-client evaluation",
         valid=UNIT_OPEN_TOP)
     model: str = setting(
-        "mlp", "model: logreg, mlp, cnn, lenet5 (28x28 or 32x32 images), lstm (text)",
+        "mlp", "model: logreg, mlp, cnn, lenet5 (LeNet-5, image datasets), lstm (text)",
         valid=("logreg", "mlp", "cnn", "lstm", "lenet5"))
     weighting: str = setting(
         "samples",

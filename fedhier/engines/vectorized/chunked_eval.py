@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedhier.local.train import Forward
+
 #: Rows per forward pass when evaluating the global model on the clients' training rows.
 EVAL_CHUNK = 4096
 #: Clients whose rows are gathered at a time (65,536 W1 clients: about 0.9 M rows).
@@ -40,15 +42,18 @@ def distinct_rows(rows: Sequence[np.ndarray], clients_per_run: int = EVAL_CLIENT
 
 
 def row_metrics(model: nn.Module, params: Mapping[str, torch.Tensor], x: torch.Tensor,
-                y: torch.Tensor, used: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                y: torch.Tensor, used: np.ndarray,
+                forward: Forward | None = None) -> tuple[np.ndarray, np.ndarray]:
     """float64 [u] cross-entropy and bool [u] correctness of the model on pool rows
-    ``used`` (int64 [u]), in forward batches of :data:`EVAL_CHUNK` rows."""
+    ``used`` (int64 [u]), in forward batches of :data:`EVAL_CHUNK` rows (``forward``: the
+    logits' function instead of the model's own forward)."""
     used_t = torch.as_tensor(used, device=x.device)
     row_loss, row_correct = [], []
     with torch.no_grad():
         for lo in range(0, len(used), EVAL_CHUNK):
             index = used_t[lo:lo + EVAL_CHUNK]
-            logits = torch.func.functional_call(model, dict(params), (x[index],))
+            logits = (torch.func.functional_call(model, dict(params), (x[index],))
+                      if forward is None else forward(params, x[index]))
             target = y[index]
             row_loss.append(nn.functional.cross_entropy(logits, target, reduction="none"))
             row_correct.append(logits.argmax(1) == target)
@@ -60,13 +65,14 @@ def row_metrics(model: nn.Module, params: Mapping[str, torch.Tensor], x: torch.T
 
 def client_metrics(model: nn.Module, params: Mapping[str, torch.Tensor], x: torch.Tensor,
                    y: torch.Tensor, rows: Sequence[np.ndarray],
-                   clients_per_run: int = EVAL_CLIENTS) -> tuple[np.ndarray, np.ndarray]:
+                   clients_per_run: int = EVAL_CLIENTS,
+                   forward: Forward | None = None) -> tuple[np.ndarray, np.ndarray]:
     """float64 [n] each: the model's mean loss and accuracy on each client's rows
     (``rows[j]``: int64 indices of client j's rows into the pool ``x`` [R, ...], ``y`` [R]),
     every distinct row evaluated once, the clients' sums formed ``clients_per_run`` at a
     time."""
     used = distinct_rows(rows, clients_per_run)
-    loss, correct = row_metrics(model, params, x, y, used)
+    loss, correct = row_metrics(model, params, x, y, used, forward)
     n = len(rows)
     client_loss, client_acc = np.empty(n), np.empty(n)
     for lo in range(0, n, clients_per_run):

@@ -28,15 +28,18 @@ from fedhier.common.errors import ConfigError
 from fedhier.data.federation import Federation
 from fedhier.diagnostics.in_rounds import direct_client_gradients
 from fedhier.engines.vectorized.chunked_eval import client_metrics
+from fedhier.engines.vectorized.conv_kernels import conv_chain_training, forward_for
 from fedhier.engines.vectorized.kernels import (
     ClientRows,
     EdgeRoundBatches,
     LocalTraining,
     local_training_for,
 )
+from fedhier.local.models import conv_chain
 from fedhier.local.optimizer import LocalOptimizer
 from fedhier.local.quantization import quantize_updates
 from fedhier.local.train import (
+    Forward,
     evaluate,
     local_sgd,
     params_of,
@@ -120,11 +123,14 @@ def client_loop_training(model: nn.Module) -> LocalTraining:
 
 
 def training_for(model: nn.Module, device: torch.device) -> LocalTraining:
-    """The local training of ``model`` on ``device``: a client loop for convolutional models
-    on the CPU (:func:`client_loop_training`), else :func:`local_training_for` (hand-batched
-    Linear/ReLU chains, ``vmap`` for the rest)."""
+    """The local training of ``model`` on ``device``. On the CPU: conv chains (``cnn``,
+    ``lenet5``) batched as grouped convolutions
+    (:func:`fedhier.engines.vectorized.conv_kernels.conv_chain_training`), other convolutional
+    models a client loop (:func:`client_loop_training`); elsewhere, and for every other model,
+    :func:`local_training_for` (hand-batched Linear/ReLU chains, ``vmap`` for the rest)."""
     if device.type == "cpu" and has_convolutions(model):
-        return client_loop_training(model)
+        chain = conv_chain(model)
+        return client_loop_training(model) if chain is None else conv_chain_training(chain)
     return local_training_for(model)
 
 
@@ -149,6 +155,9 @@ class BatchedExecutor:
     #: int64 [n]: the clients' ids in the whole federation when this executor runs a shard
     #: of it (fault draws are keyed by them); None = client j is client j.
     client_ids: np.ndarray | None = None
+    #: (params, rows) -> logits for evaluating one model, None = the model's own forward
+    #: (``fedhier.engines.vectorized.conv_kernels.forward_for``).
+    forward: Forward | None = None
 
     @classmethod
     def build(cls, cfg: RunConfig, fed: Federation, model: nn.Module,
@@ -156,7 +165,8 @@ class BatchedExecutor:
         return cls(cfg=cfg, model=model, fed=fed,
                    data=ClientRows.build(fed, cfg.batch_size, device),
                    train_fn=training_for(model, device), device=device,
-                   optimizer=cfg.local_optimizer(), faults=cfg.faults())
+                   optimizer=cfg.local_optimizer(), faults=cfg.faults(),
+                   forward=forward_for(model, device))
 
     @property
     def chunks(self) -> list[tuple[int, int]]:
@@ -398,7 +408,8 @@ class BatchedExecutor:
             for client in range(fed.num_clients):
                 x, y = fed.holdout_tensors(client, self.device)
                 if len(y):
-                    accuracies[client] = evaluate(self.model, dict(params), x, y)[1]
+                    accuracies[client] = evaluate(self.model, dict(params), x, y,
+                                                  forward=self.forward)[1]
         return accuracies
 
     def client_metrics(self, params: Mapping[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
@@ -406,7 +417,8 @@ class BatchedExecutor:
         rows (every distinct row is evaluated once; :func:`fedhier.engines.vectorized.chunked_eval.
         client_metrics`, a run of clients at a time)."""
         data = self.data
-        return client_metrics(self.model, params, data.x, data.y, data.rows)
+        return client_metrics(self.model, params, data.x, data.y, data.rows,
+                              forward=self.forward)
 
 
 
@@ -440,7 +452,8 @@ class BatchedRun:
         """Run ``algorithm`` with ``executor`` from the initial model to the end, recorded;
         summary.json's dict."""
         return run_recorded(algorithm, executor, cfg, self.recorder, params_of(self.model),
-                            central_evaluation(cfg, self.fed, self.model, self.device),
+                            central_evaluation(cfg, self.fed, self.model, self.device,
+                                               forward_for(self.model, self.device)),
                             resume=resume)
 
 

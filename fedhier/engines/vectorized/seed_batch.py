@@ -68,7 +68,18 @@ class LocalJob:
         alone = id(self.executor) if self.executor.data.num_clients < 2 else 0  # a batch of
         # one client runs another kernel than a batch of more (docs/engines.md, --client-chunk)
         return (self.executor.data.width, tuple(np.unique(self.steps).tolist()), self.rates,
-                bool(self.executor.momentum), self.grad, alone)
+                bool(self.executor.momentum), self.grad, alone, self.executor.signature())
+
+
+def training_signature(executor: BatchedExecutor) -> tuple[Any, ...]:
+    """What the joint executor takes from the first job's executor and every job must share
+    (runs of different configurations batched together, :func:`run_batched`): the model's
+    class and parameter shapes (so its local training), the optimizer, whether its state is
+    kept, the chunk setting and the device."""
+    shapes = tuple((k, tuple(v.shape), str(v.dtype))
+                   for k, v in executor.model.state_dict().items())
+    return (type(executor.model).__qualname__, shapes, executor.optimizer,
+            executor.cfg.optimizer_state, executor.cfg.client_chunk, str(executor.device))
 
 
 def train_jobs(jobs: Sequence[LocalJob]) -> tuple[list[torch.Tensor], list[int]]:
@@ -190,6 +201,13 @@ class SeedExecutor(BatchedExecutor):
     and runs with theirs (:class:`SeedLockstep`); everything else is the one-seed executor."""
 
     lockstep: SeedLockstep | None = None
+    _signature: tuple[Any, ...] | None = None
+
+    def signature(self) -> tuple[Any, ...]:
+        """:func:`training_signature` of this executor (computed once)."""
+        if self._signature is None:
+            self._signature = training_signature(self)
+        return self._signature
 
     def local_training(self, params: Params, rows: torch.Tensor, rates: Sequence[float],
                        trains: np.ndarray, steps: np.ndarray,
@@ -350,13 +368,28 @@ def run_seeds(cfgs: Sequence[RunConfig], folders: Sequence[RunFolder], progress:
     """
     if len({c.replace(seed=0, out="") for c in cfgs}) > 1:
         raise ConfigError("seeds batched together must share every setting but seed and out")
+    return run_batched(cfgs, folders, progress, wrap=wrap, federations=federations,
+                       lockstep=lockstep)
+
+
+def run_batched(cfgs: Sequence[RunConfig], folders: Sequence[RunFolder], progress: bool = True,
+                *, wrap: Callable[[int, Callable[[], dict[str, Any]]], Any] | None = None,
+                federations: Sequence[Federation] | None = None,
+                lockstep: SeedLockstep | None = None) -> list[tuple[Any, BaseException | None]]:
+    """Run vectorized configurations that may differ in anything (a sweep's trials: alpha,
+    grouping, periods, seeds, ...) as :func:`run_seeds` runs seeds: each its own run, its
+    edge rounds' local training batched with every other run's that waits at the same time
+    and agrees on :meth:`LocalJob.key` (the same model, optimizer, learning rates, batch
+    width, ...), the others trained alone. Each run's numbers are its one-run numbers, bit for
+    bit (tests/test_sweep_batched.py). Arguments as :func:`run_seeds`."""
     lockstep = lockstep if lockstep is not None else SeedLockstep()
 
     def executor_for(cfg: RunConfig, fed: Federation, model: Any, device: Any) -> SeedExecutor:
         base = BatchedExecutor.build(cfg, fed, model, device)
         ex = SeedExecutor(**{f: getattr(base, f) for f in ("cfg", "model", "fed", "data",
                                                            "train_fn", "device", "optimizer",
-                                                           "faults")}, lockstep=lockstep)
+                                                           "faults", "forward")},
+                          lockstep=lockstep)
         share_pool(ex, lockstep)
         return ex
 

@@ -37,14 +37,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from fedhier.common.errors import ConfigError
 from fedhier.settings.declaration import names_of
 
-Params = dict[str, torch.Tensor]
+if TYPE_CHECKING:  # torch is imported where it is used: the CLI checks settings without it
+    import torch
+
+Params = dict[str, "torch.Tensor"]
 
 #: the rules, the literature's first (the default: docs/hsgd.md, "Asynchronous edges")
 ASYNC_RULES = names_of("async_rule")
@@ -165,6 +168,8 @@ def combine(rule: AsyncRule, current: Params, models: Params, bases: Params,
     weights = np.asarray(weights, dtype=np.float64)
     c = weights * rule.factors(staleness)
     share = c / c.sum()
+    import torch
+
     out: Params = {}
     for k, x in models.items():
         coef = torch.as_tensor(share, dtype=x.dtype, device=x.device).reshape(

@@ -40,8 +40,15 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--tracker", choices=TRACKERS,
                         help="also log every run to this tracker (an optional extra)")
     parser.add_argument("--batch-seeds", action="store_true",
-                        help="run the seeds of each vectorized arm as one batched computation "
-                        "(fedhier run --seeds: one Tune trial per arm; same run folders)")
+                        help="batch only the seeds of each vectorized arm (one unit per arm), "
+                        "not whole groups of arms")
+    parser.add_argument("--no-batch", action="store_true",
+                        help="run every trial alone (by default the vectorized trials that "
+                        "share a model and dataset run as batched computations; same run "
+                        "folders, same numbers)")
+    parser.add_argument("--runner", choices=("local", "tune"),
+                        help="local: worker processes on this machine, each started once "
+                        "(default); tune: Ray Tune (the default with --ray-address)")
     parser.add_argument("--config", type=Path, metavar="FILE.toml",
                         help="base configuration keys (under the spec's [base])")
     parser.add_argument("--no-progress", action="store_true",
@@ -84,7 +91,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from fedhier.runs.trackers import check_tracker
     from fedhier.studies.sweep.report import write_report
     from fedhier.studies.sweep.spec import build
-    from fedhier.studies.sweep.trials import load_records, trial_state, trial_units, trials_of
+    from fedhier.studies.sweep.trials import (
+        batch_units,
+        load_records,
+        trial_state,
+        trial_units,
+        trials_of,
+    )
 
     if args.jobs < 0:
         raise FedhierError(f"--jobs must be >= 0 (0 = one per CPU core), got {args.jobs}")
@@ -111,12 +124,23 @@ def cmd_sweep(args: argparse.Namespace) -> int:
           f"{counts['done']} finished (skipped), {counts['resume']} to resume, "
           f"{counts['restart']} to restart, {counts['new']} new")
     if pending:
-        from fedhier.studies.sweep.tune_runner import run_on_tune
+        runner = args.runner or ("tune" if args.ray_address else "local")
+        if runner == "local" and args.ray_address:
+            raise ConfigError("--runner local runs on this machine; drop --ray-address")
+        jobs = args.jobs or os.cpu_count() or 1
+        units = (trial_units(pending, states, args.batch_seeds)
+                 if args.no_batch or args.batch_seeds else batch_units(pending, states, jobs))
+        jobs = min(jobs, len(units))
+        if runner == "local":
+            from fedhier.studies.sweep.local_runner import run_locally
 
-        units = trial_units(pending, states, args.batch_seeds)
-        jobs = min(args.jobs or os.cpu_count() or 1, len(units))
-        errors = run_on_tune(units, folder, jobs, args.ray_address, args.tracker, paths,
-                             progress=not args.no_progress)
+            errors = run_locally(units, jobs, args.tracker, paths,
+                                 progress=not args.no_progress)
+        else:
+            from fedhier.studies.sweep.tune_runner import run_on_tune
+
+            errors = run_on_tune(units, folder, jobs, args.ray_address, args.tracker, paths,
+                                 progress=not args.no_progress)
         if errors:
             print(f"fedhier: run stopped: {len(errors)} of {len(pending)} runs failed; first: "
                   f"{errors[0]}; rerun the same command to retry them", file=sys.stderr)

@@ -155,8 +155,8 @@ def _run_main(argv: list[str], name: str) -> None:
                                f"{lines[-1] if lines else 'no message'}")
 
 
-#: What a sweep runs as one Tune trial: a trial, or (``--batch-seeds``) the seeds of one arm
-#: and tuned value as one ``fedhier run --seeds`` batch.
+#: What a sweep runs as one unit of work: a trial, or a batch of trials run as one batched
+#: computation (:func:`batch_units`; ``--batch-seeds``: the seeds of one arm and tuned value).
 Unit = Trial | tuple[Trial, ...]
 
 
@@ -183,20 +183,90 @@ def arm_key(tuned: Mapping[str, Any]) -> str:
     return json.dumps(tuned, sort_keys=True, default=str)
 
 
-def seeds_argv(trials: Sequence[Trial], states: Mapping[str, str],
-               tracker: str | None = None) -> list[str]:
-    """The ``fedhier run --seeds`` command line of one batch (every trial's config file
-    written: a rerun checks each finished folder against its own, as for a lone trial)."""
-    for trial in trials:
-        atomic_write_bytes(trial.config_file, toml_text(config_values(trial)).encode())
-    argv = ["run", "--config", str(trials[0].config_file), "--seeds",
-            ",".join(str(t.seed) for t in trials), "--out", str(trials[0].run_dir.parent),
-            "--no-progress", *(["--tracker", tracker] if tracker else [])]
-    return argv + (["--overwrite"] if any(states[t.name] == "restart" for t in trials) else [])
+def batch_units(pending: Sequence[Trial], states: Mapping[str, str], parts: int = 1,
+                most: int = 64) -> list[Unit]:
+    """The default units: the new or cut-off (restart) trials on the vectorized engine that
+    share a model, a dataset and a device form batches (any arms, tuned values and seeds),
+    each run as one batched computation (:func:`run_batch`), in ``parts`` batches or more
+    (at most ``most`` trials each) so that ``parts`` workers share them; the rest (trials
+    to resume, other engines) stay alone. The largest units come first."""
+    units: list[Unit] = []
+    groups: dict[tuple[Any, ...], list[Trial]] = {}
+    for trial in pending:
+        cfg = trial.config
+        if cfg.engine == "vectorized" and states[trial.name] in ("new", "restart"):
+            groups.setdefault((cfg.model, cfg.dataset, cfg.data_path, cfg.device),
+                              []).append(trial)
+        else:
+            units.append(trial)
+    for group in groups.values():
+        count = max(1, min(parts, len(group)), -(-len(group) // most))
+        for part in (group[i::count] for i in range(count)):
+            units.append(tuple(part) if len(part) > 1 else part[0])
+    return sorted(units, key=lambda u: -len(u) if isinstance(u, tuple) else -1)
+
+
+def run_batch(trials: Sequence[Trial], states: Mapping[str, str],
+              tracker: str | None = None) -> None:
+    """The trials (new or to restart) as one batched computation in this process
+    (:func:`fedhier.cli.commands.run_configs_batched`): each trial's config file written and read
+    back as ``fedhier run --config FILE --out DIR`` reads it, so each folder is the one its
+    own ``fedhier run`` writes; TrialFailedError with the first failure's line."""
+    import importlib
+
+    import torch
+
+    from fedhier.cli.flags import error_text, read_config_file
+
+    # imported by name, as _run_main does: fedhier.cli.commands imports this module
+    cli = importlib.import_module("fedhier.cli.commands")
+    torch.set_num_threads(1)
+    names = ", ".join(t.name for t in trials)
+    err = io.StringIO()
+    try:
+        cfgs = []
+        for trial in trials:
+            atomic_write_bytes(trial.config_file, toml_text(config_values(trial)).encode())
+            cfgs.append(RunConfig.from_mapping(
+                {**read_config_file(trial.config_file), "out": str(trial.run_dir)},
+                where=f"--config {trial.config_file}"))
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = cli.run_configs_batched(
+                cfgs, [states[t.name] == "restart" for t in trials], tracker, False,
+                [t.name for t in trials], "<run folder>")
+    except Exception as exc:  # a run's failure: its folder is marked, as a lone run's
+        raise TrialFailedError(f"{names}: {error_text(exc)}") from exc
+    if code != 0:
+        lines = err.getvalue().strip().splitlines()
+        raise TrialFailedError(f"{names}: exit code {code}: "
+                               f"{lines[-1] if lines else 'no message'}")
+
+
+def unit_trials(unit: Unit) -> tuple[Trial, ...]:
+    """The trials of a unit (a trial, or a batch of them)."""
+    return unit if isinstance(unit, tuple) else (unit,)
+
+
+def finished_lines(done: int, total: int, unit: Unit, error: str | None,
+                   seconds: float) -> list[str]:
+    """One progress line per run of a finished ``unit`` (its trials numbered from ``done``
+    + 1 of ``total`` runs), each with that run's own final accuracy from its summary.json;
+    ``seconds``: the unit's (a batch's runs share one computation)."""
+    from fedhier.runs.progress import trial_line
+
+    lines = []
+    for k, trial in enumerate(unit_trials(unit), start=done + 1):
+        path = trial.run_dir / "summary.json"
+        summary = json.loads(path.read_text()) if path.is_file() else None
+        lines.append(trial_line(k, total, trial.name, summary,
+                                (error or "no summary.json") if summary is None else None,
+                                seconds))
+    return lines
 
 
 def run_unit(unit: Unit, tracker: str | None = None) -> list[dict[str, Any]]:
-    """Run a trial (:func:`run_trial`) or a batch of seeds; returns the summaries."""
+    """Run a trial (:func:`run_trial`) or a batch (:func:`run_batch`); returns the
+    summaries."""
     if isinstance(unit, Trial):
         return [run_trial(unit, tracker)]
     states = {t.name: trial_state(t) for t in unit}
@@ -205,7 +275,7 @@ def run_unit(unit: Unit, tracker: str | None = None) -> list[dict[str, Any]]:
         if trial not in todo and states[trial.name] != "done":
             run_trial(trial, tracker)  # checkpointed since the sweep looked: resumed alone
     if todo:
-        _run_main(seeds_argv(todo, states, tracker), ", ".join(t.name for t in todo))
+        run_batch(todo, states, tracker)
     return [json.loads((t.run_dir / "summary.json").read_text()) for t in unit]
 
 

@@ -18,20 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from fedhier.common.errors import FedhierError
-from fedhier.runs.progress import trial_line
-from fedhier.studies.sweep.trials import Unit, run_unit
-
-
-def unit_name(unit: Unit) -> str:
-    """A trial's name (arm/seed), or a batch's first ... last."""
-    if isinstance(unit, tuple):
-        return unit[0].name if len(unit) == 1 else f"{unit[0].name} .. {unit[-1].name}"
-    return unit.name
+from fedhier.studies.sweep.trials import Unit, finished_lines, run_unit, unit_trials
 
 
 def progress_callback(total: int) -> Any:
-    """A Tune callback printing one line per finished (or failed) trial on stdout:
-    ``[3/45] alpha=0.1,grouping=random/seed2: final test accuracy 0.8206 (12.3 s)``."""
+    """A Tune callback printing one line per finished (or failed) run on stdout, ``total``
+    runs in all: ``[3/45] alpha=0.1,grouping=random/seed2: final test accuracy 0.8206 (12.3
+    s)`` (a batch of runs, one Tune trial, prints a line for each of its runs)."""
     from ray.tune import Callback
 
     class TrialLines(Callback):  # type: ignore[misc]
@@ -43,10 +36,11 @@ def progress_callback(total: int) -> Any:
             self.started[trial.trial_id] = time.time()
 
         def _line(self, trial: Any, error: str | None) -> None:
-            self.done += 1
+            unit = trial.config["trial"]
             seconds = time.time() - self.started.get(trial.trial_id, time.time())
-            print(trial_line(self.done, total, unit_name(trial.config["trial"]),
-                             trial.last_result, error, seconds), flush=True)
+            print("\n".join(finished_lines(self.done, total, unit, error, seconds)),
+                  flush=True)
+            self.done += len(unit_trials(unit))
 
         def on_trial_complete(self, iteration: int, trials: list, trial: Any,
                               **info: Any) -> None:
@@ -100,6 +94,7 @@ def run_on_tune(trials: Sequence[Unit], folder: Path, jobs: int, address: str | 
         text = " ".join(str(exc).split())[:300]
         raise FedhierError(f"{where}: Ray did not start or connect ({type(exc).__name__}: "
                            f"{text})") from exc
+    runs = sum(len(unit_trials(unit)) for unit in trials)
     try:
         tuner = tune.Tuner(
             tune.with_resources(_tune_trial, {"cpu": 1}),
@@ -108,8 +103,8 @@ def run_on_tune(trials: Sequence[Unit], folder: Path, jobs: int, address: str | 
                                         reuse_actors=True),
             run_config=tune.RunConfig(name="tune", storage_path=str(folder), verbose=0,
                                       failure_config=tune.FailureConfig(max_failures=0),
-                                      callbacks=[progress_callback(len(trials))]
-                                      if progress else None))
+                                      callbacks=[progress_callback(runs)] if progress
+                                      else None))
         grid = tuner.fit()
         errors = []
         for index in range(len(grid)):
