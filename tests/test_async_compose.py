@@ -14,7 +14,7 @@ import torch
 from fedhier.cli.commands import main
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.engines.vectorized.engine import run_vectorized
-from fedhier.round.asynchrony.edges import AsyncHierarchicalSGD, EdgeJob
+from fedhier.round.asynchrony.edges import AsyncHierarchicalSGD, EdgeTraining
 from fedhier.round.asynchrony.settings import AsyncEdges
 from fedhier.round.loop import HSGDSettings
 from fedhier.runs.folder import RunFolder
@@ -141,7 +141,7 @@ def test_jobs_in_flight_keep_their_clients():
     algorithm = AsyncHierarchicalSGD(settings)
     algorithm.hierarchy = Hierarchy(periods=(1, 2), parents=(np.array([1, 1, 0, 0]),))
     p = {"p": torch.zeros(2)}
-    algorithm.jobs = {0: EdgeJob(0, 0, p, 1.0, None, np.zeros(0, np.int64),
+    algorithm.jobs = {0: EdgeTraining(0, 0, p, 1.0, None, np.zeros(0, np.int64),
                                  np.array([0, 1]))}  # started while 0 and 1 were at edge 0
     assert algorithm.training_map().tolist() == [0, 0, 0, 0]
     algorithm.jobs = {}

@@ -12,7 +12,7 @@ from fedhier.cli.commands import main
 from fedhier.common.errors import ConfigError
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.engines.vectorized.engine import run_vectorized
-from fedhier.round.asynchrony.edges import AsyncHierarchicalSGD, EdgeJob
+from fedhier.round.asynchrony.edges import AsyncHierarchicalSGD, EdgeTraining
 from fedhier.round.asynchrony.rules import SHIFTED_MEAN
 from fedhier.round.asynchrony.settings import AsyncEdges, staleness_weight
 from fedhier.round.loop import HSGDSettings
@@ -96,8 +96,8 @@ def test_stale_reports_enter_as_weighted_updates_from_their_own_start():
     base0, base1 = torch.tensor([0.0, 0.0], dtype=torch.float64), w.clone()
     x = torch.tensor([[1.0, 2.0], [3.0, -1.0], [0.25, 4.0]], dtype=torch.float64)
     algorithm.global_params = {"p": w}
-    jobs = [(EdgeJob(0, 0, {"p": base0}, 1.0, {"p": x[:2]}, np.array([0, 1])), 2),
-            (EdgeJob(1, 2, {"p": base1}, 1.0, {"p": x[2:]}, np.array([2])), 0)]
+    jobs = [(EdgeTraining(0, 0, {"p": base0}, 1.0, {"p": x[:2]}, np.array([0, 1])), 2),
+            (EdgeTraining(1, 2, {"p": base1}, 1.0, {"p": x[2:]}, np.array([2])), 0)]
     algorithm._aggregate(jobs)
     a = np.array([1.0, 3.0, 2.0]) * np.array([staleness_weight(2)] * 2 + [1.0])
     expected = (sum(a[j] * x[j] for j in range(3)) / a.sum()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.round.asynchrony.edges import EdgeJob
+from fedhier.round.asynchrony.edges import EdgeTraining
 from fedhier.round.asynchrony.reports import merge_reports
 from fedhier.round.asynchrony.rules import SHIFTED_MEAN
 from fedhier.tree.hierarchy import Hierarchy
@@ -31,9 +31,9 @@ def _jobs(stale: int, shifted: bool = False):
     """Edge 0's report, ``stale`` aggregations old (``shifted``: the same report written as
     a fresh one, its models and start moved by w - base), and edge 1's fresh report."""
     d = (W - BASE) if shifted else torch.zeros(3, dtype=torch.float64)
-    old = EdgeJob(0, 0, {"p": W.clone() if shifted else BASE}, 1.0, {"p": X[:3] + d},
+    old = EdgeTraining(0, 0, {"p": W.clone() if shifted else BASE}, 1.0, {"p": X[:3] + d},
                   np.array([0, 1, 2]), np.array([0, 1, 2]), {"p": REF[0] + d})
-    new = EdgeJob(1, 3, {"p": W.clone()}, 1.0, {"p": X[3:]}, np.array([3, 4, 5]),
+    new = EdgeTraining(1, 3, {"p": W.clone()}, 1.0, {"p": X[3:]}, np.array([3, 4, 5]),
                   np.array([3, 4, 5]), {"p": REF[1]})
     return [(old, 0 if shifted else stale), (new, 0)]
 

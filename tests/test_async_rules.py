@@ -18,7 +18,7 @@ import torch
 
 from fedhier.cli.commands import main
 from fedhier.common.errors import ConfigError
-from fedhier.round.asynchrony.edges import EdgeJob
+from fedhier.round.asynchrony.edges import EdgeTraining
 from fedhier.round.asynchrony.reports import merge_reports
 from fedhier.round.asynchrony.rules import (
     SHIFTED_MEAN,
@@ -113,8 +113,8 @@ def test_a_staleness_function_without_its_parameters_is_refused(spec, message):
 TREE = Hierarchy(periods=(1, 2), parents=(np.array([0, 1]),))  # one client per edge
 
 
-def _reports() -> list[tuple[EdgeJob, int]]:
-    return [(EdgeJob(e, 0, {"p": BASES["p"][e]}, 1.0, {"p": MODELS["p"][e:e + 1]},
+def _reports() -> list[tuple[EdgeTraining, int]]:
+    return [(EdgeTraining(e, 0, {"p": BASES["p"][e]}, 1.0, {"p": MODELS["p"][e:e + 1]},
                      np.array([e]), np.array([e])), int(TAU[e])) for e in (0, 1)]
 
 

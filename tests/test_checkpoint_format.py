@@ -227,3 +227,24 @@ def test_a_header_length_that_looks_like_a_pickle_is_still_read(tmp_path, first_
     back = read_checkpoint_file(path)
     assert back.round == 3 and back.strategy_state == base.strategy_state
     assert torch.equal(back.global_state["w"], base.global_state["w"])
+
+
+def test_a_checkpoint_written_before_the_layout_move_still_decodes():
+    """Headers name classes by module:qualname; those of the release before the layout
+    (fedhier.topology, fedhier.async_edges:EdgeJob, fedhier_strategies.cloud_step) come
+    back as today's classes with their attributes."""
+    from fedhier.round.asynchrony.edges import EdgeTraining
+
+    job = EdgeTraining(1, 2, {"p": torch.ones(2)}, 3.5, None, np.array([0, 1]))
+    state = {"hierarchy": Hierarchy((2, 4), (np.array([0, 0, 1, 1]),), 2), "job": job,
+             "step": FlowerCloudStep(make_cloud_strategy("fedavgm"))}
+    tree, tensors = encode(state)
+    old = json.loads(json.dumps(tree).replace(
+        "fedhier.tree.hierarchy:Hierarchy", "fedhier.topology:Hierarchy").replace(
+        "fedhier.round.asynchrony.edges:EdgeTraining", "fedhier.async_edges:EdgeJob").replace(
+        "fedhier.strategies.cloud_step:", "fedhier_strategies.cloud_step:"))
+    assert "fedhier.topology:Hierarchy" in json.dumps(old)
+    back = decode(old, tensors)
+    assert type(back["job"]) is EdgeTraining and back["job"].finish == 3.5
+    assert back["job"].survivors.tolist() == [0, 1] and back["hierarchy"].periods == (2, 4)
+    assert type(back["step"]) is FlowerCloudStep

@@ -136,7 +136,7 @@ def test_report_from_reply_checks_a_report_against_its_job():
     import torch
 
     from fedhier.clients.wire.packed_model import model_record
-    from fedhier.round.tiers.jobs import EdgeJob, EdgeReport
+    from fedhier.round.tiers.jobs import EdgeReport, ServerJob
     from fedhier.strategies.edge.messages import (
         EDGE_MODELS,
         MalformedReplyError,
@@ -146,7 +146,7 @@ def test_report_from_reply_checks_a_report_against_its_job():
 
     like = {"w": torch.zeros(3, 2), "b": torch.zeros(3)}
     # region 0 of edges 0, 1 (edges 2, 3 under region 1); a job of 2 edge rounds
-    job = EdgeJob(0, 1, like, np.array([0, 1, 2, 3]), np.ones(4, dtype=np.int64), np.zeros(4),
+    job = ServerJob(0, 1, like, np.array([0, 1, 2, 3]), np.ones(4, dtype=np.int64), np.zeros(4),
                   level=2, parents=(np.array([0, 0, 1, 1]),), first_round=1, num_rounds=2)
     models = {"w": torch.ones(2, 3, 2), "b": torch.ones(2, 3)}
     report = EdgeReport(0, None, np.zeros((2, 2)), seconds=np.zeros(4),

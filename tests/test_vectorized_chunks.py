@@ -13,7 +13,7 @@ from fedhier.engines.vectorized.chunks import ChunkTree, edge_chunks, train_edge
 from fedhier.engines.vectorized_ray.shard import ShardExecutor, edge_weights
 from fedhier.local.train import params_of
 from fedhier.round.faults import RunFailureError
-from fedhier.round.tiers.jobs import EdgeJob, edge_aggregates, job_rounds, start_job, train_edges
+from fedhier.round.tiers.jobs import ServerJob, edge_aggregates, job_rounds, start_job, train_edges
 from fedhier.round.traffic import BatchCommunication
 from fedhier.runs.prepare import initial_model, prepare, settings_for
 from fedhier.settings.run_config import RunConfig
@@ -55,7 +55,7 @@ def shard():
 def _start(fed, model, clients, cloud_round):
     settings = settings_for(CFG)
     executor = ShardExecutor.build(CFG, fed, clients, model, torch.device("cpu"))
-    job = EdgeJob(0, cloud_round, params_of(model), EDGE_OF,
+    job = ServerJob(0, cloud_round, params_of(model), EDGE_OF,
                   np.asarray(fed.client_sizes(), dtype=np.int64), np.linspace(0.0, 1.0, 6))
     algorithm = start_job(settings, executor, job)
     algorithm.communication = BatchCommunication(algorithm._hierarchy(), SHARD_EDGES)
@@ -126,7 +126,7 @@ def test_a_run_stopping_edge_is_named_by_its_id_in_the_whole_federation(shard):
     for chunked in (False, True):
         settings = settings_for(cfg)
         executor = ShardExecutor.build(cfg, fed, clients, model, torch.device("cpu"))
-        job = EdgeJob(0, 1, params_of(model), EDGE_OF,
+        job = ServerJob(0, 1, params_of(model), EDGE_OF,
                       np.asarray(fed.client_sizes(), dtype=np.int64), np.zeros(6))
         algorithm = start_job(settings, executor, job)
         with pytest.raises(RunFailureError) as caught:

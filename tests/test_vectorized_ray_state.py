@@ -81,7 +81,7 @@ def test_chunks_keep_the_state_the_one_process_executor_keeps():
     """Two cloud rounds of a shard's jobs in runs of 2 clients: the shard's buffers after
     each equal, bit for bit, the one-process executor's rows of the shard's clients (the
     same edge rounds trained on all 8 clients at once)."""
-    from fedhier.round.tiers.jobs import EdgeJob, job_rounds, start_job, train_edges
+    from fedhier.round.tiers.jobs import ServerJob, job_rounds, start_job, train_edges
     from fedhier.round.traffic import BatchCommunication
     from fedhier.runs.prepare import settings_for
 
@@ -96,7 +96,7 @@ def test_chunks_keep_the_state_the_one_process_executor_keeps():
     whole = ShardExecutor.build(cfg, fed, np.arange(8), model, cpu)
     sizes = np.asarray(fed.client_sizes(), dtype=np.int64)
     for cloud_round in (1, 2):
-        job = EdgeJob(1, cloud_round, params_of(model), edge_of, sizes, np.zeros(4))
+        job = ServerJob(1, cloud_round, params_of(model), edge_of, sizes, np.zeros(4))
         chunked = start_job(settings, shard, job)
         chunked.communication = BatchCommunication(chunked._hierarchy(), np.array([1, 2]))
         train_edge_chunks(chunked, shard, job_rounds(settings, job), 2)

@@ -39,8 +39,17 @@ _ADAPTERS: dict[str, tuple[type, Callable[[Any], Any], Callable[[Any], Any]]] = 
 #: fedhier's own allow-list: (module, names) imported on first use.
 _BUILTIN = (
     ("fedhier.tree.hierarchy", ("Hierarchy",)),
-    ("fedhier.round.asynchrony.edges", ("EdgeJob",)),
+    ("fedhier.round.asynchrony.edges", ("EdgeTraining",)),
 )
+#: Names checkpoints written by earlier releases hold -> today's (the modules moved and a
+#: class was renamed: those checkpoints still resume).
+_FORMER_NAMES = {
+    "fedhier.topology:Hierarchy": "fedhier.tree.hierarchy:Hierarchy",
+    "fedhier.async_edges:EdgeJob": "fedhier.round.asynchrony.edges:EdgeTraining",
+    "fedhier.round.asynchrony.edges:EdgeJob": "fedhier.round.asynchrony.edges:EdgeTraining",
+    "fedhier_strategies.cloud_step:FlowerCloudStep":
+        "fedhier.strategies.cloud_step:FlowerCloudStep",
+}
 
 
 class StateFormatError(ValueError):
@@ -142,6 +151,7 @@ def decode(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     def lookup(name: Any) -> Any:
         nonlocal allowed
         allowed = allowed if allowed is not None else _allowed()
+        name = _FORMER_NAMES.get(name, name) if isinstance(name, str) else name
         if not isinstance(name, str) or name not in allowed:
             raise StateFormatError(f"names {str(name)[:80]!r}, not on the allow-list of "
                                    "classes checkpoints may hold (fedhier.runs.state_codec.allow)")

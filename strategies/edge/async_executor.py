@@ -18,7 +18,7 @@ from flwr.app import Message
 
 from fedhier.engines.reply_binding import mismatch
 from fedhier.round.loop import ClientEvaluation, Params
-from fedhier.round.tiers.jobs import EdgeJob, EdgeReport
+from fedhier.round.tiers.jobs import EdgeReport, ServerJob
 from fedhier.strategies.edge.cloud_executor import (
     EdgeServersExecutor,
     dropped_count,
@@ -37,11 +37,11 @@ class AsyncEdgeServersExecutor(EdgeServersExecutor):
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
         self.in_flight: dict[str, tuple[int, float]] = {}  # message id -> (edge, pushed at)
-        self.job_of: dict[str, EdgeJob] = {}  # message id -> its job (to check the reply)
+        self.job_of: dict[str, ServerJob] = {}  # message id -> its job (to check the reply)
         self.arrived: dict[int, EdgeReport] = {}  # edge -> its report, in arrival order
         self.pushed: dict[str, Message] = {}  # message id -> the job's message (binding)
 
-    def submit(self, jobs: list[EdgeJob]) -> None:
+    def submit(self, jobs: list[ServerJob]) -> None:
         messages = self.job_messages(jobs)
         now = time.monotonic()
         ids = list(self.grid.push_messages(messages))

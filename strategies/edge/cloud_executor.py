@@ -21,7 +21,7 @@ from fedhier.clients.app import run_config_of
 from fedhier.clients.wire.packed_model import model_record
 from fedhier.round.faults import RunFailureError
 from fedhier.round.loop import ClientEvaluation, EdgeRoundWork, Params, TrainResult
-from fedhier.round.tiers.jobs import EdgeJob, EdgeReport, server_name
+from fedhier.round.tiers.jobs import EdgeReport, ServerJob, server_name
 from fedhier.strategies.edge.messages import (
     ABSENT,
     DROPPED,
@@ -196,7 +196,7 @@ class EdgeServersExecutor(GridExecutor):
         raise RuntimeError("with edge servers the edges train their clients "
                            "(EdgeServersExecutor.run_edge_jobs)")
 
-    def job_messages(self, jobs: list[EdgeJob]) -> list[Message]:
+    def job_messages(self, jobs: list[ServerJob]) -> list[Message]:
         """One train message per job, to its server's node. A job outlives its round by
         nothing (``ttl``): a server that restarts must not take it late."""
         messages = []
@@ -208,7 +208,7 @@ class EdgeServersExecutor(GridExecutor):
                                     dst_node_id=self.node_of_edge[job.edge], ttl=self.timeout))
         return messages
 
-    def run_edge_jobs(self, jobs: list[EdgeJob]) -> list[EdgeReport]:
+    def run_edge_jobs(self, jobs: list[ServerJob]) -> list[EdgeReport]:
         """Send each edge its job; an edge that fails or does not answer within the timeout
         is reported ``reached=False``."""
         messages = self.job_messages(jobs)

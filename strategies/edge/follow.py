@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from flwr.app import Message, MessageType, RecordDict
 
-from fedhier.round.tiers.jobs import EdgeJob
+from fedhier.round.tiers.jobs import ServerJob
 from fedhier.strategies.grid_executor import GridExecutor
 
 #: Seconds an edge waits for a newly attached client's node to be listed and to answer.
@@ -75,7 +75,7 @@ def clients_of(edge_of_client: np.ndarray, edge: int) -> list[int]:
     return np.flatnonzero(np.asarray(edge_of_client) == edge).tolist()
 
 
-def follow_subtree(executor: Any, job: EdgeJob, node: int) -> list[int]:
+def follow_subtree(executor: Any, job: ServerJob, node: int) -> list[int]:
     """The clients ``job``'s map puts under level-``job.level`` server ``node``; ``executor``
     (its :class:`~fedhier.strategies.edge.cloud_executor.EdgeServersExecutor`) serves them
     from now on, each under the servers the map puts it (``ancestors``, -1 elsewhere)."""

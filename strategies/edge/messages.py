@@ -54,7 +54,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 
 from fedhier.clients.wire.packed_model import get_model, has_model, model_record
 from fedhier.local.optimizer import Params
-from fedhier.round.tiers.jobs import EdgeJob, EdgeReport
+from fedhier.round.tiers.jobs import EdgeReport, ServerJob
 from fedhier.round.tiers.moves import ClientStates
 
 EDGE_ID = "edge-id"
@@ -118,7 +118,7 @@ def states_of(content: RecordDict) -> ClientStates:
     return states
 
 
-def job_content(job: EdgeJob, run_config: ConfigRecord) -> RecordDict:
+def job_content(job: ServerJob, run_config: ConfigRecord) -> RecordDict:
     """The train message of ``job``."""
     config = run_config.copy()
     config["server-round"] = job.cloud_round
@@ -145,7 +145,7 @@ def job_content(job: EdgeJob, run_config: ConfigRecord) -> RecordDict:
     return content
 
 
-def job_from_message(msg: Message) -> EdgeJob:
+def job_from_message(msg: Message) -> ServerJob:
     config = msg.content["config"]
     tree = get_model(msg.content, JOB_RECORD, remember=False)
     parents = tuple(tree[f"parents-{k}"].numpy() for k in range(1, len(tree))
@@ -156,7 +156,7 @@ def job_from_message(msg: Message) -> EdgeJob:
     if "carried-edges" in tree:
         handoff.update(carried_edges=tree["carried-edges"].numpy(),
                        carried=get_model(msg.content, CARRIED))
-    return EdgeJob(edge=int(config[EDGE_ID]),  # type: ignore[arg-type]
+    return ServerJob(edge=int(config[EDGE_ID]),  # type: ignore[arg-type]
                    cloud_round=int(config["server-round"]),  # type: ignore[arg-type]
                    params=get_model(msg.content, "arrays"),
                    edge_of_client=tree["edge-of-client"].numpy(),
@@ -197,7 +197,7 @@ class MalformedReplyError(ValueError):
     type, models of another shape): its parent counts the job as lost."""
 
 
-def report_from_reply(reply: Message, job: EdgeJob) -> EdgeReport:
+def report_from_reply(reply: Message, job: ServerJob) -> EdgeReport:
     """The :class:`EdgeReport` in a server's reply to ``job``, checked against the job: its
     models have the job model's names and shapes, a row of losses per edge round of the
     job, a clock per edge, and a segment's edges lie under the job's server.

@@ -29,7 +29,7 @@ from flwr.serverapp import Grid
 from fedhier.clients.app import run_config_of
 from fedhier.clients.wire.packed_model import get_model
 from fedhier.common.errors import ConfigError
-from fedhier.round.tiers.jobs import EdgeJob, run_edge_job
+from fedhier.round.tiers.jobs import ServerJob, run_edge_job
 from fedhier.runs.prepare import settings_for
 from fedhier.settings.run_config import RunConfig
 from fedhier.strategies.edge.follow import (
@@ -163,7 +163,7 @@ class EdgeServer:
                                                         PARTITION_IDS: self.clients})})
         raise ConfigError(f"server {self.edge} has no handler for '{kind}' messages")
 
-    def _follow(self, executor: GridExecutor, job: EdgeJob, config: ConfigRecord) -> None:
+    def _follow(self, executor: GridExecutor, job: ServerJob, config: ConfigRecord) -> None:
         """Serve the clients ``job``'s map puts here (clients moved): a newly arrived one is
         waited for (:data:`~fedhier.strategies.edge.follow.FOLLOW_TIMEOUT`), one still
         missing since an earlier job only looked for, one the cloud could not re-attach

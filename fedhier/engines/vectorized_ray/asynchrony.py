@@ -52,7 +52,7 @@ from fedhier.engines.vectorized_ray.executor import (
 from fedhier.round.asynchrony.arrival_order import RecordingOrder, SimulatedOrder
 from fedhier.round.loop import CloudStep, Executor, HSGDSettings, Params
 from fedhier.round.tiers.asynchronous import EdgeTierAsyncHSGD, check_async_edge_tier
-from fedhier.round.tiers.jobs import EdgeJob, EdgeReport
+from fedhier.round.tiers.jobs import EdgeReport, ServerJob
 from fedhier.settings.run_config import RunConfig
 from fedhier.tree.grouping import ClientInfo
 from fedhier.tree.hierarchy import Hierarchy
@@ -96,10 +96,10 @@ class RayShardAsyncExecutor(RayShardExecutor):
     in_flight: list[Submission] = dataclasses.field(default_factory=list)
     arrived: dict[int, EdgeReport] = dataclasses.field(default_factory=dict)
 
-    def submit(self, jobs: list[EdgeJob]) -> None:
+    def submit(self, jobs: list[ServerJob]) -> None:
         """One Ray call per worker and cloud round with the jobs of its edges; at once."""
         assert self.placement is not None, "the shards start at the cloud's setup"
-        calls: dict[tuple[int, int], list[EdgeJob]] = {}
+        calls: dict[tuple[int, int], list[ServerJob]] = {}
         for job in shared_start_models(jobs):
             calls.setdefault((int(self.placement[job.edge]), job.cloud_round), []).append(job)
         refs = [self.actors[worker].run.remote(mine)

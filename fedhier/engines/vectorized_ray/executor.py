@@ -25,7 +25,7 @@ from fedhier.engines.vectorized_ray.moves import move_between_workers
 from fedhier.engines.vectorized_ray.subtree import top_children
 from fedhier.engines.vectorized_ray.worker import peak_rss_bytes, start_workers
 from fedhier.round.loop import ClientEvaluation, EdgeRoundWork, Params, TrainResult
-from fedhier.round.tiers.jobs import EdgeJob, EdgeReport, EdgeTierHierarchicalSGD
+from fedhier.round.tiers.jobs import EdgeReport, EdgeTierHierarchicalSGD, ServerJob
 from fedhier.settings.run_config import RunConfig
 from fedhier.tree.grouping import ClientInfo
 
@@ -43,7 +43,7 @@ def place_edges(edge_of_client: np.ndarray, num_edges: int, workers: int) -> np.
     return np.minimum(worker, np.arange(num_edges))
 
 
-def shared_start_models(jobs: list[EdgeJob]) -> list[EdgeJob]:
+def shared_start_models(jobs: list[ServerJob]) -> list[ServerJob]:
     """``jobs`` with every start model equal to the first job's replaced by that one dict,
     so that a worker's call carries it once (Ray pickles a call's arguments together, and
     pickle writes an object met twice once): at a cloud round's start every edge holds the
@@ -54,7 +54,7 @@ def shared_start_models(jobs: list[EdgeJob]) -> list[EdgeJob]:
             else dataclasses.replace(job, params=first) for job in jobs]
 
 
-def models_down(jobs: list[EdgeJob]) -> int:
+def models_down(jobs: list[ServerJob]) -> int:
     """Models one Ray call of ``jobs`` carries: its distinct start models
     (:func:`shared_start_models`) and the models of ``carry`` handoffs and of edges inside
     a region's period (``carried``)."""
@@ -182,12 +182,12 @@ class RayShardExecutor:
         ray.get(calls)
         self.restored = {}
 
-    def run_edge_jobs(self, jobs: list[EdgeJob]) -> list[EdgeReport]:
+    def run_edge_jobs(self, jobs: list[ServerJob]) -> list[EdgeReport]:
         """Every edge's job, each shard's in one call to its actor; the reports of all."""
         import ray
 
         assert self.node_placement is not None, "the shards start at the first cloud round"
-        by_worker: list[list[EdgeJob]] = [[] for _ in self.actors]
+        by_worker: list[list[ServerJob]] = [[] for _ in self.actors]
         for job in shared_start_models(jobs):
             by_worker[int(self.node_placement[job.edge])].append(job)
         pending = [actor.run.remote(mine)

@@ -7,7 +7,7 @@ Between two segments it asks its executor to **re-attach** the moved clients
 workers, so a client whose new edge is on another worker moves there. What moves is the
 client, not its data: its id, its rows' indices into the pool every worker already holds
 (the federation from Ray's object store) and its held-out rows' (a :class:`ClientMove`);
-its averaging weight comes with every job (``EdgeJob.num_examples``) and its mini-batch and
+its averaging weight comes with every job (``ServerJob.num_examples``) and its mini-batch and
 failure draws are keyed by its id and the round, so its "RNG position" needs no moving. The
 old worker releases it (:func:`release`), the new one adopts it (:func:`adopt`): each
 updates its shard's row index over the same pool (:func:`reshaped`), once per move, never

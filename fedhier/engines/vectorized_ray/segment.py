@@ -20,8 +20,8 @@ import numpy as np
 from fedhier.engines.vectorized.chunks import train_edge_chunks
 from fedhier.round.loop import HierarchicalSGD, HSGDSettings, Params
 from fedhier.round.tiers.jobs import (
-    EdgeJob,
     EdgeRunOutcome,
+    ServerJob,
     edge_aggregates,
     job_rounds,
     start_job,
@@ -31,7 +31,7 @@ from fedhier.round.tiers.moves import apply_job_handoff, ends_period
 
 
 def start_shard_jobs(settings: HSGDSettings, executor: Any,
-                     jobs: Sequence[EdgeJob]) -> HierarchicalSGD:
+                     jobs: Sequence[ServerJob]) -> HierarchicalSGD:
     """A shard's round for its edges' ``jobs`` (one segment): :func:`start_job` on the first,
     then every edge from its own job's model (inside a cloud round the edges' models
     differ) and every job's handoff applied as an edge server applies it."""
@@ -45,7 +45,7 @@ def start_shard_jobs(settings: HSGDSettings, executor: Any,
     return algorithm
 
 
-def shard_chunk_size(algorithm: HierarchicalSGD, executor: Any, jobs: Sequence[EdgeJob],
+def shard_chunk_size(algorithm: HierarchicalSGD, executor: Any, jobs: Sequence[ServerJob],
                      size: int) -> int:
     """The clients per run of whole edges for a segment: ``size``, or all the shard's when
     a ``carry`` client of the shard starts from the model of an edge the shard trains too
@@ -62,7 +62,7 @@ def shard_chunk_size(algorithm: HierarchicalSGD, executor: Any, jobs: Sequence[E
 
 
 def train_shard(settings: HSGDSettings, algorithm: HierarchicalSGD, executor: Any,
-                jobs: Sequence[EdgeJob], size: int) -> tuple[EdgeRunOutcome, dict[int, Params]]:
+                jobs: Sequence[ServerJob], size: int) -> tuple[EdgeRunOutcome, dict[int, Params]]:
     """A shard's edge rounds of one segment (:func:`train_edge_chunks`'s answer: the
     outcome and each edge's aggregate). In runs of whole edges of ``size`` clients, each run
     planned ahead; with per-edge periods, whose plan of an edge round depends on the one
@@ -83,7 +83,7 @@ def train_shard(settings: HSGDSettings, algorithm: HierarchicalSGD, executor: An
 
 
 def segment_models(settings: HSGDSettings, algorithm: HierarchicalSGD,
-                   jobs: Sequence[EdgeJob], models: dict[int, Params]) -> dict[int, Params]:
+                   jobs: Sequence[ServerJob], models: dict[int, Params]) -> dict[int, Params]:
     """Each edge's answer: its aggregate of the last round's survivors (``models``) when the
     segment ends at the cloud, else its own model (it aggregated at the edge), as
     :func:`fedhier.round.tiers.jobs.run_edge_job` answers."""

@@ -40,7 +40,7 @@ from fedhier.round.loop import (
     Params,
     TrainResult,
 )
-from fedhier.round.tiers.jobs import EdgeJob, EdgeReport
+from fedhier.round.tiers.jobs import EdgeReport, ServerJob
 from fedhier.round.traffic import BatchCommunication
 from fedhier.settings.run_config import RunConfig
 from fedhier.tree.grouping import ClientInfo
@@ -153,7 +153,7 @@ class ShardExecutor:
         return position.astype(np.int64)
 
     def profiles(self) -> ClientInfo:
-        raise NotImplementedError("a shard is told its clients' profiles (EdgeJob)")
+        raise NotImplementedError("a shard is told its clients' profiles (ServerJob)")
 
     def train(self, work: EdgeRoundWork, edge_models: Params) -> TrainResult:
         """``work`` (whole-federation ids) run by the shard's batched executor; the result
@@ -188,7 +188,7 @@ class ShardExecutor:
 
 
 def run_shard_jobs(settings: HSGDSettings, executor: ShardExecutor,
-                   jobs: Sequence[EdgeJob]) -> list[EdgeReport]:
+                   jobs: Sequence[ServerJob]) -> list[EdgeReport]:
     """The edge half of a cloud round for the shard's edges (one level-1 job each, same
     cloud round and edge rounds): the edge rounds of all their clients in one batched
     computation per edge round, then each edge's aggregate of its survivors, as

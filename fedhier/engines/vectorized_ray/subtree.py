@@ -30,7 +30,7 @@ import numpy as np
 
 from fedhier.common.errors import ConfigError
 from fedhier.round.loop import EdgeRoundWork, HSGDSettings, Params, TrainResult
-from fedhier.round.tiers.jobs import EdgeJob, EdgeReport, job_hierarchy, run_edge_job
+from fedhier.round.tiers.jobs import EdgeReport, ServerJob, job_hierarchy, run_edge_job
 from fedhier.settings.run_config import RunConfig
 from fedhier.tree.hierarchy import Hierarchy
 
@@ -94,14 +94,14 @@ class SubtreeExecutor:
     settings: HSGDSettings
     shard: Any
 
-    def run_edge_jobs(self, jobs: list[EdgeJob]) -> list[EdgeReport]:
+    def run_edge_jobs(self, jobs: list[ServerJob]) -> list[EdgeReport]:
         return run_jobs(self.settings, self.shard, jobs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.shard, name)
 
 
-def run_jobs(settings: HSGDSettings, shard: Any, jobs: Sequence[EdgeJob]) -> list[EdgeReport]:
+def run_jobs(settings: HSGDSettings, shard: Any, jobs: Sequence[ServerJob]) -> list[EdgeReport]:
     """A worker's jobs of one exchange with the cloud (or with a node above in the worker):
     edges' jobs (level 1) batched over the shard's clients
     (:func:`~fedhier.engines.vectorized_ray.shard.run_shard_jobs`); a job of a node above,

@@ -26,7 +26,7 @@ import numpy as np
 from fedhier.common.errors import ConfigError
 from fedhier.data.federation import Federation
 from fedhier.local.train import resolve_device
-from fedhier.round.tiers.jobs import EdgeJob, EdgeReport
+from fedhier.round.tiers.jobs import EdgeReport, ServerJob
 from fedhier.runs.prepare import initial_model, settings_for
 from fedhier.settings.run_config import RunConfig
 
@@ -52,7 +52,7 @@ class ShardWorker:
                                             initial_model(cfg, fed).to(device), device)
         self.run_seconds = self.run_cpu_seconds = 0.0
 
-    def run(self, jobs: Sequence[EdgeJob]) -> list[EdgeReport]:
+    def run(self, jobs: Sequence[ServerJob]) -> list[EdgeReport]:
         """Some or all of its edges' (or whole subtrees') jobs of one cloud round
         (:func:`run_jobs`: only the clients of those edges train; asynchronous edges send
         the edges that start together)."""
@@ -61,7 +61,7 @@ class ShardWorker:
         return self._timed(run_jobs, jobs)
 
     def _timed(self, run: Callable[..., list[EdgeReport]],
-               jobs: Sequence[EdgeJob]) -> list[EdgeReport]:
+               jobs: Sequence[ServerJob]) -> list[EdgeReport]:
         """``run(settings, shard, jobs)``, its wall and CPU seconds added to the worker's."""
         wall, cpu = time.perf_counter(), time.process_time()
         try:

@@ -75,7 +75,7 @@ from fedhier.tree.hierarchy import Hierarchy
 
 
 @dataclass
-class EdgeJob:
+class EdgeTraining:
     """An edge's G local steps from the global model of ``version``.
 
     Attributes:
@@ -105,7 +105,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
     def __init__(self, settings: HSGDSettings, cloud_step: CloudStep | None = None) -> None:
         super().__init__(settings, cloud_step)
         self.version = 0  # cloud aggregations so far
-        self.jobs: dict[int, EdgeJob] = {}  # edge -> its job in flight
+        self.jobs: dict[int, EdgeTraining] = {}  # edge -> its job in flight
         self.idle: dict[int, float] = {}  # edge -> simulated second it got the global model
         self.link_free = -math.inf  # the cloud link is busy uploading until then
         self.relay_free: dict[str, float] = {}  # "level:node" -> the same for a node's link
@@ -116,7 +116,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         self.round_maps: np.ndarray | None = None
         self._batch_maps: np.ndarray | None = None
         #: buffers of the nodes between the edges and the cloud (None: they relay)
-        self.regions: RegionBuffers[EdgeJob] | None = region_buffers(settings.asynchronous)
+        self.regions: RegionBuffers[EdgeTraining] | None = region_buffers(settings.asynchronous)
         #: which report the cloud takes next (fedhier.round.asynchrony.arrival_order; two-level
         #: trees)
         self.arrivals: ArrivalOrder = SimulatedOrder()
@@ -149,13 +149,13 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         return out
 
     def _collect(self, executor: Executor, stats: dict[str, Any],
-                 ) -> tuple[list[tuple[EdgeJob, int]], float, int]:
+                 ) -> tuple[list[tuple[EdgeTraining, int]], float, int]:
         """The cloud's buffer: the first K edge reports to reach their parents, each with its
         staleness; the simulated second the cloud has them all; how many were dropped."""
         if self.regions is not None:  # the regions buffer: the cloud counts their reports
             return self.regions.collect(self, executor, stats, self.now)
         s = self.settings.asynchronous
-        accepted: list[tuple[EdgeJob, int]] = []
+        accepted: list[tuple[EdgeTraining, int]] = []
         dropped = 0
         arrival = self.now
         arrivals: list[float] = []  # each accepted report's arrival at the edge's parent
@@ -199,7 +199,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
             self.communication.add_edge_cloud(1, self.model_bytes)
         return float(arrivals[0])
 
-    def _send_up(self, job: EdgeJob, count: bool = True) -> float:
+    def _send_up(self, job: EdgeTraining, count: bool = True) -> float:
         """A report goes up to the edge's parent (the cloud in a two-level tree, else its
         region), queuing on that node's link; returns when it arrives there."""
         return self._queue_on(2, int(self._hierarchy().edges_under(2)[job.edge]), job.finish,
@@ -240,7 +240,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
             self.communication.add_edge_cloud(pairs.shape[1], self.model_bytes)
         return start + down
 
-    def _aggregate(self, accepted: list[tuple[EdgeJob, int]], cloud_round: int = 0) -> None:
+    def _aggregate(self, accepted: list[tuple[EdgeTraining, int]], cloud_round: int = 0) -> None:
         """The new global model from the accepted (job, staleness) reports
         (:func:`fedhier.round.asynchrony.reports.merge_reports`); it stays when none has a
         survivor."""
@@ -323,7 +323,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                 edge_of[job.members] = job.edge
         return edge_of
 
-    def _pending(self) -> list[EdgeJob]:
+    def _pending(self) -> list[EdgeTraining]:
         """The jobs whose reports the cloud has not aggregated yet (their clients stay)."""
         return [*self.jobs.values(), *(self.regions.pending() if self.regions else [])]
 
@@ -375,7 +375,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                     survivors = held[1][rows]
             reference = ({k: v[edge].clone() for k, v in self.edge_models.items()}
                          if keep_reference else None)
-            self.jobs[edge] = EdgeJob(edge, self.version, dict(self.global_params),
+            self.jobs[edge] = EdgeTraining(edge, self.version, dict(self.global_params),
                                       float(clock.edge_time[edge]), models, survivors,
                                       np.flatnonzero(edge_of == edge), reference)
 

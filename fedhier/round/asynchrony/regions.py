@@ -50,12 +50,12 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 
 from fedhier.common.errors import ConfigError
-from fedhier.round.asynchrony.reports import EdgeJob
+from fedhier.round.asynchrony.reports import StaleReport
 from fedhier.round.asynchrony.settings import AsyncEdges
 from fedhier.round.loop import Executor, HSGDSettings
 from fedhier.tree.hierarchy import Hierarchy
 
-J = TypeVar("J", bound=EdgeJob)
+J = TypeVar("J", bound=StaleReport)
 
 
 @dataclass

@@ -6,10 +6,10 @@ rule's factor f (s(τ), or α s(τ) under FedAsync) and the reports moved to w (
 FedAsync), ρ the rule's scale (:func:`fedhier.round.asynchrony.rules.finish`: M itself when ρ is 1,
 as under the shifted mean, whose M this docstring describes).
 
-A report is an edge job's result (:class:`fedhier.round.asynchrony.edges.EdgeJob`): its surviving
-clients' last models x_j, trained from the job's start model w_base(e), s cloud aggregations
-old (s = staleness). It enters the aggregation as its *update applied to the current model*
-w: each of its clients' models is shifted to
+A report is an edge job's result (:class:`fedhier.round.asynchrony.edges.EdgeTraining`): its
+surviving clients' last models x_j, trained from the job's start model w_base(e), s cloud
+aggregations old (s = staleness). It enters the aggregation as its *update applied to the current
+model* w: each of its clients' models is shifted to
 
     x'_j = x_j + (w - w_base(e))            (x'_j = x_j exactly when s = 0),
 
@@ -63,11 +63,11 @@ from fedhier.round.loop import CloudStep, Params, aggregate_levels
 from fedhier.tree.hierarchy import Hierarchy
 
 
-class EdgeJob(Protocol):
+class StaleReport(Protocol):
     """What a report is read for here and in :mod:`fedhier.round.asynchrony.regions`
-    (:class:`fedhier.round.asynchrony.edges.EdgeJob` has it): the edge, its start model's version,
-    when its training ends, the start model ``base``, the survivors' models and ids, the clients
-    it trained, and the edge's model before its last edge round (``reference``, for
+    (:class:`fedhier.round.asynchrony.edges.EdgeTraining` has it): the edge, its start model's
+    version, when its training ends, the start model ``base``, the survivors' models and ids, the
+    clients it trained, and the edge's model before its last edge round (``reference``, for
     ``clip``)."""
 
     edge: int
@@ -83,7 +83,7 @@ class EdgeJob(Protocol):
 NodeModels = Callable[[int, np.ndarray], Params]
 
 
-def merge_reports(reports: Sequence[tuple[EdgeJob, int]], global_params: Params,
+def merge_reports(reports: Sequence[tuple[StaleReport, int]], global_params: Params,
                   weights: np.ndarray, hierarchy: Hierarchy, aggregators: tuple[str, ...],
                   node_models: NodeModels, cloud_step: CloudStep | None = None,
                   cloud_round: int = 0, rule: AsyncRule | None = None) -> Params | None:
@@ -180,7 +180,7 @@ def merge_reports(reports: Sequence[tuple[EdgeJob, int]], global_params: Params,
     return {k: v.to(device) for k, v in new.items()}
 
 
-def _rows(reports: Sequence[tuple[EdgeJob, int]], keys: list[str], index: torch.Tensor,
+def _rows(reports: Sequence[tuple[StaleReport, int]], keys: list[str], index: torch.Tensor,
           shift: dict[int, Params] | None = None) -> Params:
     """name -> [s, *shape]: the reports' client models (shifted by their edge's entry of
     ``shift``, when it has one), in client order (``index``: the sorting permutation)."""

@@ -7,7 +7,7 @@ accepted reports, staleness s = aggregations since the job's start model, the ru
 :mod:`fedhier.round.asynchrony.reports`), with three parts
 replaced for edge servers (:mod:`fedhier.round.tiers.jobs`):
 
-* **jobs run remotely**: an idle edge gets a job (:class:`fedhier.round.tiers.jobs.EdgeJob`: the
+* **jobs run remotely**: an idle edge gets a job (:class:`fedhier.round.tiers.jobs.ServerJob`: the
   G / I edge rounds of cloud round ``version + 1`` from the current global model, what the
   simulation trains for it) pushed to its server without waiting
   (:class:`AsyncEdgeTierExecutor`: ``submit``); the job's result is unknown until its report
@@ -56,11 +56,10 @@ from fedhier.round.asynchrony.arrival_order import (
     read_arrivals,
     replay_source,
 )
-from fedhier.round.asynchrony.edges import AsyncHierarchicalSGD, EdgeJob
+from fedhier.round.asynchrony.edges import AsyncHierarchicalSGD, EdgeTraining
 from fedhier.round.asynchrony.reports import merge_reports
 from fedhier.round.loop import CloudStep, Executor, HierarchicalSGD, HSGDSettings, Params
-from fedhier.round.tiers.jobs import EdgeJob as ServerJob
-from fedhier.round.tiers.jobs import EdgeReport, EdgeTierHierarchicalSGD
+from fedhier.round.tiers.jobs import EdgeReport, EdgeTierHierarchicalSGD, ServerJob
 from fedhier.tree.grouping import ClientInfo
 from fedhier.tree.hierarchy import Hierarchy
 
@@ -147,7 +146,7 @@ class EdgeTierAsyncHSGD(AsyncHierarchicalSGD, EdgeTierHierarchicalSGD):
             clock.edge_time[edge] = self.idle[edge]
             for key, value in self.edge_models.items():
                 value[edge] = self.global_params[key]
-            self.jobs[edge] = EdgeJob(edge, self.version, dict(self.global_params),
+            self.jobs[edge] = EdgeTraining(edge, self.version, dict(self.global_params),
                                       float(self.idle[edge]), None,
                                       np.zeros(0, dtype=np.int64),
                                       np.flatnonzero(edge_of == edge))
@@ -211,7 +210,7 @@ class EdgeTierAsyncHSGD(AsyncHierarchicalSGD, EdgeTierHierarchicalSGD):
         return edge
 
     def _collect(self, executor: Executor, stats: dict[str, Any],
-                 ) -> tuple[list[tuple[EdgeJob, int]], float, int]:
+                 ) -> tuple[list[tuple[EdgeTraining, int]], float, int]:
         """The simulation's buffer over the reports as they really come (or as recorded);
         the order is written to the arrivals file."""
         self._stats = stats
@@ -224,11 +223,11 @@ class EdgeTierAsyncHSGD(AsyncHierarchicalSGD, EdgeTierHierarchicalSGD):
             self.log.write(self.version + 1, order, [job.edge for job, _ in accepted])
         return accepted, at_cloud, dropped
 
-    def _aggregate(self, accepted: list[tuple[EdgeJob, int]], cloud_round: int = 0) -> None:
+    def _aggregate(self, accepted: list[tuple[EdgeTraining, int]], cloud_round: int = 0) -> None:
         """The new global model from the accepted edge aggregates: one stand-in client per
         report (its first member) weighing the edge's W_e, the mean at level 1."""
         weights = np.zeros_like(self.weights)
-        stand_ins: list[tuple[EdgeJob, int]] = []
+        stand_ins: list[tuple[EdgeTraining, int]] = []
         for job, staleness in accepted:
             if job.models is None:
                 continue

@@ -123,7 +123,7 @@ def waits_carried(algorithm: HierarchicalSGD, clients: np.ndarray) -> bool:
 
 
 @dataclass
-class EdgeJob:
+class ServerJob:
     """What a parent sends a server (an edge, a region, ...) once per period of its level.
 
     Attributes:
@@ -159,7 +159,7 @@ class EdgeJob:
 
 @dataclass
 class EdgeReport:
-    """A server's answer to an :class:`EdgeJob`.
+    """A server's answer to an :class:`ServerJob`.
 
     Attributes:
         edge: the node; model: the aggregate of its subtree's survivors (name -> tensor),
@@ -200,20 +200,20 @@ class EdgeReport:
         traffic.edge_cloud_bytes += self.edge_cloud_bytes
 
 
-def job_hierarchy(settings: HSGDSettings, job: EdgeJob) -> Hierarchy:
+def job_hierarchy(settings: HSGDSettings, job: ServerJob) -> Hierarchy:
     """The tree of a job: its client -> edge map and the levels above."""
     return Hierarchy(settings.periods, (np.asarray(job.edge_of_client, dtype=np.int64),
                                         *(np.asarray(p, dtype=np.int64) for p in job.parents)),
                      num_edges=settings.groups[0])
 
 
-def job_rounds(settings: HSGDSettings, job: EdgeJob) -> range:
+def job_rounds(settings: HSGDSettings, job: ServerJob) -> range:
     """The edge rounds of ``job`` (1-based)."""
     first = job.first_round or settings.edge_rounds_of(job.cloud_round).start
     return range(first, first + (job.num_rounds or settings.edge_rounds_per_cloud_round))
 
 
-def start_job(settings: HSGDSettings, executor: Executor, job: EdgeJob) -> HierarchicalSGD:
+def start_job(settings: HSGDSettings, executor: Executor, job: ServerJob) -> HierarchicalSGD:
     """A server's round for ``job``: set up on the job's tree and clients' row counts, at the
     job's cloud round, with every edge's simulated clock as the job carries it; its traffic
     counters count the job's subtree only."""
@@ -246,7 +246,7 @@ def edge_aggregates(algorithm: HierarchicalSGD,
                             algorithm.settings.aggregators, algorithm.node_models)
 
 
-def run_edge_job(settings: HSGDSettings, executor: Executor, job: EdgeJob) -> EdgeReport:
+def run_edge_job(settings: HSGDSettings, executor: Executor, job: ServerJob) -> EdgeReport:
     """A server's half of its parent's period: from the parent's model, the edge rounds of
     ``job`` with its subtree (an edge: its clients through ``executor``; above: its children
     through ``executor.run_edge_jobs``), then the subtree's aggregate."""
@@ -360,7 +360,7 @@ def run_children(algorithm: HierarchicalSGD, executor: Executor, level: int, nod
     for exchange in exchanges(s, level, rounds):
         start, count = exchange.start, len(exchange)
         seconds = clock.edge_time.copy()  # one [E] array for all jobs, not one per child
-        jobs = [with_own_edges(algorithm, EdgeJob(
+        jobs = [with_own_edges(algorithm, ServerJob(
                     int(child), cloud_round,
                     {k: v[np.flatnonzero(under == child)[0]].clone()
                      for k, v in algorithm.edge_models.items()},
@@ -413,10 +413,10 @@ def run_children(algorithm: HierarchicalSGD, executor: Executor, level: int, nod
 # ------------------------------------------------------------------------ the cloud's half
 class EdgeTierExecutor(Executor, Protocol):
     """An executor whose clients sit behind servers: besides profiles, evaluation and
-    queries it runs one :class:`EdgeJob` per child server and returns the reports (a server
+    queries it runs one :class:`ServerJob` per child server and returns the reports (a server
     that did not answer in time: ``reached`` False)."""
 
-    def run_edge_jobs(self, jobs: list[EdgeJob]) -> list[EdgeReport]: ...
+    def run_edge_jobs(self, jobs: list[ServerJob]) -> list[EdgeReport]: ...
 
 
 class EdgeTierHierarchicalSGD(HierarchicalSGD):

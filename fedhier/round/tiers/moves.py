@@ -15,8 +15,8 @@ cloud round into **segments** at the edge rounds where a client moves
    (:func:`moved_states`): the restarted SuperNode starts the new edge's run without it;
 3. the next segment's jobs start each edge from its own model and carry the **handoff**: a
    ``carry`` client starts from its old edge's model, which the job to its new edge carries
-   (``EdgeJob.start_edge_of_client``, ``carried``); ``fresh``: the new edge's model. Under
-   both, the job to a moved client's new edge carries its kept state (``EdgeJob.states``),
+   (``ServerJob.start_edge_of_client``, ``carried``); ``fresh``: the new edge's model. Under
+   both, the job to a moved client's new edge carries its kept state (``ServerJob.states``),
    which the edge restores to the client before it trains: as in every engine, a client's
    momentum is its own and travels with it.
 
@@ -189,7 +189,7 @@ class HandoffJobs:
 
 
 def with_carried(job: Any, edge_models: Params, edges: np.ndarray, **changes: Any) -> Any:
-    """``job`` (an :class:`fedhier.round.tiers.jobs.EdgeJob`) also carrying the models of
+    """``job`` (an :class:`fedhier.round.tiers.jobs.ServerJob`) also carrying the models of
     ``edges`` (int64) from ``edge_models`` (name -> [E, *shape]); the ones it carries
     already stay; ``changes``: other fields replaced."""
     have = np.asarray(job.carried_edges, dtype=np.int64)
