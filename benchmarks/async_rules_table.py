@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from fedhier.settings.run_config import RunConfig
-from fedhier.studies.experiments.runner import Arm, default_jobs, run_arms
+from fedhier.studies.experiments.runner import SuiteArm, default_jobs, run_arms
 
 EDGES = 4
 RULES = ("fedbuff", "fedasync", "shifted-mean")
@@ -54,36 +54,36 @@ def base(dataset: str, levels: str) -> RunConfig:
                      **DATASETS[dataset], **LEVELS[levels])
 
 
-def grid_arms(dataset: str, levels: str) -> list[Arm]:
+def grid_arms(dataset: str, levels: str) -> list[SuiteArm]:
     """Every cell of one (dataset, levels) block of the table."""
     arms = []
     for mobility in (0.0, 0.5):
         cfg = base(dataset, levels).replace(mobility_rate=mobility)
         tag = f"{dataset}-{levels}-m{mobility:g}"
-        arms.append(Arm(f"{tag}-sync", "synchronous", cfg.replace(rounds=JOBS)))
-        arms.append(Arm(f"{tag}-fedasync-K{EDGES}", f"fedasync K={EDGES}",
+        arms.append(SuiteArm(f"{tag}-sync", "synchronous", cfg.replace(rounds=JOBS)))
+        arms.append(SuiteArm(f"{tag}-fedasync-K{EDGES}", f"fedasync K={EDGES}",
                         cfg.replace(rounds=JOBS, async_buffer=EDGES, async_rule="fedasync")))
         for rule in RULES:
             for k in (1, 2):
                 for bound in (1, 4):
-                    arms.append(Arm(f"{tag}-{rule}-K{k}-S{bound}", f"{rule} K={k} S={bound}",
+                    arms.append(SuiteArm(f"{tag}-{rule}-K{k}-S{bound}", f"{rule} K={k} S={bound}",
                                     cfg.replace(rounds=JOBS * EDGES // k, async_buffer=k,
                                                 max_staleness=bound, async_rule=rule)))
     return arms
 
 
-def trajectory_arms() -> list[Arm]:
+def trajectory_arms() -> list[SuiteArm]:
     """The issue's case: three levels, --async-buffer 1, 5 cloud aggregations, digits."""
     arms = []
     for lr in (0.1, 0.5):
         for mobility in (0.0, 0.5):
             cfg = base("digits", "three").replace(lr=lr, mobility_rate=mobility, rounds=JOBS)
             tag = f"case-lr{lr:g}-m{mobility:g}"
-            arms.append(Arm(f"{tag}-sync", "synchronous", cfg))
+            arms.append(SuiteArm(f"{tag}-sync", "synchronous", cfg))
             for rule in RULES:
-                arms.append(Arm(f"{tag}-{rule}", rule, cfg.replace(async_buffer=1,
+                arms.append(SuiteArm(f"{tag}-{rule}", rule, cfg.replace(async_buffer=1,
                                                                    async_rule=rule)))
-            arms.append(Arm(f"{tag}-fedbuff-eta", f"fedbuff η_g = 1/{EDGES}",
+            arms.append(SuiteArm(f"{tag}-fedbuff-eta", f"fedbuff η_g = 1/{EDGES}",
                             cfg.replace(async_buffer=1, async_server_lr=1 / EDGES)))
     return arms
 
