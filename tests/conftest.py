@@ -49,3 +49,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in DEPLOYMENT_FILES and item.originalname not in STARTS_RAY:
             item.add_marker(pytest.mark.deployment)
+    # Files that use the session's shared Ray cluster run last, whole: once this process has
+    # joined it, Flower's Simulation Engine (ray.init) runs its actors there too and waits
+    # for ever for the CPUs the cluster's shard workers hold.
+    on_cluster = {item.path for item in items if "ray_cluster" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: item.path in on_cluster)

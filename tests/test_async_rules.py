@@ -263,18 +263,6 @@ def test_bad_rule_settings_are_one_line_and_exit_2(tmp_path, flags, names):
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.slow
-def test_the_sharded_engine_runs_every_rule_as_the_oracle(data, ray_cluster):  # noqa: F811
-    """Engine vectorized-ray (asynchronous edge servers over two shard actors): each rule
-    equals the oracle's equation to 1e-5 (averaging the edges' averages: float rounding)."""
-    for name, (flags, rule) in RULES.items():
-        r = run(data, "vectorized-ray", *CASE, "--ray-address", ray_cluster, "--ray-workers",
-                "2", *flags, rounds=6)
-        reports = [[edge for edge, _ in rec["async_reports"]] for rec in r["records"][1:]]
-        want, _ = oracle.async_hsgd(problem(data, r, (2, 4)), initial(r), reports, rule=rule)
-        assert gap(r, want) <= 1e-5, name
-
-
 # ------------------------------------------------------------------ why one-report buffers rise
 def test_a_single_fresh_report_applied_in_full_is_why_one_report_buffers_rise(tmp_path):
     """The case of docs/hsgd.md ("Which rule"): digits, three levels, K = 1, mobility 0.5,
