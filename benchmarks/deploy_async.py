@@ -2,13 +2,13 @@
 
 ``fedhier deploy local --edges 2`` on loopback, 4 clients (2 per edge), digits, contiguous
 grouping, ``--periods 2,8`` (4 edge rounds of 2 steps per cloud round), ``--rounds R``, with
-``FEDHIER_STEP_SECONDS=S`` and ``--edge-slowdown 1:F``: every client really sleeps S seconds
+``--real-step-seconds S`` and ``--edge-slowdown 1:F``: every client really sleeps S seconds
 per local step, edge 1's clients F x S (fedhier.local.real_slowdown), so edge 1's job takes
 about 8 F S seconds against 8 S for edge 0. Two arms, interleaved ``--repeats`` times:
 
 - ``sync``: the cloud waits for both edges every cloud round;
-- ``async``: ``--async-buffer 1``: it aggregates the first report it receives (stale ones
-  weigh 1/sqrt(1+s), dropped past ``--max-staleness``, the default 4).
+- ``async``: ``--async-buffer 1``: it aggregates the first report it receives (combined by
+  ``--async-rule``, FedBuff by default; dropped past ``--max-staleness``, the default 4).
 
 Each arm's time is the wall time of the whole ``fedhier deploy local`` command (start-up,
 R cloud rounds, shutdown), as a user waits for it; the table gives the median per arm and
@@ -44,8 +44,8 @@ def deploy(arm: str, out: Path, args: argparse.Namespace, port: int,
            "--out", str(out), "--timeout", "1200"]
     if arm == "async":
         cmd += ["--async-buffer", "1"]
-    env = {**os.environ, "FEDHIER_STEP_SECONDS": str(step_seconds),
-           "PYTHONPATH": str(ROOT)}
+    cmd += ["--real-step-seconds", str(step_seconds)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     start = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     seconds = time.perf_counter() - start

@@ -114,7 +114,7 @@ def train(msg: Message, context: Context) -> Message:
     if cfg.quantize_bits:  # the update goes up quantised (fedhier.local.quantization)
         params = quantize_update(start_params, params, bits=cfg.quantize_bits, seed=cfg.seed,
                                  client=pid, start_step=start)
-    # FEDHIER_STEP_SECONDS: a real slow edge (deploy); the SuperNode's config names its edge
+    # real_step_seconds: a real slow edge (deploy); the SuperNode's config names its edge
     sleep_for_steps(cfg, context.node_config.get("edge"), steps)
     if keep and buffers is not None:
         context.state[OPTIMIZER_STATE_KEY] = ArrayRecord(

@@ -18,7 +18,6 @@ from fedhier.engines.grid_run import run_federation
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.round.asynchrony.arrival_order import (
     ARRIVALS_FILE,
-    REPLAY_ENV,
     ArrivalsLog,
     RecordedOrder,
     SimulatedOrder,
@@ -106,7 +105,7 @@ def assert_replayed_simulation_equals(cfg: RunConfig, servers_path, sim_path,
     """The simulation (``--engine inprocess``) of ``cfg`` fed the servers' recorded order
     writes ``sim_path``: its records equal the servers' (floats to TOL, but the LATE_KEYS and
     the clients' own evaluation), its final model too (TOL); returns the servers' records."""
-    monkeypatch.setenv(REPLAY_ENV, str(servers_path))
+    cfg = cfg.replace(replay_arrivals=str(servers_path))
     run_inprocess(cfg, RunFolder.create(sim_path, cfg), progress=False)
     sim, servers = metrics(sim_path), metrics(servers_path)
     assert len(sim) == len(servers) == cfg.rounds + 1
@@ -125,9 +124,9 @@ def assert_replayed_simulation_equals(cfg: RunConfig, servers_path, sim_path,
 
 
 def test_two_replays_are_bit_identical(deployed, tmp_path, monkeypatch):
-    monkeypatch.setenv(REPLAY_ENV, str(deployed / ARRIVALS_FILE))
-    first = run_servers(BASE, tmp_path / "a")
-    second = run_servers(BASE, tmp_path / "b")
+    replay = BASE.replace(replay_arrivals=str(deployed / ARRIVALS_FILE))
+    first = run_servers(replay, tmp_path / "a")
+    second = run_servers(replay, tmp_path / "b")
     assert orders(tmp_path / "a") == orders(tmp_path / "b") == orders(deployed)
     strip = [{k: v for k, v in r.items() if k != "wall_seconds"} for r in first]
     assert strip == [{k: v for k, v in r.items() if k != "wall_seconds"} for r in second]
@@ -220,8 +219,7 @@ def test_async_edge_servers_on_real_processes_record_and_replay_their_arrivals(t
     assert all(torch.equal(fa[k], fb[k]) for k in fa)
     cfg = RunConfig(dataset="digits", clients=4, groups=(2,), grouping="contiguous",
                     periods=(2, 4), rounds=2, batch_size=8, seed=3, async_buffer=1,
-                    on_bad_reply="drop")
-    monkeypatch.setenv(REPLAY_ENV, str(tmp_path / "live"))
+                    on_bad_reply="drop", replay_arrivals=str(tmp_path / "live"))
     run_servers(cfg, tmp_path / "inprocess")
     fc = final_state(tmp_path / "inprocess")
     assert max(float((fa[k] - fc[k]).abs().max()) for k in fa) <= TOL
@@ -236,12 +234,10 @@ def test_the_real_slowdown_sleeps_by_the_edge_the_supernode_names(monkeypatch):
 
     slept: list[float] = []
     monkeypatch.setattr(real_slowdown.time, "sleep", slept.append)
-    monkeypatch.setenv(real_slowdown.STEP_SECONDS_ENV, "0.5")
-    cfg = BASE.replace(edge_servers=True, edge_slowdown="1:4")
+    cfg = BASE.replace(edge_servers=True, edge_slowdown="1:4", real_step_seconds=0.5)
     assert real_slowdown.sleep_for_steps(cfg, 1, 3) == 6.0  # 0.5 s x 3 steps x 4
     assert real_slowdown.sleep_for_steps(cfg, "0", 3) == 1.5  # an edge not named: 1
     assert real_slowdown.sleep_for_steps(cfg, None, 2) == 1.0
     assert real_slowdown.sleep_for_steps(cfg.replace(edge_servers=False), 1, 3) == 0.0
-    monkeypatch.delenv(real_slowdown.STEP_SECONDS_ENV)
-    assert real_slowdown.sleep_for_steps(cfg, 1, 3) == 0.0
+    assert real_slowdown.sleep_for_steps(cfg.replace(real_step_seconds=0.0), 1, 3) == 0.0
     assert slept == [6.0, 1.5, 1.0]

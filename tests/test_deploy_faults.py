@@ -27,7 +27,6 @@ from fedhier.engines.deployment.errors import DeployError
 from fedhier.engines.deployment.ports import ports_needed
 from fedhier.engines.deployment.processes import alive, process_tree
 from fedhier.engines.inprocess import run_inprocess
-from fedhier.local.real_slowdown import STEP_SECONDS_ENV
 from fedhier.runs.folder import RunFolder
 from fedhier.settings.run_config import RunConfig
 from fedhier.strategies.edge.messages import FIRST_ROUND
@@ -142,9 +141,8 @@ def test_a_killed_region_and_a_killed_edge_under_a_region_miss_their_jobs_and_re
     rounds = 4
     port = deploy.free_port_block(PORTS)
     out = tmp_path / "run"
-    monkeypatch.setenv(STEP_SECONDS_ENV, "0.05")
     run = Watched(_cmd(port, out, rounds, "--round-timeout", str(ROUND_TIMEOUT),
-                       "--edge-slowdown", "1:40"))
+                       "--edge-slowdown", "1:40", "--real-step-seconds", "0.05"))
     for name, server, cloud_round in (("region-1", "region server 1", 2),
                                       ("edge-1", "edge server 1", 3)):
         got = f"got train (cloud round {cloud_round})"

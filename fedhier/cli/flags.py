@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import struct
 import sys
 import traceback
@@ -239,9 +240,25 @@ def config_from_args(args: argparse.Namespace,
     unknown dataset name is refused here too, before any data library is loaded."""
     from fedhier.data.specs import check_name
 
+    for name, flag in FORMER_ENVIRONMENT.items():  # they would be ignored: say so
+        if os.environ.get(name):
+            raise ConfigError(f"{name} is the setting {flag} now (a flag or a config key); "
+                              "unset it and give that instead")
     cfg = RunConfig.from_mapping(config_values(args, defaults), where="command line")
     check_name(cfg.dataset)
+    if cfg.replay_arrivals:  # absolute: the ServerApp may run in another folder
+        from fedhier.round.asynchrony.arrival_order import arrivals_path, read_arrivals
+
+        if not read_arrivals(cfg.replay_arrivals):  # readable before anything starts
+            raise ConfigError(f"replay_arrivals {cfg.replay_arrivals}: its arrivals file "
+                              "holds no recorded cloud round")
+        cfg = cfg.replace(replay_arrivals=str(arrivals_path(cfg.replay_arrivals).resolve()))
     return cfg
+
+
+#: Environment variables that earlier releases read -> the setting that replaced each.
+FORMER_ENVIRONMENT = {"FEDHIER_REPLAY_ARRIVALS": "--replay-arrivals",
+                      "FEDHIER_STEP_SECONDS": "--real-step-seconds"}
 
 
 def resumed_config(args: argparse.Namespace, engine: str | None = None) -> RunConfig:

@@ -86,12 +86,10 @@ def engine_help() -> str:
 def run_engine(cfg: Any, folder: Any, progress: bool = True,
                resume: Any = None) -> dict[str, Any]:
     """Run ``cfg`` on the engine ``cfg.engine`` names; returns the run's summary."""
-    from fedhier.round.asynchrony.arrival_order import replay_source
-
-    if replay_source() and cfg.engine not in ("inprocess", "flower"):  # grid_run replays
-        raise ConfigError(f"FEDHIER_REPLAY_ARRIVALS replays a recorded arrival order on "
-                          f"engines inprocess and flower; engine '{cfg.engine}' would ignore "
-                          "it: unset it or choose one of those")
+    if getattr(cfg, "replay_arrivals", "") and cfg.engine not in ("inprocess", "flower"):
+        raise ConfigError(f"replay_arrivals replays a recorded arrival order on engines "
+                          f"inprocess and flower (grid_run.py); engine '{cfg.engine}' would "
+                          "ignore it: drop it or choose one of those")
     if getattr(cfg, "edge_servers", False) and cfg.engine != "flower":  # flower_edges.py
         raise ConfigError(f"edge_servers is for fedhier deploy local --edges, which starts the "
                           f"edge server processes, or --engine flower; engine '{cfg.engine}' "

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from fedhier.cli.flags import prepare_data
 from fedhier.common.errors import FedhierError
+from fedhier.engines.round_for import round_for
 from fedhier.local.train import resolve_device
-from fedhier.round.asynchrony.edges import algorithm_for
 from fedhier.runs.checkpoint import (
     CHECKPOINT,
     Checkpoint,
@@ -22,9 +22,8 @@ from fedhier.runs.checkpoint import (
     restore_state,
 )
 from fedhier.runs.folder import read_metrics
-from fedhier.runs.prepare import initial_model, settings_for
+from fedhier.runs.prepare import initial_model
 from fedhier.settings.run_config import RunConfig
-from fedhier.strategies.cloud_step import as_cloud_step, make_cloud_strategy
 
 
 def resumable_checkpoint(path: Path, cfg: RunConfig) -> Checkpoint | None:
@@ -52,7 +51,5 @@ def resumable_checkpoint(path: Path, cfg: RunConfig) -> Checkpoint | None:
         check_model(resume, initial_model(cfg, fed).state_dict(), path)
         # rehearse the restore on a fresh algorithm: a state that does not fit is one line
         # now, before the run folder is touched, not an error in the middle of the run
-        restore_state(algorithm_for(settings_for(cfg), as_cloud_step(make_cloud_strategy(
-            cfg.cloud_strategy, cfg.server_lr, cfg.server_momentum))), resume, path,
-            cfg.clients)
+        restore_state(round_for(cfg), resume, path, cfg.clients)
     return resume if resume is not None and resume.round > 0 else None

@@ -70,6 +70,11 @@ def validate(cfg: RunConfig) -> None:
     from fedhier.round.asynchrony.settings import check_region_buffers
 
     check_region_buffers(cfg.asynchronous(), cfg.groups)
+    if cfg.replay_arrivals and not cfg.asynchronous().active:
+        raise ConfigError("replay_arrivals replays the arrival order of asynchronous edges: "
+                          "it needs --async-buffer")
+    if cfg.replay_arrivals and cfg.region_buffer:
+        raise ConfigError("replayed arrivals are of two-level runs (no region_buffer)")
     if cfg.edge_servers:
         check_edge_servers(cfg)
 

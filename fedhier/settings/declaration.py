@@ -245,10 +245,20 @@ class DeclaredSettings:
         "t in cloud aggregations: polynomial:A ((1+t)^-A; polynomial:0.5 is FedBuff's "
         "1/sqrt(1+t)), hinge:A:B (1 up to t = B, then 1/(A(t-B)+1)) or constant",
         part=("async_rule", "staleness", "fedhier.settings.views:staleness_function"))
+    replay_arrivals: str = setting(
+        "", "asynchronous two-level runs (inprocess, flower, deploy local --edges): take the "
+        "edges' reports in the order recorded in this arrivals.jsonl or run folder, then by "
+        "the simulated clock (docs/deployment.md#asynchronous-edges); '' = the run's own order",
+        part=("asynchronous", "replay"))
     # simulated time (fedhier.round.clock): metrics.jsonl's sim_seconds
     step_seconds: float = setting(
         0.01, "simulated time: seconds of compute per local step of a typical client",
         valid=AT_LEAST_0, part="time_model")
+    real_step_seconds: float = setting(
+        0.0, "deploy local --edges: every client also really sleeps this many seconds per "
+        "local step x its edge's edge_slowdown factor (wall-clock time only, no number "
+        "changes; 0 = no sleep)",
+        valid=Range(0, 3600, high_open=True))
     compute_spread: float = setting(
         0.0, "simulated time: each client's speed factor is exp(N(0, spread)), drawn with the "
         "seed (0 = all equal)",

@@ -6,7 +6,6 @@ its material in the run folder, stop everything.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import signal
 import sys
@@ -36,7 +35,6 @@ from fedhier.engines.deployment.local import (
 )
 from fedhier.engines.deployment.polling import DEFAULT_INTERVAL, FLOWER_IDLE
 from fedhier.engines.deployment.ports import check_ports, ports_needed
-from fedhier.round.asynchrony.arrival_order import REPLAY_ENV, arrivals_path, read_arrivals
 from fedhier.settings.run_config import RunConfig
 
 
@@ -129,14 +127,13 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     if not 0 <= args.poll_interval <= FLOWER_IDLE:
         raise ConfigError(f"--poll-interval must be between 0 and {FLOWER_IDLE:g} seconds, "
                           f"got {args.poll_interval}")
-    if getattr(args, "replay_arrivals", None) is not None:  # fedhier.round.tiers.asynchronous
+    if cfg.replay_arrivals:  # fedhier.round.tiers.asynchronous (resolve_config read it)
         if not (cfg.edge_servers and cfg.asynchronous().active):
             raise ConfigError("--replay-arrivals replays asynchronous edge servers: it needs "
                               "--edges and --async-buffer")
         if args.resume is not None:
             raise ConfigError("--resume continues with the run's own recorded arrivals; "
                               "drop --replay-arrivals")
-        read_arrivals(args.replay_arrivals)  # readable before anything starts
     app = Path(args.app).resolve()
     if cfg.edge_servers and app != REPO_ROOT.resolve():
         raise ConfigError("--edges runs fedhier's own app (its ServerApp drives the edge "
@@ -195,9 +192,6 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         raise
     t0 = time.time()
     code = 1
-    replaying = getattr(args, "replay_arrivals", None) is not None
-    if replaying:  # read by the cloud's ServerApp (its SuperLink's environment)
-        os.environ[REPLAY_ENV] = str(arrivals_path(args.replay_arrivals).resolve())
     try:
         with _interrupt_on_sigterm(), deployment:
             summary = deployment.run_app(cfg, out, timeout=args.timeout, verbose=args.verbose)
@@ -213,8 +207,6 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         print(f"fedhier: error: {exc}", file=sys.stderr)
         code = 1
     finally:
-        if replaying:
-            os.environ.pop(REPLAY_ENV, None)
         _write_wire(work / "wire", out, echo)
         _keep(work, out)
         echo(f"stopped all {len(deployment.procs.started)} processes started; run folder: "
@@ -272,11 +264,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="with --edges: R region servers over the edge servers (a "
                         "third tier: each a SuperLink for its edges and a SuperNode of the "
                         "cloud's); needs --periods I,G1,G2 (docs/deployment.md)")
-    parser.add_argument("--replay-arrivals", type=Path, metavar="RUN_DIR",
-                        help="with --edges and --async-buffer: the cloud takes the edges' "
-                        "reports in the order recorded in RUN_DIR/arrivals.jsonl (or that "
-                        "file), waiting for those edges: the recorded run's model again "
-                        "(docs/deployment.md#asynchronous-edges)")
     parser.add_argument("--config", type=Path, metavar="FILE.toml",
                         help="TOML file with run configuration keys")
     security = parser.add_argument_group("security")

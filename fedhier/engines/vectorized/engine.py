@@ -27,6 +27,7 @@ from torch import nn
 from fedhier.common.errors import ConfigError
 from fedhier.data.federation import Federation
 from fedhier.diagnostics.in_rounds import direct_client_gradients
+from fedhier.engines.round_for import round_for
 from fedhier.engines.vectorized.chunked_eval import client_metrics
 from fedhier.engines.vectorized.conv_kernels import conv_chain_training, forward_for
 from fedhier.engines.vectorized.kernels import (
@@ -45,7 +46,6 @@ from fedhier.local.train import (
     params_of,
     resolve_device,
 )
-from fedhier.round.asynchrony.edges import algorithm_for
 from fedhier.round.faults import FaultModel
 from fedhier.round.loop import ClientEvaluation, EdgeRoundWork, TrainResult
 from fedhier.runs.checkpoint import Checkpoint
@@ -55,11 +55,9 @@ from fedhier.runs.prepare import (
     central_evaluation,
     initial_model,
     prepare,
-    settings_for,
 )
 from fedhier.runs.recorder import RunRecorder
 from fedhier.settings.run_config import RunConfig
-from fedhier.strategies.cloud_step import as_cloud_step, make_cloud_strategy
 from fedhier.tree.grouping import ClientInfo
 
 Params = dict[str, torch.Tensor]
@@ -477,7 +475,6 @@ def run_vectorized(cfg: RunConfig, folder: RunFolder, progress: bool = True, *,
         summary.json's dict.
     """
     run = BatchedRun.start(cfg, folder, "vectorized", progress, federation, resume)
-    algorithm = algorithm_for(settings_for(cfg), as_cloud_step(make_cloud_strategy(
-        cfg.cloud_strategy, cfg.server_lr, cfg.server_momentum)))
+    algorithm = round_for(cfg)
     executor = (make_executor or BatchedExecutor.build)(cfg, run.fed, run.model, run.device)
     return run.finish(cfg, algorithm, executor, resume)

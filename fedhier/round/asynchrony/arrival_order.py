@@ -31,9 +31,6 @@ from fedhier.common.errors import ConfigError
 
 #: The arrivals file of a run folder.
 ARRIVALS_FILE = "arrivals.jsonl"
-#: Set by ``fedhier deploy local --replay-arrivals`` (and readable by any async run): the
-#: arrivals file (or its run folder) whose order the cloud takes the reports in.
-REPLAY_ENV = "FEDHIER_REPLAY_ARRIVALS"
 
 
 class ArrivalOrder(Protocol):
@@ -129,9 +126,11 @@ def read_arrivals(where: str | Path) -> dict[int, list[int]]:
     unreadable file is one ConfigError."""
     path = arrivals_path(where)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise ConfigError(f"arrivals file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"arrivals file {path}: not text (not an arrivals.jsonl)") from None
     rounds: dict[int, list[int]] = {}
     for number, line in enumerate(lines, start=1):
         try:
@@ -180,8 +179,3 @@ def _round_of(line: str) -> int | None:
         return int(json.loads(line)["round"])
     except (ValueError, KeyError, TypeError):
         return None
-
-
-def replay_source() -> str | None:
-    """The arrivals file or run folder to replay (:data:`REPLAY_ENV`), if set."""
-    return os.environ.get(REPLAY_ENV) or None

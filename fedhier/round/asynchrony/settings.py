@@ -31,12 +31,14 @@ class AsyncEdges:
     level l = 2..L-1 between the edges and the cloud (0 = all of a node's children), () = the
     regions relay the edges' reports and the cloud's K counts those; ``rule``: how the
     accepted reports make the new model (:mod:`fedhier.round.asynchrony.rules`; FedBuff by
-    default)."""
+    default); ``replay``: a recorded arrival order to take the reports in
+    (:mod:`fedhier.round.asynchrony.arrival_order`; '' = the run's own)."""
 
     buffer: int = 0
     max_staleness: int = 4
     regions: tuple[int, ...] = ()
     rule: AsyncRule = field(default_factory=AsyncRule)
+    replay: str = ""  # an arrivals file or run folder whose order the cloud takes ('': none)
 
     @property
     def active(self) -> bool:

@@ -16,8 +16,8 @@ replaced for edge servers (:mod:`fedhier.round.tiers.jobs`):
   receives (:class:`fedhier.round.asynchrony.arrival_order.ReceivedOrder`), and every cloud
   aggregation's order is written to the run folder's ``arrivals.jsonl``
   (:mod:`fedhier.round.asynchrony.arrival_order`). A replay (``--replay-arrivals``,
-  :data:`REPLAY_ENV`) or a ``--resume`` takes the reports in the recorded order instead, waiting for
-  those edges (:class:`~fedhier.round.asynchrony.arrival_order.RecordedOrder`): the same model
+  ``AsyncEdges.replay``) or a ``--resume`` takes the reports in the recorded order instead, waiting
+  for those edges (:class:`~fedhier.round.asynchrony.arrival_order.RecordedOrder`): the same model
   again;
 * **reports are edge aggregates**: a server answers with its clients' level-1 aggregate and
   their total weight W_e, not every client's model; the merge is
@@ -54,7 +54,6 @@ from fedhier.round.asynchrony.arrival_order import (
     RecordingOrder,
     arrivals_path,
     read_arrivals,
-    replay_source,
 )
 from fedhier.round.asynchrony.edges import AsyncHierarchicalSGD, EdgeTraining
 from fedhier.round.asynchrony.reports import merge_reports
@@ -247,24 +246,24 @@ def async_edge_tier(settings: HSGDSettings, cloud_step: CloudStep | None,
                     folder: Path, resume: Any = None) -> EdgeTierAsyncHSGD:
     """The cloud of asynchronous edge servers writing ``folder``'s arrivals file: a resumed
     run (``resume``: its checkpoint) replays the rounds recorded after the checkpoint, a
-    replay (:data:`fedhier.round.asynchrony.arrival_order.REPLAY_ENV`) the file it names."""
+    replay (``settings.asynchronous.replay``: ``--replay-arrivals``) the file it names."""
     log = ArrivalsLog(arrivals_path(folder) if Path(folder).is_dir() else Path(folder))
     replay: dict[int, list[int]] = {}
     if resume is not None:
         replay = log.cut(int(resume.round))
     elif log.path.exists():
         log.path.unlink()  # a fresh run writes its own
-    source = replay_source()
-    if source is not None and not replay:
+    source = settings.asynchronous.replay
+    if source and not replay:
         replay = read_arrivals(source)
     return EdgeTierAsyncHSGD(settings, cloud_step, log=log, replay=replay)
 
 
 def with_replayed_arrivals(algorithm: HierarchicalSGD) -> HierarchicalSGD:
-    """A simulated asynchronous run fed a recorded order (:data:`REPLAY_ENV` set): its cloud
+    """A simulated asynchronous run fed a recorded order (``--replay-arrivals``): its cloud
     takes the reports in that order for the rounds recorded, then by the simulated clock."""
-    source = replay_source()
-    if source is not None and isinstance(algorithm, AsyncHierarchicalSGD) \
+    source = algorithm.settings.asynchronous.replay
+    if source and isinstance(algorithm, AsyncHierarchicalSGD) \
             and not isinstance(algorithm, EdgeTierAsyncHSGD):
         if algorithm.regions is not None:
             raise ConfigError("replayed arrivals are of two-level runs (no region_buffer)")
