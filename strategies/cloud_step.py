@@ -186,6 +186,8 @@ def _register_checkpoint_types() -> None:
     for obj in (FlowerCloudStep, FedAvg, FedAvgM, FedAdam, FedYogi, FedAdagrad,
                 aggregate_metricrecords):
         state_codec.allow(obj)
+    state_codec.former_name("fedhier_strategies.cloud_step:FlowerCloudStep",
+                            state_codec._name(FlowerCloudStep))
     state_codec.adapter("flwr.ArrayRecord", ArrayRecord,
                         lambda record: {k: a.numpy() for k, a in record.items()},
                         lambda arrays: ArrayRecord({str(k): Array(v) for k, v in arrays.items()}))

@@ -202,7 +202,8 @@ def test_from_settings_keeps_every_setting():
         diagnostics_every=2, regroup_every=3, aggregators=("median",),
         mobility=Mobility(rate=0.1), time_model=TimeModel(step_seconds=0.5),
         asynchronous=AsyncEdges(0, 2), edge_periods=(2, 8),
-        policy=ReplyPolicy("drop", exclude_after=2, max_weight_ratio=5.0))
+        policy=ReplyPolicy("drop", exclude_after=2, max_weight_ratio=5.0), quantize_bits=4,
+        metrics_aggregator="median")
     default = HSGDSettings(periods=(2, 8), groups=(2,))
     assert all(getattr(changed, f.name) != getattr(default, f.name)
                for f in dataclasses.fields(HSGDSettings) if f.name not in ("periods", "groups"))

@@ -47,8 +47,6 @@ _FORMER_NAMES = {
     "fedhier.topology:Hierarchy": "fedhier.tree.hierarchy:Hierarchy",
     "fedhier.async_edges:EdgeJob": "fedhier.round.asynchrony.edges:EdgeTraining",
     "fedhier.round.asynchrony.edges:EdgeJob": "fedhier.round.asynchrony.edges:EdgeTraining",
-    "fedhier_strategies.cloud_step:FlowerCloudStep":
-        "fedhier.strategies.cloud_step:FlowerCloudStep",
 }
 
 
@@ -64,6 +62,12 @@ def allow(obj: type | Callable[..., Any]) -> None:
     """Allow a class (its instances are stored as their attributes) or a function (stored by
     name) in checkpoints, e.g. a custom Flower cloud strategy passed in code."""
     _EXTRA[_name(obj)] = obj
+
+
+def former_name(old: str, new: str) -> None:
+    """Read ``old`` ("module:qualname" an earlier release wrote) as ``new`` (an allowed name):
+    the strategy layer renames its own classes this way."""
+    _FORMER_NAMES[old] = new
 
 
 def adapter(name: str, cls: type, to_plain: Callable[[Any], Any],
