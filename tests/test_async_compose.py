@@ -14,9 +14,9 @@ import torch
 from fedhier.cli.commands import main
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.engines.vectorized.engine import run_vectorized
-from fedhier.round.asynchrony.edges import AsyncHierarchicalSGD, EdgeTraining
+from fedhier.round.asynchrony.edges import BufferedRounds, EdgeTraining
 from fedhier.round.asynchrony.settings import AsyncEdges
-from fedhier.round.loop import HSGDSettings
+from fedhier.round.loop import HierarchicalSGD, HSGDSettings
 from fedhier.runs.folder import RunFolder
 from fedhier.settings.run_config import RunConfig
 from fedhier.tree.hierarchy import Hierarchy
@@ -138,20 +138,20 @@ def test_jobs_in_flight_keep_their_clients():
     """A regrouping or a move changes the grouping at once, but a client stays with its
     job's edge until that job's report is in; new jobs do not take it."""
     settings = HSGDSettings(periods=(1, 2), groups=(2,), asynchronous=AsyncEdges(1, 5))
-    algorithm = AsyncHierarchicalSGD(settings)
+    algorithm = HierarchicalSGD(settings)
     algorithm.hierarchy = Hierarchy(periods=(1, 2), parents=(np.array([1, 1, 0, 0]),))
     p = {"p": torch.zeros(2)}
-    algorithm.jobs = {0: EdgeTraining(0, 0, p, 1.0, None, np.zeros(0, np.int64),
+    algorithm.rounds.jobs = {0: EdgeTraining(0, 0, p, 1.0, None, np.zeros(0, np.int64),
                                  np.array([0, 1]))}  # started while 0 and 1 were at edge 0
-    assert algorithm.training_map().tolist() == [0, 0, 0, 0]
-    algorithm.jobs = {}
-    assert algorithm.training_map().tolist() == [1, 1, 0, 0]
+    assert algorithm.rounds.training_map().tolist() == [0, 0, 0, 0]
+    algorithm.rounds.jobs = {}
+    assert algorithm.rounds.training_map().tolist() == [1, 1, 0, 0]
 
 
 def test_no_client_is_in_two_jobs_at_once(tmp_path, monkeypatch):
     """Fast moves and regroupings with one slow edge: after every start, the jobs in flight
     have disjoint clients, and each job's survivors are among its clients."""
-    start_jobs = AsyncHierarchicalSGD._start_jobs
+    start_jobs = BufferedRounds._start_jobs
     checked = []
 
     def checking(self, executor, stats):
@@ -161,7 +161,7 @@ def test_no_client_is_in_two_jobs_at_once(tmp_path, monkeypatch):
         assert all(np.isin(job.survivors, job.members).all() for job in self.jobs.values())
         checked.append(len(self.jobs))
 
-    monkeypatch.setattr(AsyncHierarchicalSGD, "_start_jobs", checking)
+    monkeypatch.setattr(BufferedRounds, "_start_jobs", checking)
     records = run(BASE.replace(global_period=4, mobility_rate=0.9, regroup_every=2, rounds=4,
                                async_buffer=2, edge_slowdown="0:4"), tmp_path / "r")
     assert sum(r["moved_clients"] for r in records[1:]) > 0 and len(checked) >= 4

@@ -12,10 +12,10 @@ from fedhier.cli.commands import main
 from fedhier.common.errors import ConfigError
 from fedhier.engines.inprocess import run_inprocess
 from fedhier.engines.vectorized.engine import run_vectorized
-from fedhier.round.asynchrony.edges import AsyncHierarchicalSGD, EdgeTraining
+from fedhier.round.asynchrony.edges import EdgeTraining
 from fedhier.round.asynchrony.rules import SHIFTED_MEAN
 from fedhier.round.asynchrony.settings import AsyncEdges, staleness_weight
-from fedhier.round.loop import HSGDSettings
+from fedhier.round.loop import HierarchicalSGD, HSGDSettings
 from fedhier.runs.folder import RunFolder
 from fedhier.settings.run_config import RunConfig
 from fedhier.tree.hierarchy import Hierarchy
@@ -89,7 +89,7 @@ def test_stale_reports_enter_as_weighted_updates_from_their_own_start():
     hierarchy = Hierarchy(periods=(1, 2), parents=(np.array([0, 0, 1]),))
     settings = HSGDSettings(periods=(1, 2), groups=(2,),
                             asynchronous=AsyncEdges(2, 5, rule=SHIFTED_MEAN))
-    algorithm = AsyncHierarchicalSGD(settings)
+    algorithm = HierarchicalSGD(settings)
     algorithm.hierarchy = hierarchy
     algorithm.weights = np.array([1.0, 3.0, 2.0])
     w = torch.tensor([0.5, -1.0], dtype=torch.float64)
@@ -98,7 +98,7 @@ def test_stale_reports_enter_as_weighted_updates_from_their_own_start():
     algorithm.global_params = {"p": w}
     jobs = [(EdgeTraining(0, 0, {"p": base0}, 1.0, {"p": x[:2]}, np.array([0, 1])), 2),
             (EdgeTraining(1, 2, {"p": base1}, 1.0, {"p": x[2:]}, np.array([2])), 0)]
-    algorithm._aggregate(jobs)
+    algorithm.rounds._aggregate(jobs)
     a = np.array([1.0, 3.0, 2.0]) * np.array([staleness_weight(2)] * 2 + [1.0])
     expected = (sum(a[j] * x[j] for j in range(3)) / a.sum()
                 + (a[0] + a[1]) * (w - base0) / a.sum())

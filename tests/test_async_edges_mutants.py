@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedhier.round.asynchrony.edges import AsyncHierarchicalSGD, algorithm_for
+from fedhier.round.asynchrony.edges import BufferedRounds, algorithm_for
 from fedhier.round.asynchrony.rules import SHIFTED_MEAN
 from fedhier.round.asynchrony.settings import AsyncEdges
 from fedhier.round.clock import TimeModel
@@ -53,7 +53,7 @@ def run(rounds: int, buffer: int = 1, staleness: int = 4, time: TimeModel = CLOC
     """(algorithm, records as tuples of :data:`KEYS` from round 1, final w)."""
     s = settings(time_model=time,
                  asynchronous=AsyncEdges(buffer, staleness, rule=SHIFTED_MEAN), **kw)
-    algo = AsyncHierarchicalSGD(s)
+    algo = HierarchicalSGD(s)
     records: list[dict] = []
     final = algo.run(fake or Clocked(), {"w": torch.zeros(1)}, rounds,
                      on_record=records.append)
@@ -64,11 +64,11 @@ def table(records: list[dict]) -> list[tuple]:
     return [tuple(r[k] for k in KEYS) for r in records[1:]]
 
 
-def jobs(algo: AsyncHierarchicalSGD) -> dict[int, tuple]:
+def jobs(algo: HierarchicalSGD) -> dict[int, tuple]:
     """edge -> (version, finish, base w, survivors, members) of the jobs in flight."""
     return {e: (j.version, j.finish, float(j.base["w"][0]), j.survivors.tolist(),
                 None if j.members is None else j.members.tolist())
-            for e, j in algo.jobs.items()}
+            for e, j in algo.rounds.jobs.items()}
 
 
 # -- the buffer, the staleness and the bookkeeping -------------------------------------------
@@ -93,12 +93,12 @@ def test_four_rounds_of_one_report_each_by_hand():
         ([[0, 0]], 0, 18.0, 1.5, 8, 40)]
     assert [r["round"] for r in records] == [0, 1, 2, 3, 4]
     assert final == pytest.approx(49 / 3, abs=1e-5)
-    assert algo.version == 4 and algo.now == 18.0 and algo.link_free == 17.0
-    assert algo.idle == {0: 18.0} and algo.relay_free == {}
+    assert algo.rounds.version == 4 and algo.rounds.now == 18.0 and algo.rounds.link_free == 17.0
+    assert algo.rounds.idle == {0: 18.0} and algo.rounds.relay_free == {}
     assert jobs(algo) == {1: (2, 18.0, pytest.approx(31 / 3), [2, 3], [2, 3])}
-    models = algo.jobs[1].models
+    models = algo.rounds.jobs[1].models
     assert models is not None and models["w"].flatten().tolist() == [17.0, 18.0]
-    assert algo.jobs[1].reference is None
+    assert algo.rounds.jobs[1].reference is None
     assert algo.elapsed_seconds() == 18.0
     # the edges' models after their jobs' 1st edge round (the 2nd ends at the cloud): edge
     # 0 from 40/3, edge 1 from 31/3; an idle edge gets the global model when it starts
@@ -119,7 +119,7 @@ def test_a_report_staler_than_s_is_dropped_and_its_edge_starts_over():
         ([[0, 0]], 0, 18.0, 1.5, 8, 40)]
     assert final == pytest.approx(9.0, abs=1e-6)
     assert jobs(algo) == {1: (1, 18.0, 3.0, [2, 3], [2, 3])}
-    assert algo.idle == {0: 18.0} and algo.link_free == 17.0
+    assert algo.rounds.idle == {0: 18.0} and algo.rounds.link_free == 17.0
 
 
 def test_s_is_the_most_a_report_may_be_behind():
@@ -135,12 +135,12 @@ def test_reports_ready_together_go_by_edge_and_queue_on_the_link():
     the model goes down to both in 2 s: 8, and w is synchronous H-SGD's 6.25."""
     algo, records, final = run(1, time=clock())
     assert records[1]["async_reports"] == [[0, 0]] and records[1]["sim_seconds"] == 6.0
-    assert final == pytest.approx(3.0, abs=1e-6) and sorted(algo.jobs) == [1]
+    assert final == pytest.approx(3.0, abs=1e-6) and sorted(algo.rounds.jobs) == [1]
     algo, records, final = run(1, buffer=2, time=clock())
     assert records[1]["async_reports"] == [[0, 0], [1, 0]]
-    assert records[1]["sim_seconds"] == 8.0 and algo.link_free == 6.0
-    assert final == pytest.approx(6.25, abs=1e-6) and algo.jobs == {}
-    assert algo.idle == {0: 8.0, 1: 8.0}
+    assert records[1]["sim_seconds"] == 8.0 and algo.rounds.link_free == 6.0
+    assert final == pytest.approx(6.25, abs=1e-6) and algo.rounds.jobs == {}
+    assert algo.rounds.idle == {0: 8.0, 1: 8.0}
 
 
 def test_a_buffer_of_every_edge_is_synchronous_h_sgd():
@@ -170,7 +170,7 @@ def test_a_job_without_survivors_leaves_the_model_where_it_is():
     assert [(r["failed_clients"], r["failed_edges"]) for r in records[1:]] == [(4, 2), (4, 2)]
     assert records[1]["local_train_loss"] == pytest.approx(11 / 3)
     assert final == pytest.approx(22 / 3, abs=1e-5)
-    assert algo.jobs[0].models is None and algo.jobs[0].survivors.tolist() == []
+    assert algo.rounds.jobs[0].models is None and algo.rounds.jobs[0].survivors.tolist() == []
 
 
 def test_no_loss_at_all_is_none():
@@ -217,7 +217,7 @@ def test_a_buffer_of_every_edge_regroups_moves_and_counts_as_the_synchronous_run
     sync_records: list[dict] = []
     sync = HierarchicalSGD(HSGDSettings(**kw))
     expected = sync.run(Gradients(), {"w": torch.zeros(1)}, 3, on_record=sync_records.append)
-    algo = AsyncHierarchicalSGD(HSGDSettings(asynchronous=AsyncEdges(2, 0, rule=SHIFTED_MEAN),
+    algo = HierarchicalSGD(HSGDSettings(asynchronous=AsyncEdges(2, 0, rule=SHIFTED_MEAN),
                                              **kw))
     records: list[dict] = []
     gradients = Gradients()
@@ -252,7 +252,7 @@ def test_a_job_in_flight_keeps_a_client_that_moves(handoff, client1):
     assert final == pytest.approx((client1 + 44) / 7 + 4.5, abs=1e-5)
     assert algo.hierarchy.edge_of_client().tolist() == [0, 1, 0, 1]
     # edge 0's round-3 job started while edge 1's was in flight: client 2 waits for the next
-    assert jobs(algo)[0][3:] == ([0], [0]) and sorted(algo.idle) == [1]
+    assert jobs(algo)[0][3:] == ([0], [0]) and sorted(algo.rounds.idle) == [1]
 
 
 # -- deeper trees ------------------------------------------------------------------------------
@@ -281,10 +281,10 @@ def test_in_three_levels_a_report_goes_through_its_region():
         ([[1, 1]], 0, 15.0, 1.0, 18, 40),
         ([[2, 2]], 0, 21.0, 2.0, 24, 48)]
     assert final == pytest.approx(76 / 3, abs=1e-5)
-    assert algo.relay_free == {"2:0": 12.0, "2:1": 18.0} and algo.link_free == 19.0
+    assert algo.rounds.relay_free == {"2:0": 12.0, "2:1": 18.0} and algo.rounds.link_free == 19.0
     assert {e: j[:3] for e, j in jobs(algo).items()} == {
         3: (0, 25.0, 0.0), 0: (1, 23.0, 5.0), 1: (2, 24.0, 12.0)}
-    assert algo.idle == {2: 21.0}
+    assert algo.rounds.idle == {2: 21.0}
 
 
 def test_in_three_levels_the_earlier_region_goes_first():
@@ -296,8 +296,8 @@ def test_in_three_levels_the_earlier_region_goes_first():
     algo, records, final = tree_run(1, 2, (0, 2.0), (1, 5.0), (3, 5.0))
     assert table(records) == [([[2, 0], [0, 0]], 0, 24.0, 3.125, 16, 32)]
     assert final == pytest.approx(95 / 9, abs=1e-5)
-    assert algo.link_free == 21.0 and algo.relay_free == {"2:1": 18.0, "2:0": 20.0}
-    assert algo.idle == {2: 24.0, 0: 24.0}
+    assert algo.rounds.link_free == 21.0 and algo.rounds.relay_free == {"2:1": 18.0, "2:0": 20.0}
+    assert algo.rounds.idle == {2: 24.0, 0: 24.0}
 
 
 def test_in_three_levels_reports_of_one_region_go_up_as_one():
@@ -311,7 +311,7 @@ def test_in_three_levels_reports_of_one_region_go_up_as_one():
     assert table(records) == [([[0, 0], [1, 0]], 0, 16.0, 3.125, 14, 32),
                               ([[2, 1], [3, 1]], 0, 30.0, 1.5, 24, 48)]
     assert final == pytest.approx(62 / 3, abs=1e-5)
-    assert algo.link_free == 27.0 and algo.relay_free == {"2:0": 12.0, "2:1": 26.0}
+    assert algo.rounds.link_free == 27.0 and algo.rounds.relay_free == {"2:0": 12.0, "2:1": 26.0}
     assert {e: j[:3] for e, j in jobs(algo).items()} == {0: (1, 26.0, 6.0),
                                                          1: (1, 26.0, 6.0)}
 
@@ -328,18 +328,18 @@ def test_a_checkpoint_resumes_the_run_where_it_stopped():
     assert saved["relay_free"] == {} and saved["edge_aggregations"] == []
     assert [job.edge for job in saved["jobs"]] == [0] and "regions" not in saved
     assert saved["edge_models"]["w"].flatten().tolist() == pytest.approx([4.5, 11 / 3])
-    algo.idle[0] = 99.0
-    algo.relay_free["x"] = 1.0
+    algo.rounds.idle[0] = 99.0
+    algo.rounds.relay_free["x"] = 1.0
     assert saved["idle"] == {1: 10.0} and saved["relay_free"] == {}
 
-    resumed = AsyncHierarchicalSGD(algo.settings)
+    resumed = HierarchicalSGD(algo.settings)
     resumed.load_state_dict(state)
     fake = Clocked()
     resumed.setup(fake, {"w": torch.tensor([31 / 3])})
-    assert resumed.idle == {1: 10.0} and sorted(resumed.jobs) == [0]
-    assert resumed.jobs[0].members.tolist() == [0, 1]
+    assert resumed.rounds.idle == {1: 10.0} and sorted(resumed.rounds.jobs) == [0]
+    assert resumed.rounds.jobs[0].members.tolist() == [0, 1]
     assert resumed.edge_models["w"].flatten().tolist() == pytest.approx([4.5, 11 / 3])
-    assert (resumed.version, resumed.now, resumed.link_free) == (2, 10.0, 9.0)
+    assert (resumed.rounds.version, resumed.rounds.now, resumed.rounds.link_free) == (2, 10.0, 9.0)
     out3 = resumed.cloud_round(fake, 3)
     out4 = resumed.cloud_round(fake, 4)
     assert [out3["async_reports"], out4["async_reports"]] == [[[0, 1]], [[0, 0]]]
@@ -350,7 +350,7 @@ def test_a_checkpoint_resumes_the_run_where_it_stopped():
 def test_a_synchronous_checkpoint_is_refused():
     algo = HierarchicalSGD(settings(time_model=CLOCK))
     algo.run(Clocked(), {"w": torch.zeros(1)}, 1)
-    assert_refused(lambda: AsyncHierarchicalSGD(
+    assert_refused(lambda: HierarchicalSGD(
         settings(asynchronous=AsyncEdges(1, rule=SHIFTED_MEAN))).load_state_dict(algo.state_dict()),
         "this checkpoint was written by a synchronous run; resume it without async_buffer")
 
@@ -362,11 +362,11 @@ def test_an_old_checkpoint_without_relay_or_members_still_loads():
     state = algo.state_dict()
     del state["async"]["relay_free"]
     state["async"]["jobs"][0].members = None
-    resumed = AsyncHierarchicalSGD(algo.settings)
+    resumed = HierarchicalSGD(algo.settings)
     resumed.load_state_dict(state)
-    assert resumed.relay_free == {}
+    assert resumed.rounds.relay_free == {}
     resumed.setup(Clocked(), {"w": torch.tensor([3.0])})
-    assert resumed.jobs[1].members.tolist() == [2, 3]
+    assert resumed.rounds.jobs[1].members.tolist() == [2, 3]
 
 
 def test_a_checkpoint_without_edge_counts_gives_none():
@@ -376,9 +376,9 @@ def test_a_checkpoint_without_edge_counts_gives_none():
     state = algo.state_dict()
     assert state["async"]["edge_aggregations"] == [4, 2]
     del state["async"]["edge_aggregations"]
-    resumed = AsyncHierarchicalSGD(algo.settings)
+    resumed = HierarchicalSGD(algo.settings)
     resumed.load_state_dict(state)
-    counts = resumed._edge_periods().aggregations
+    counts = resumed.rounds._edge_periods().aggregations
     assert counts.dtype == np.int64 and counts.tolist() == []
 
 
@@ -387,15 +387,16 @@ def test_algorithm_for_picks_the_round():
     assert algorithm_for(settings(), cloud_step="step").cloud_step == "step"
     chosen = algorithm_for(settings(asynchronous=AsyncEdges(1, rule=SHIFTED_MEAN)),
                            cloud_step="step")
-    assert type(chosen) is AsyncHierarchicalSGD and chosen.cloud_step == "step"
+    assert type(chosen.rounds) is BufferedRounds and chosen.cloud_step == "step"
 
 
 def test_a_fresh_run_starts_every_edge_idle_at_zero_with_the_initial_model():
-    algo = AsyncHierarchicalSGD(settings(asynchronous=AsyncEdges(1, rule=SHIFTED_MEAN)))
-    assert (algo.version, algo.jobs, algo.idle, algo.now) == (0, {}, {}, 0.0)
-    assert algo.link_free == -np.inf and algo.regions is None and algo.round_maps is None
+    algo = HierarchicalSGD(settings(asynchronous=AsyncEdges(1, rule=SHIFTED_MEAN)))
+    rounds = algo.rounds
+    assert (rounds.version, rounds.jobs, rounds.idle, rounds.now) == (0, {}, {}, 0.0)
+    assert rounds.link_free == -np.inf and rounds.regions is None and rounds.round_maps is None
     algo.setup(Clocked(), {"w": torch.tensor([2.0])})
-    assert algo.idle == {0: 0.0, 1: 0.0}
+    assert algo.rounds.idle == {0: 0.0, 1: 0.0}
     assert algo.edge_models["w"].tolist() == [[2.0], [2.0]]
 
 
@@ -403,8 +404,8 @@ def test_a_clipping_rule_keeps_each_jobs_reference():
     """aggregators clip:100 at the edges: each job keeps its edge's model before its last
     edge round (edge 0: 1.5, edge 1: 11/3); the mean's runs keep none."""
     algo, _, _ = run(1, aggregators=("clip:100", "mean"))
-    assert algo.jobs[1].reference is not None
-    assert algo.jobs[1].reference["w"].tolist() == pytest.approx([11 / 3])
+    assert algo.rounds.jobs[1].reference is not None
+    assert algo.rounds.jobs[1].reference["w"].tolist() == pytest.approx([11 / 3])
 
 
 class FirstChild(Recorder):
@@ -423,7 +424,7 @@ def test_a_cloud_step_is_told_each_round_and_given_the_reports_edges():
     mean 3, weight 2): 103. Round 2: edge 1's (stale by 1: 22/3 + 103, weight 6 /
     sqrt(2)): + 100."""
     step = FirstChild()
-    algo = AsyncHierarchicalSGD(
+    algo = HierarchicalSGD(
         settings(time_model=CLOCK, asynchronous=AsyncEdges(1, rule=SHIFTED_MEAN)),
         cloud_step=step)
     final = algo.run(Clocked(), {"w": torch.zeros(1)}, 2)
@@ -444,7 +445,7 @@ def test_region_buffers_drop_a_held_report_when_the_round_starts():
     the batch of edges 0-2 (weights 1, 1, 2: 9/4 per edge round), then edge 3's (4)."""
     s = settings(time_model=clock((3, 8.0)), periods=(1, 2, 4), groups=(4, 2),
                  asynchronous=AsyncEdges(1, 1, regions=(2,), rule=SHIFTED_MEAN))
-    algo = AsyncHierarchicalSGD(s)
+    algo = HierarchicalSGD(s)
     records: list[dict] = []
     final = algo.run(Clocked(), {"w": torch.zeros(1)}, 3, on_record=records.append)
     assert table(records) == [([[0, 0], [1, 0]], 0, 16.0, 3.125, 14, 32),
@@ -453,9 +454,10 @@ def test_region_buffers_drop_a_held_report_when_the_round_starts():
     assert float(final["w"][0]) == pytest.approx(18.0, abs=1e-5)
     # edge 3 restarted at 40 (8.5 s per edge round, its region's aggregation 1 + 2 s): 77;
     # edge 2's new job (from 34, ends at 43) is on its way to region 1 (its link free at 38)
-    assert jobs(algo)[3][:2] == (2, 77.0) and sorted(algo.jobs) == [3]
-    assert algo.regions is not None
-    assert [(t, job.edge, job.finish) for t, job in algo.regions.in_transit] == [(44.0, 2, 43.0)]
+    assert jobs(algo)[3][:2] == (2, 77.0) and sorted(algo.rounds.jobs) == [3]
+    assert algo.rounds.regions is not None
+    in_transit = algo.rounds.regions.in_transit
+    assert [(t, job.edge, job.finish) for t, job in in_transit] == [(44.0, 2, 43.0)]
 
 
 @pytest.mark.parametrize("stop", [1, 2])
@@ -471,16 +473,16 @@ def test_a_run_resumed_from_its_checkpoint_is_the_run(kw, stop):
     the regions' held reports and each edge's aggregation counts carry over)."""
     kw = {"asynchronous": AsyncEdges(1, rule=SHIFTED_MEAN), **kw}
     straight: list[dict] = []
-    expected = AsyncHierarchicalSGD(settings(**kw)).run(
+    expected = HierarchicalSGD(settings(**kw)).run(
         Clocked(), {"w": torch.zeros(1)}, 4, on_record=straight.append)
-    first = AsyncHierarchicalSGD(settings(**kw))
+    first = HierarchicalSGD(settings(**kw))
     at_stop = first.run(Clocked(), {"w": torch.zeros(1)}, stop)
-    resumed = AsyncHierarchicalSGD(settings(**kw))
+    resumed = HierarchicalSGD(settings(**kw))
     resumed.load_state_dict(first.state_dict())
     for name in ("version", "idle", "link_free", "relay_free", "now"):
-        assert getattr(resumed, name) == getattr(first, name), name
-    if (periods := resumed._edge_periods()) is not None:
-        assert periods.aggregations.tolist() == first._edge_periods().aggregations.tolist()
+        assert getattr(resumed.rounds, name) == getattr(first.rounds, name), name
+    if (periods := resumed.rounds._edge_periods()) is not None:
+        assert periods.aggregations.tolist() == first.rounds._edge_periods().aggregations.tolist()
     records: list[dict] = []
     final = resumed.run(Clocked(), at_stop, 4, first_round=stop + 1, on_record=records.append)
     assert records == straight[stop + 1:]
@@ -496,8 +498,8 @@ def test_in_four_levels_each_node_queues_on_its_own_link():
     algo, records, _ = run(1, 2, time=clock((1, 5.0), (3, 5.0)), periods=(1, 2, 4, 8),
                            groups=(4, 2, 2))
     assert records[1]["async_reports"] == [[0, 0], [2, 0]]
-    assert records[1]["sim_seconds"] == 55.0 and algo.link_free == 51.0
-    assert algo.relay_free == {"2:0": 48.0, "2:1": 48.0, "3:0": 49.0, "3:1": 49.0}
+    assert records[1]["sim_seconds"] == 55.0 and algo.rounds.link_free == 51.0
+    assert algo.rounds.relay_free == {"2:0": 48.0, "2:1": 48.0, "3:0": 49.0, "3:1": 49.0}
 
 
 def test_drops_in_one_round_add_up():
@@ -541,7 +543,7 @@ def test_setup_takes_the_given_tree_and_profiles_and_copies_the_model_per_edge()
     tree = Hierarchy((1, 2), (np.array([1, 0, 0, 1], dtype=np.int64),))
     fake = Clocked()
     info = fake.profiles()
-    algo = AsyncHierarchicalSGD(settings(asynchronous=AsyncEdges(1, rule=SHIFTED_MEAN)))
+    algo = HierarchicalSGD(settings(asynchronous=AsyncEdges(1, rule=SHIFTED_MEAN)))
     algo.setup(fake, {"w": torch.tensor([2.0, 3.0])}, info=info, hierarchy=tree)
     assert algo.hierarchy is tree and algo.info is info
     assert algo.edge_models["w"].tolist() == [[2.0, 3.0], [2.0, 3.0]]

@@ -44,7 +44,7 @@ class Job:
 
 
 class Round:
-    """The part of AsyncHierarchicalSGD the buffers call, logging each call in order."""
+    """The part of BufferedRounds the buffers call, logging each call in order."""
 
     def __init__(self, tree: Hierarchy, version: int, jobs: list[Job]) -> None:
         self.tree, self.version = tree, version

@@ -451,11 +451,12 @@ def test_an_edge_rounds_outcome_by_hand():
     assert out == {"level": 1, "failed_clients": 0, "failed_edges": 0,
                    "train_loss": pytest.approx(3.125), "loss_weight": 8.0}
     work, plan = algo.plan(2)
-    out = algo.complete(work, plan, fake.train(work, algo.start_models(work)),
-                        hold_cloud=True)
-    assert out["level"] == 2 and out["held"][1].tolist() == [0, 1, 2, 3]
-    assert out["held"][0]["w"].flatten().tolist() == pytest.approx([2.5, 3.5, 20 / 3, 23 / 3])
-    assert float(algo.global_params["w"][0]) == 0.0  # held: not aggregated
+    settled = algo.settle(work, plan, fake.train(work, algo.start_models(work)))
+    assert settled.level == 2 and settled.survivors.tolist() == [0, 1, 2, 3]
+    assert settled.models["w"].flatten().tolist() == pytest.approx([2.5, 3.5, 20 / 3, 23 / 3])
+    assert float(algo.global_params["w"][0]) == 0.0  # settled: not aggregated yet
+    algo.aggregate(settled)
+    assert float(algo.global_params["w"][0]) != 0.0  # aggregated at the cloud
 
 
 def test_diagnostics_and_the_evaluation_are_asked_at_the_rounds_global_model():

@@ -67,7 +67,7 @@ def test_chunks_of_whole_edges_give_the_one_shot_shard(shard, size):
     fed, model, clients = shard
     settings, executor, job, one_shot = _start(fed, model, clients, cloud_round=2)
     rounds = job_rounds(settings, job)
-    expected = train_edges(one_shot, executor, SHARD_EDGES, 2, rounds, hold_level=2)
+    expected = train_edges(one_shot, executor, SHARD_EDGES, 2, rounds, held_from=2)
     models, edges = edge_aggregates(one_shot, expected.held)
     _, executor, _, chunked = _start(fed, model, clients, cloud_round=2)
     outcome, aggregates = train_edge_chunks(chunked, executor, rounds, size)
@@ -134,7 +134,7 @@ def test_a_run_stopping_edge_is_named_by_its_id_in_the_whole_federation(shard):
                 train_edge_chunks(algorithm, executor, job_rounds(settings, job), 100)
             else:
                 train_edges(algorithm, executor, edges, 1, job_rounds(settings, job),
-                            hold_level=2)
+                            held_from=2)
         messages.append(str(caught.value))
     assert messages[0] == messages[1]
     assert messages[0].startswith("edge 4 kept 0 of 1 clients in edge round 2")

@@ -103,7 +103,7 @@ def test_chunks_keep_the_state_the_one_process_executor_keeps():
         one = start_job(settings, whole, job)
         one.communication = BatchCommunication(one._hierarchy(), np.arange(4))
         train_edges(one, whole, np.arange(4), cloud_round, job_rounds(settings, job),
-                    hold_level=2)
+                    held_from=2)
         kept, reference = shard.client_state(), whole.client_state()
         assert kept and kept.keys() == reference.keys()
         for key, value in reference.items():

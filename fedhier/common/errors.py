@@ -48,3 +48,27 @@ def os_reason(exc: BaseException) -> str:
         return exc.strerror
     text = " ".join(str(exc).split())[:200]
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class Refusal:
+    """A combination of settings a part cannot run, declared beside the code that refuses it.
+
+    Each owner module lists its refusals in ``REFUSALS``; docs/hsgd.md's table of refusals is
+    generated from them (:mod:`fedhier.settings.refusals`), and a test runs every ``example``
+    through ``fedhier run`` and expects exit 2 with one line holding ``says``.
+
+    Args:
+        what: the combination, as the table shows it (Markdown);
+        why: ``"no meaning: ..."`` (a combination without one) or ``"not yet: ..."`` (one
+            still to be built; ``"not yet on real processes: ..."`` and the like);
+        example: ``fedhier run`` arguments that meet it;
+        says: a part of the one-line error the refusal prints.
+    """
+
+    def __init__(self, what: str, why: str, example: tuple[str, ...], says: str) -> None:
+        if not why.startswith(("no meaning: ", "not yet")):
+            raise ValueError(f"a refusal's why starts 'no meaning: ' or 'not yet': {why!r}")
+        self.what, self.why, self.example, self.says = what, why, example, says
+
+    def __repr__(self) -> str:
+        return f"Refusal({self.what!r})"

@@ -22,7 +22,7 @@ from fedhier.engines.prompt_grid import PromptGrid
 from fedhier.local.train import resolve_device
 from fedhier.round.loop import HierarchicalSGD, Params
 from fedhier.round.tiers.asynchronous import async_edge_tier, with_replayed_arrivals
-from fedhier.round.tiers.jobs import EdgeTierHierarchicalSGD
+from fedhier.round.tiers.servers import ServerRounds
 from fedhier.runs.checkpoint import Checkpoint
 from fedhier.runs.driver import run_recorded
 from fedhier.runs.folder import RunFolder
@@ -103,7 +103,8 @@ def run_federation(grid: Grid, cfg: RunConfig, folder: RunFolder, *, engine: str
         executor = AsyncEdgeServersExecutor(grid, run_config, cfg.groups[-1], cfg.clients,
                                             cfg.round_timeout, level=len(cfg.periods))
     elif cfg.edge_servers:  # the edges run their clients' edge rounds (fedhier.round.tiers.jobs)
-        algorithm = EdgeTierHierarchicalSGD(strategy.settings, algorithm.cloud_step)
+        algorithm = HierarchicalSGD(strategy.settings, algorithm.cloud_step,
+                                    rounds=ServerRounds)
         executor = EdgeServersExecutor(grid, run_config, cfg.groups[-1], cfg.clients,
                                        cfg.round_timeout, level=len(cfg.periods))
     else:

@@ -78,6 +78,7 @@ from fedhier.round.record_fields import (
 )
 from fedhier.round.reply_policy import ReplyPolicy
 from fedhier.round.restore import Restored
+from fedhier.round.rounds import CloudRounds, RoundsFactory, Settled, rounds_for
 from fedhier.round.schedule import schedule_for
 from fedhier.round.traffic import Communication
 from fedhier.round.updates import all_finite as _all_finite
@@ -88,9 +89,10 @@ from fedhier.tree.hierarchy import Hierarchy, check_schedule
 from fedhier.tree.mobility import Mobility
 
 #: Importable from here as before the round was split into parts (engines, strategies, tests).
-__all__ = ["NO_TRAINING", "ClientEvaluation", "CloudStep", "EdgeRoundWork", "Executor",
-           "HSGDSettings", "HierarchicalSGD", "Params", "TrainResult", "_all_finite",
-           "aggregate_levels", "client_accuracy_summary", "evaluation_metrics"]
+__all__ = ["NO_TRAINING", "ClientEvaluation", "CloudRounds", "CloudStep", "EdgeRoundWork",
+           "Executor", "HSGDSettings", "HierarchicalSGD", "Params", "RoundsFactory", "Settled",
+           "TrainResult", "_all_finite", "aggregate_levels", "client_accuracy_summary",
+           "evaluation_metrics"]
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,10 @@ NO_TRAINING = {"local_train_loss": None, "failed_clients": 0, "failed_edges": 0}
 class HierarchicalSGD:
     """The state and the round of one H-SGD run, whatever executes the clients."""
 
-    def __init__(self, settings: HSGDSettings, cloud_step: CloudStep | None = None) -> None:
+    def __init__(self, settings: HSGDSettings, cloud_step: CloudStep | None = None,
+                 rounds: RoundsFactory | None = None) -> None:
+        """``rounds``: the :class:`CloudRounds` part (default: the one the settings ask for,
+        :func:`fedhier.round.rounds.rounds_for`)."""
         self.settings = settings
         self.cloud_step = cloud_step
         self.membership = membership_for(settings)  # the parts, chosen once (fedhier.round)
@@ -171,6 +176,7 @@ class HierarchicalSGD:
         self.clock: SimClock | None = None  # simulated time (fedhier.round.clock)
         self._restored = Restored()  # what a checkpoint gives back (load_state_dict)
         self._executor: Executor | None = None
+        self.rounds: CloudRounds = (rounds or rounds_for(settings))(self)
 
     # ---------------------------------------------------------------- set-up and grouping
     def setup(self, executor: Executor, initial: Params, *, info: ClientInfo | None = None,
@@ -200,6 +206,10 @@ class HierarchicalSGD:
                               self.hierarchy.num_nodes(1), upload_bytes=self.upload_bytes)
         if self._restored.clock is not None:
             self.clock.load_state_dict(self._restored.clock)
+        self.rounds.setup(executor)
+        attach = getattr(executor, "attach", None)  # an executor placing clients by the tree
+        if attach is not None:
+            attach(self.hierarchy)
 
     def group(self, executor: Executor, params: Params, seed: int) -> Hierarchy:
         """A hierarchy drawn by the configured grouping with ``seed`` (gradient groupings take
@@ -259,25 +269,9 @@ class HierarchicalSGD:
         return changed
 
     def cloud_round(self, executor: Executor, cloud_round: int) -> dict[str, Any]:
-        """G / I edge rounds from the global model; returns the round's training keys."""
-        changed = self.begin_cloud_round(executor, cloud_round)
-        losses: list[float] = []
-        failed = failed_edge_count = 0
-        edge_rounds = self.settings.edge_rounds_per_cloud_round
-        for k in range(1, edge_rounds + 1):
-            edge_round = (cloud_round - 1) * edge_rounds + k
-            work, plan = self.plan(edge_round)
-            outcome = self.complete(work, plan, executor.train(work, self.start_models(work)))
-            failed += outcome["failed_clients"]
-            failed_edge_count += outcome["failed_edges"]
-            if outcome["train_loss"] is not None:
-                losses.append(outcome["train_loss"])
-        out: dict[str, Any] = {"local_train_loss": float(np.mean(losses)) if losses else None,
-                               "failed_clients": failed, "failed_edges": failed_edge_count,
-                               **changed}
-        out.update(self.schedule.end_cloud_round())
-        out.update(self.membership.end_cloud_round(self._hierarchy()))
-        return out
+        """One cloud round as the run's :class:`CloudRounds` part runs it; returns the
+        round's training keys."""
+        return self.rounds.run(executor, cloud_round)
 
     def plan(self, edge_round: int) -> tuple[EdgeRoundWork, EdgeRoundPlan]:
         """Who trains in ``edge_round`` (1-based), for how many steps, and where: the
@@ -306,18 +300,21 @@ class HierarchicalSGD:
         ``work.start_edges``: the E edges' models, then any c carried client models."""
         return self.schedule.start_models(work, self.edge_models)
 
-    def complete(self, work: EdgeRoundWork, plan: EdgeRoundPlan, result: TrainResult, *,
-                 hold_cloud: bool = False, hold_level: int = 0) -> dict[str, Any]:
-        """Scale, screen, aggregate and broadcast one edge round's results.
+    def complete(self, work: EdgeRoundWork, plan: EdgeRoundPlan,
+                 result: TrainResult) -> dict[str, Any]:
+        """Scale, screen, aggregate and broadcast one edge round's results
+        (:meth:`settle`, then :meth:`aggregate`); returns the outcome :meth:`settle` gives."""
+        settled = self.settle(work, plan, result)
+        if len(settled.survivors):
+            self.aggregate(settled)
+        return settled.outcome
 
-        Returns its ``level``, ``failed_clients``, ``failed_edges``, ``train_loss`` (the
-        client-weighted mean of the survivors' reported mean mini-batch losses, or None) and
-        ``loss_weight`` (the sum of those clients' weights).
-        With ``hold_cloud`` an edge round that ends at the cloud is not aggregated: the
-        outcome's ``held`` is (models [s, *shape], survivors int64 [s]), the screened and
-        scaled survivors' models (asynchronous edges aggregate them later); with
-        ``hold_level``, one that ends at that level or above (an edge server's job).
-        """
+    def settle(self, work: EdgeRoundWork, plan: EdgeRoundPlan,
+               result: TrainResult) -> Settled:
+        """One edge round's results scaled (FedNova), screened (failed, non-finite), counted
+        and charged to the clock, not aggregated yet: a caller that aggregates elsewhere (an
+        edge server's job, asynchronous edges) takes :attr:`Settled.models` instead of
+        calling :meth:`aggregate`."""
         s, hierarchy = self.settings, self._hierarchy()
         models = result.models
         self.schedule.scale(models, work, plan.scale[work.clients], self.edge_models)
@@ -338,28 +335,30 @@ class HierarchicalSGD:
         if not alive.all() and len(survivors):
             rows = torch.as_tensor(np.flatnonzero(alive), device=device_of(models))
             models = {k: v.index_select(0, rows) for k, v in models.items()}
-        clock = self._clock()
         models, survivors, sent = self.schedule.settle(
-            work, models, survivors, work.clients[~alive], levels, clock, self.model_bytes)
+            work, models, survivors, work.clients[~alive], levels, self._clock(),
+            self.model_bytes)
         self.communication.add_edge_round(sent, len(survivors), self.model_bytes,
                                           self.upload_bytes)
-        if not len(survivors):
-            return outcome  # nothing came back: every edge keeps its model
-        if (hold_cloud and level == hierarchy.num_levels) or 0 < hold_level <= level:
-            outcome["held"] = (models, survivors)
-            return outcome
+        return Settled(work, models, survivors, level, outcome)
+
+    def aggregate(self, settled: Settled) -> None:
+        """Aggregate a settled edge round's survivors at its level (the cloud step at the
+        top) and broadcast the aggregates to the edges under each node."""
+        hierarchy, work = self._hierarchy(), settled.work
         present = np.zeros(hierarchy.num_clients, dtype=bool)
-        present[survivors] = True
+        present[settled.survivors] = True
         weights = presence_weights(self.weights, present, work.edge_of_client)
-        if level == hierarchy.num_levels:
-            averaged, nodes = cloud_update(self.cloud_step, work.cloud_round, models,
-                                           survivors, weights, hierarchy, s.aggregators,
+        aggregators = self.settings.aggregators
+        if settled.level == hierarchy.num_levels:
+            averaged, nodes = cloud_update(self.cloud_step, work.cloud_round, settled.models,
+                                           settled.survivors, weights, hierarchy, aggregators,
                                            self.node_models)
         else:
-            averaged, nodes = aggregate_levels(models, survivors, weights, hierarchy, level,
-                                               s.aggregators, self.node_models)
-        self._aggregated(averaged, nodes, level)
-        return outcome
+            averaged, nodes = aggregate_levels(settled.models, settled.survivors, weights,
+                                               hierarchy, settled.level, aggregators,
+                                               self.node_models)
+        self._aggregated(averaged, nodes, settled.level)
 
     def aggregate_edges(self, cloud_round: int, models: Params, edges: np.ndarray,
                         weights: np.ndarray) -> None:
@@ -434,8 +433,8 @@ class HierarchicalSGD:
         return record
 
     def elapsed_seconds(self) -> float:
-        """The run's simulated time so far (:mod:`fedhier.round.clock`)."""
-        return self._clock().seconds
+        """The run's simulated time so far (:mod:`fedhier.round.clock`; the part's)."""
+        return self.rounds.elapsed_seconds()
 
     def run(self, executor: Executor, initial: Params, num_rounds: int, *,
             first_round: int = 1,
@@ -470,13 +469,15 @@ class HierarchicalSGD:
                 "cloud_step": copy.deepcopy(self.cloud_step), "hierarchy": self.hierarchy,
                 "clock": self._clock().state_dict(),
                 "num_examples": [int(n) for n in self._info().num_examples],
-                **({"executor": hook()} if hook is not None else {})}
+                **({"executor": hook()} if hook is not None else {}),
+                **self.rounds.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.communication = Communication(**state["communication"])
         if state.get("cloud_step") is not None:
             self.cloud_step = state["cloud_step"]
         self._restored = Restored.from_state(state)
+        self.rounds.load_state_dict(state)
 
     def _hierarchy(self) -> Hierarchy:
         if self.hierarchy is None:

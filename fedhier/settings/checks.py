@@ -11,11 +11,61 @@ import math
 from dataclasses import fields
 from typing import Any
 
-from fedhier.common.errors import ConfigError
+from fedhier.common.errors import ConfigError, Refusal
 from fedhier.settings.declaration import RANGES, choices
 
 #: a :class:`fedhier.settings.run_config.RunConfig` (not imported: that module imports this one)
 RunConfig = Any
+
+#: What these checks refuse (docs/hsgd.md's table is generated from every owner's list).
+REFUSALS = (
+    Refusal("`--mobility-rate` with `--mobility-trace`",
+            "no meaning: clients move by a rate or by a trace, not both",
+            ("--mobility-rate", "0.5", "--mobility-trace", "trace.csv"),
+            "give mobility_rate or mobility_trace, not both"),
+    Refusal("`--mobility-every edge-round` with `--mobility-trace`",
+            "no meaning: a trace gives its own moves",
+            ("--mobility-every", "edge-round", "--mobility-trace", "trace.csv"),
+            "a mobility_trace gives its own moves"),
+    Refusal("`--quantize-bits 1`",
+            "no meaning: one bit is a sign with no level (QSGD's s = 2**(b-1) - 1 levels)",
+            ("--quantize-bits", "1"), "quantize_bits must be 0 (off) or 2..16"),
+    Refusal("`--quantize-bits` with `--edge-periods`",
+            "not yet: with per-edge periods a client's update spans several edge rounds and "
+            "goes up only when its edge aggregates; quantisation is applied per edge round",
+            ("--quantize-bits", "8", "--local-period", "2", "--global-period", "8",
+             "--edge-periods", "2,4,2,4"), "quantize_bits quantises each edge round's update"),
+    Refusal("`--replay-arrivals` without `--async-buffer`",
+            "no meaning: it replays the arrival order of asynchronous edges",
+            ("--replay-arrivals", "arrivals.jsonl"), "it needs --async-buffer"),
+    Refusal("edge servers as processes with `--regroup-every` under `--regions`",
+            "not yet on real processes: a regrouping re-draws the edges' regions, and an "
+            "edge server stays under the region server it started under (mobility under "
+            "regions runs: docs/deployment.md, \"Moving clients\")",
+            ("--edge-servers", "--groups", "4,2", "--periods", "5,10,20",
+             "--regroup-every", "1"), "edge servers under region servers need a fixed grouping"),
+    Refusal("edge servers as processes with a `clip` region rule and moving clients under "
+            "`--regions`",
+            "not yet on real processes: a region's job that starts inside its period does "
+            "not carry its last aggregate, which clip measures from",
+            ("--edge-servers", "--groups", "4,2", "--periods", "5,10,20",
+             "--mobility-rate", "0.5", "--aggregators", "mean,clip,mean"),
+            "need a region rule that does not measure from the region's own model"),
+    Refusal("edge servers as processes with mobility and `--edge-periods`",
+            "not yet on real processes: a job split at a move would restart an edge's period",
+            ("--edge-servers", "--local-period", "2", "--global-period", "8",
+             "--edge-periods", "2,4,2,4", "--mobility-rate", "0.5"),
+            "edge servers with per-edge periods need static clients"),
+    Refusal("asynchronous edge servers (`--edge-servers --async-buffer`) with moving clients",
+            "not yet on real processes: clients re-attach between synchronous jobs",
+            ("--edge-servers", "--async-buffer", "2", "--mobility-rate", "0.5"),
+            "asynchronous edge servers need static clients"),
+    Refusal("asynchronous edge servers with kept optimizer state",
+            "not yet on real processes: the clients' kept state is gathered between "
+            "synchronous jobs",
+            ("--edge-servers", "--async-buffer", "2", "--momentum", "0.5",
+             "--optimizer-state", "keep"), "asynchronous edge servers need --optimizer-state"),
+)
 
 #: Largest finite float32: models, learning rates and optimiser state are float32 tensors.
 FLOAT32_MAX = 3.4028234663852886e38

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from fedhier.common.errors import ConfigError
+from fedhier.common.errors import ConfigError, Refusal
 from fedhier.engines.registry import engine_names
 from fedhier.settings.checks import FLOAT32_MAX
 from fedhier.settings.checks import validate as validate_config
@@ -214,6 +214,18 @@ class RunConfig(DeclaredSettings):
 #: The declared settings by name, and each one's default (what a setting missing from a
 #: mapping takes).
 _FIELDS = {f.name: f for f in fields(RunConfig)}
+
+#: What the settings refuse as they are read (docs/hsgd.md's table,
+#: :mod:`fedhier.settings.refusals`).
+REFUSALS = (
+    Refusal("`--local-period` or `--periods` giving another I than gcd(`--edge-periods`)",
+            "no meaning: with per-edge periods an edge round is gcd(I_i) steps (it used to "
+            "be replaced silently)",
+            ("--local-period", "4", "--global-period", "8", "--edge-periods", "2,4,2,4"),
+            "an edge round is their gcd"),
+)
+
+
 def _check_given_edge_round(cfg: RunConfig, asked: tuple[str, int] | None,
                             where: str) -> None:
     """With per-edge periods the edge round is g = gcd(I_i) steps: an I the user gave

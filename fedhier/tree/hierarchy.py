@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fedhier.common.errors import ConfigError
+from fedhier.common.errors import ConfigError, Refusal
 from fedhier.tree.grouping import (
     ClientInfo,
     Grouping,
@@ -72,6 +72,14 @@ def edge_round_period(edge_periods: tuple[int, ...]) -> int:
     """g = gcd of the per-edge periods: the length (local steps) of one edge round."""
     return math.gcd(*edge_periods)
 
+
+#: What the schedule refuses (docs/hsgd.md's table, :mod:`fedhier.settings.refusals`).
+REFUSALS = (
+    Refusal("`--edge-periods` with a period that does not divide the next level's",
+            "no meaning: an edge period must divide the period above the edges",
+            ("--local-period", "2", "--global-period", "8", "--edge-periods", "2,4,2,6"),
+            "does not divide the next level's period"),
+)
 
 def validate_edge_periods(edge_periods: tuple[int, ...], periods: tuple[int, ...],
                           num_edges: int) -> None:

@@ -3,9 +3,9 @@
 :class:`AsyncEdgeServersExecutor` is :class:`~fedhier.strategies.edge.cloud_executor.
 EdgeServersExecutor` (same messages, :mod:`fedhier.strategies.edge.messages`) with
 :meth:`submit` (push a job, do not wait) and :meth:`receive` (the first report in among some
-edges), for :class:`fedhier.round.tiers.asynchronous.EdgeTierAsyncHSGD`. Replies are pulled from the
-Grid as they reach the cloud's SuperLink; those pulled together are taken by edge. Clients
-are not evaluated between aggregations (their edges are busy with jobs).
+edges), for :class:`fedhier.round.tiers.asynchronous.BufferedServerRounds`. Replies are
+pulled from the Grid as they reach the cloud's SuperLink; those pulled together are taken by
+edge. Clients are not evaluated between aggregations (their edges are busy with jobs).
 """
 
 from __future__ import annotations

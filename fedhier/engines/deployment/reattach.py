@@ -8,7 +8,7 @@ runtime port; its data partition stays where it is (``partition-id`` in the node
 
 Who does what (docs/deployment.md "Moving clients"):
 
-* the **cloud** (its ServerApp, :class:`fedhier.round.tiers.jobs.EdgeTierHierarchicalSGD`) decides
+* the **cloud** (its ServerApp, :class:`fedhier.round.tiers.servers.ServerRounds`) decides
   every move from the seed and, before the edge round a move takes effect in, asks with
   :class:`FileReattacher` (a file ``request-N.json`` in the deployment's ``reattach/``
   folder, :data:`REATTACH_ENV`) and waits for ``done-N.json``;

@@ -43,7 +43,8 @@ from fedhier.round.faults import RunFailureError
 from fedhier.round.loop import EdgeRoundWork, HierarchicalSGD, Params
 from fedhier.round.participants import EdgeRoundPlan
 from fedhier.round.schedule import EqualPeriods
-from fedhier.round.tiers.jobs import EdgeRunOutcome, edge_aggregates
+from fedhier.round.synchronous import SynchronousRounds
+from fedhier.round.tiers.jobs import EdgeRunOutcome, complete_below, edge_aggregates
 from fedhier.tree.grouping import ClientInfo
 from fedhier.tree.hierarchy import Hierarchy
 
@@ -222,7 +223,7 @@ class ChunkTree:
         hierarchy = whole._hierarchy()
         if not self.fits(whole):
             raise ValueError("chunks of whole edges need two levels and one local period")
-        part = HierarchicalSGD(whole.settings)
+        part = HierarchicalSGD(whole.settings, rounds=SynchronousRounds)
         part.hierarchy = Hierarchy(hierarchy.periods, (self.edge_of,),
                                    num_edges=len(self.edges))
         part.info = ClientInfo(np.zeros((len(self.ids), 1), dtype=np.int64),
@@ -334,15 +335,14 @@ def train_edge_chunks(algorithm: HierarchicalSGD, executor: ChunkedShard, rounds
             work = tree.work(whole_work)
             try:
                 result = trainer.train(tree.local(work), part.start_models(work))
-                outcome = part.complete(work, tree.plan(plans.rounds[k][1]), result,
-                                        hold_level=2)
+                outcome, held = complete_below(part, work, tree.plan(plans.rounds[k][1]),
+                                               result, held_from=2)
             except RunFailureError as error:
                 raise tree.in_whole_ids(error) from None
             failed += outcome["failed_clients"]
             failed_edge_count += outcome["failed_edges"]
             if outcome["train_loss"] is not None:
                 losses.add(k, outcome["train_loss"], outcome["loss_weight"])
-            held = outcome.get("held")
         tree.write_back(part, algorithm)
         executor.keep_chunk_state(positions, trainer)  # momentum buffers (keep), by client
         averaged = edge_aggregates(part, held)

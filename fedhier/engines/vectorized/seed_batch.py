@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedhier.common.errors import ConfigError
+from fedhier.common.errors import ConfigError, Refusal
 from fedhier.data.federation import Federation
 from fedhier.engines.vectorized.engine import BatchedExecutor, run_vectorized
 from fedhier.engines.vectorized.kernels import ClientRows
@@ -319,6 +319,15 @@ class _Task:
 
 
 # ------------------------------------------------------------------------------ runs
+#: What ``fedhier run --seeds`` refuses (docs/hsgd.md's table).
+REFUSALS = (
+    Refusal("`fedhier run --seeds` with `--langevin-temperature`",
+            "not yet: the seeds' joint computation would key every seed's noise by the first "
+            "seed; run the seeds one by one",
+            ("--engine", "vectorized", "--seeds", "0,1", "--langevin-temperature", "0.01"),
+            "--seeds does not batch --langevin-temperature"),
+)
+
 def check_seeds(cfg: RunConfig, seeds: Sequence[int]) -> None:
     """One-line ConfigError for what ``fedhier run --seeds`` cannot batch."""
     if cfg.engine != "vectorized":

@@ -1,7 +1,7 @@
 """Asynchronous edges on engine ``vectorized-ray``: the cloud of asynchronous edge servers
 over the shard actors, taking the reports in the simulated clock's order.
 
-The round is :class:`fedhier.round.tiers.asynchronous.EdgeTierAsyncHSGD`'s (the simulation's
+The round is :class:`fedhier.round.tiers.asynchronous.BufferedServerRounds`' (the simulation's
 K-buffer, staleness weights and drops, :mod:`fedhier.round.asynchrony.reports`; the merge of edge
 aggregates), with two parts of its own:
 
@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from fedhier.common.errors import ConfigError
+from fedhier.common.errors import ConfigError, Refusal
 from fedhier.engines.vectorized.chunks import LossMeans
 from fedhier.engines.vectorized_ray.executor import (
     RayShardExecutor,
@@ -50,13 +50,36 @@ from fedhier.engines.vectorized_ray.executor import (
     shared_start_models,
 )
 from fedhier.round.asynchrony.arrival_order import RecordingOrder, SimulatedOrder
-from fedhier.round.loop import CloudStep, Executor, HSGDSettings, Params
-from fedhier.round.tiers.asynchronous import EdgeTierAsyncHSGD, check_async_edge_tier
+from fedhier.round.loop import Executor, HierarchicalSGD
+from fedhier.round.tiers.asynchronous import BufferedServerRounds, check_async_edge_tier
 from fedhier.round.tiers.jobs import EdgeReport, ServerJob
 from fedhier.settings.run_config import RunConfig
-from fedhier.tree.grouping import ClientInfo
-from fedhier.tree.hierarchy import Hierarchy
 
+#: What engine ``vectorized-ray`` refuses with asynchronous edges (docs/hsgd.md's table).
+REFUSALS = (
+    Refusal("`--engine vectorized-ray --async-buffer` with mobility or `--regroup-every`",
+            "not yet: jobs in flight keep their clients, and a worker holds whole edges; "
+            "`--engine vectorized` runs it",
+            ("--engine", "vectorized-ray", "--async-buffer", "2", "--mobility-rate", "0.5"),
+            "engine vectorized-ray with async_buffer needs static clients"),
+    Refusal("`--engine vectorized-ray --async-buffer` with `--optimizer-state keep`",
+            "not yet: a checkpoint's jobs in flight run again on `--resume`, from kept state "
+            "that already holds their training; `--engine vectorized` runs it",
+            ("--engine", "vectorized-ray", "--async-buffer", "2", "--momentum", "0.5",
+             "--optimizer-state", "keep"), "engine vectorized-ray with async_buffer needs "
+            "optimizer_state=reset"),
+    Refusal("`--engine vectorized-ray --async-buffer` on three or more levels (so also "
+            "`--region-buffer`)",
+            "not yet: the regions' buffers run in the one-process engines only; "
+            "`--engine vectorized` runs it",
+            ("--engine", "vectorized-ray", "--groups", "4,2", "--periods", "5,10,20",
+             "--async-buffer", "1"), "engine vectorized-ray with async_buffer needs two levels"),
+    Refusal("`--engine vectorized-ray --async-buffer` with `--diagnostics-every`",
+            "not yet: the edges are busy with jobs between aggregations; "
+            "`--engine vectorized` runs it",
+            ("--engine", "vectorized-ray", "--async-buffer", "2", "--diagnostics-every", "1"),
+            "engine vectorized-ray with async_buffer does not query the clients"),
+)
 
 def check_sharded_async(cfg: RunConfig) -> None:
     """Refuse, in one line, asynchronous edges the sharded engine does not run."""
@@ -160,21 +183,16 @@ class ShardsSimulatedOrder:
         return self.simulated.next_edge(jobs, version)
 
 
-class ShardedAsyncCloud(EdgeTierAsyncHSGD):
-    """The cloud of engine ``vectorized-ray`` with asynchronous edges (the module
-    docstring); it starts the shards (:meth:`RayShardExecutor.start`) at its setup."""
+class ShardedBufferedRounds(BufferedServerRounds):
+    """The cloud rounds of engine ``vectorized-ray`` with asynchronous edges (the module
+    docstring); the shards start at the loop's set-up (:meth:`RayShardExecutor.attach`)."""
 
-    def __init__(self, settings: HSGDSettings, cloud_step: CloudStep | None = None,
-                 ) -> None:
-        super().__init__(settings, cloud_step)
+    def __init__(self, sgd: HierarchicalSGD) -> None:
+        super().__init__(sgd)
         self.outstanding: set[int] = set()  # edges whose job was sent, report not received
 
-    def setup(self, executor: Executor, initial: Params, *, info: ClientInfo | None = None,
-              hierarchy: Hierarchy | None = None) -> None:
-        super().setup(executor, initial, info=info, hierarchy=hierarchy)
-        if not getattr(executor, "actors", [None]):  # none started yet
-            tree = self._hierarchy()
-            executor.start(tree.edge_of_client(), tree.num_nodes(1))  # type: ignore[attr-defined]
+    def setup(self, executor: Executor) -> None:
+        super().setup(executor)
         self.unsent = []  # a checkpoint's jobs were received before it: complete
         self._recording = RecordingOrder(ShardsSimulatedOrder(
             lambda: self._receive_all(executor)))  # type: ignore[arg-type]
@@ -185,7 +203,7 @@ class ShardedAsyncCloud(EdgeTierAsyncHSGD):
         self.outstanding.update(edges)
 
     def _receive_all(self, executor: RayShardAsyncExecutor) -> None:
-        """Every report in flight, taken in (:meth:`EdgeTierAsyncHSGD._receive`)."""
+        """Every report in flight, taken in (:meth:`BufferedServerRounds._receive`)."""
         while self.outstanding:
             self.outstanding.discard(self._receive(executor, frozenset(self.outstanding)))
 
@@ -197,3 +215,4 @@ class ShardedAsyncCloud(EdgeTierAsyncHSGD):
     def load_state_dict(self, state: Any) -> None:
         super().load_state_dict(state)
         self.reported_weight = dict(state["async"].get("reported_weight", {}))
+

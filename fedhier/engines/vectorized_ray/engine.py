@@ -3,8 +3,8 @@
 Whole edges are placed on Ray actors (:mod:`.vectorized_ray_executor`: contiguous runs of edges with
 about equal numbers of clients, one shard per worker); each actor trains its clients with the
 one-process engine's batched executor and aggregates each of its edges itself
-(:mod:`fedhier.engines.vectorized_ray.shard`). The cloud is
-:class:`fedhier.round.tiers.jobs.EdgeTierHierarchicalSGD`, the same cloud half that edge servers as
+(:mod:`fedhier.engines.vectorized_ray.shard`). The cloud's rounds are
+:class:`fedhier.round.tiers.servers.ServerRounds`, the same cloud half that edge servers as
 processes use: once per cloud round it sends each edge the global model and takes the cloud
 step over the edges' aggregates, so only models cross between the driver and the workers,
 at the cloud period, and the traffic between workers falls with G as the hierarchy's does.
@@ -31,21 +31,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedhier.common.errors import ConfigError
+from fedhier.common.errors import ConfigError, Refusal
 from fedhier.data.federation import Federation
 from fedhier.engines.vectorized.engine import BatchedExecutor, BatchedRun
 from fedhier.engines.vectorized_ray.asynchrony import (
     RayShardAsyncExecutor,
-    ShardedAsyncCloud,
+    ShardedBufferedRounds,
     check_sharded_async,
 )
-from fedhier.engines.vectorized_ray.executor import RayShardExecutor, ShardedCloud
+from fedhier.engines.vectorized_ray.executor import RayShardExecutor
 from fedhier.engines.vectorized_ray.subtree import check_levels
 from fedhier.engines.vectorized_ray.worker import (
     check_reachable,
     ray_session,
     worker_pool,
 )
+from fedhier.round.loop import HierarchicalSGD
+from fedhier.round.tiers.servers import ServerRounds
 from fedhier.runs.checkpoint import Checkpoint
 from fedhier.runs.folder import RunFolder
 from fedhier.runs.prepare import settings_for
@@ -53,6 +55,23 @@ from fedhier.settings.checks import check_moves_under_regions
 from fedhier.settings.run_config import RunConfig
 from fedhier.strategies.cloud_step import as_cloud_step, make_cloud_strategy
 
+#: What engine ``vectorized-ray`` refuses (docs/hsgd.md's table; asynchronous edges:
+#: :mod:`fedhier.engines.vectorized_ray.asynchrony`).
+REFUSALS = (
+    Refusal("`--engine vectorized-ray` with `--edge-periods` and mobility",
+            "not yet: a job split at a move would restart an edge's period; "
+            "`--engine vectorized` runs it",
+            ("--engine", "vectorized-ray", "--local-period", "2", "--global-period", "8",
+             "--edge-periods", "2,4,2,4", "--mobility-rate", "0.5"),
+            "engine vectorized-ray with per-edge periods needs static clients"),
+    Refusal("`--engine vectorized-ray` with a `clip` region rule and moving clients on three "
+            "or more levels",
+            "not yet: a region's job that starts inside its period does not carry its last "
+            "aggregate, which clip measures from; `--engine vectorized` runs it",
+            ("--engine", "vectorized-ray", "--groups", "4,2", "--periods", "5,10,20",
+             "--mobility-rate", "0.5", "--aggregators", "mean,clip,mean"),
+            "engine vectorized-ray: moving clients under region servers"),
+)
 
 def check_sharded(cfg: RunConfig) -> None:
     """Refuse, in one line, what the sharded engine does not run (yet)."""
@@ -82,9 +101,10 @@ def run_vectorized_ray(cfg: RunConfig, folder: RunFolder, progress: bool = True,
     check_reachable(cfg.ray_address)
     run = BatchedRun.start(cfg, folder, "vectorized-ray", progress, federation, resume)
     asynchronous = cfg.asynchronous().active
-    algorithm = (ShardedAsyncCloud if asynchronous else ShardedCloud)(
+    algorithm = HierarchicalSGD(
         settings_for(cfg), as_cloud_step(make_cloud_strategy(
-            cfg.cloud_strategy, cfg.server_lr, cfg.server_momentum)))
+            cfg.cloud_strategy, cfg.server_lr, cfg.server_momentum)),
+        rounds=ShardedBufferedRounds if asynchronous else ServerRounds)
     with ray_session(cfg.ray_address, cfg.ray_workers):
         worker_pool(min(cfg.ray_workers, cfg.groups[-1]))  # one per cloud child, booting now
         whole = BatchedExecutor.build(cfg, run.fed, run.model, run.device)

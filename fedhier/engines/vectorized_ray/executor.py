@@ -4,8 +4,10 @@ runs, and the cloud's executor over the shard actors.
 :func:`place_edges` cuts the cloud's children into contiguous runs, one per worker;
 :class:`RayShardExecutor` sends each worker its edges' jobs (one Ray call per worker and
 cloud round), re-attaches moving clients between workers and keeps the placement for a
-resumed run; :class:`ShardedCloud` is the edge tier's cloud that starts the workers at its
-first cloud round. The engine itself (checks, run): :mod:`fedhier.engines.vectorized_ray.engine`.
+resumed run, and starts the workers once the loop is set up
+(:meth:`RayShardExecutor.attach`); the cloud's rounds are the edge tier's
+(:class:`fedhier.round.tiers.servers.ServerRounds`). The engine itself (checks, run):
+:mod:`fedhier.engines.vectorized_ray.engine`.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from fedhier.engines.vectorized_ray.moves import move_between_workers
 from fedhier.engines.vectorized_ray.subtree import top_children
 from fedhier.engines.vectorized_ray.worker import peak_rss_bytes, start_workers
 from fedhier.round.loop import ClientEvaluation, EdgeRoundWork, Params, TrainResult
-from fedhier.round.tiers.jobs import EdgeReport, EdgeTierHierarchicalSGD, ServerJob
+from fedhier.round.tiers.jobs import EdgeReport, ServerJob
 from fedhier.settings.run_config import RunConfig
 from fedhier.tree.grouping import ClientInfo
+from fedhier.tree.hierarchy import Hierarchy
 
 
 def place_edges(edge_of_client: np.ndarray, num_edges: int, workers: int) -> np.ndarray:
@@ -209,6 +212,13 @@ class RayShardExecutor:
         self.client_state_bytes += state_bytes
         return seconds
 
+    def attach(self, hierarchy: Hierarchy) -> None:
+        """The loop's set-up is done: start the shards from the tree in force (whole regions
+        with three or more levels: :func:`top_children`), unless they run already; a
+        regrouping or a move later is a re-attachment (:meth:`reattach`)."""
+        if not self.actors:
+            self.start(*top_children(hierarchy))
+
     def start(self, edge_of_client: np.ndarray, num_edges: int,
               node_of_edge: np.ndarray | None = None) -> None:
         """Place the cloud's children (the edges; ``node_of_edge``, int64 [E]: each edge's
@@ -242,14 +252,3 @@ class RayShardExecutor:
                 "total_peak_rss_bytes": driver + sum(w["peak_rss_bytes"] for w in workers),
                 "bytes_between_workers": self.bytes_between,
                 "client_state_bytes": self.client_state_bytes}
-
-
-class ShardedCloud(EdgeTierHierarchicalSGD):
-    """The cloud of engine ``vectorized-ray``: the edge tier's, which starts the shards
-    (:meth:`RayShardExecutor.start`) at its first cloud round, from the tree in force before
-    the round's membership changes, so that a regrouping or a move is a re-attachment."""
-
-    def begin_cloud_round(self, executor: Any, cloud_round: int) -> dict[str, Any]:
-        if getattr(executor, "actors", True) == []:
-            executor.start(*top_children(self._hierarchy()))  # whole regions with 3+ levels
-        return super().begin_cloud_round(executor, cloud_round)

@@ -74,7 +74,7 @@ def train_shard(settings: HSGDSettings, algorithm: HierarchicalSGD, executor: An
                                  shard_chunk_size(algorithm, executor, jobs, size))
     edges = np.array(sorted(job.edge for job in jobs), dtype=np.int64)
     outcome = train_edges(algorithm, executor, edges, jobs[0].cloud_round, rounds,
-                          hold_level=2)
+                          held_from=2)
     averaged = edge_aggregates(algorithm, outcome.held)
     models = {} if averaged is None else {
         int(edge): {k: v[i].clone() for k, v in averaged[0].items()}

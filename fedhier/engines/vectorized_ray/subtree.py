@@ -28,12 +28,20 @@ from typing import Any
 
 import numpy as np
 
-from fedhier.common.errors import ConfigError
+from fedhier.common.errors import ConfigError, Refusal
 from fedhier.round.loop import EdgeRoundWork, HSGDSettings, Params, TrainResult
 from fedhier.round.tiers.jobs import EdgeReport, ServerJob, job_hierarchy, run_edge_job
 from fedhier.settings.run_config import RunConfig
 from fedhier.tree.hierarchy import Hierarchy
 
+#: What engine ``vectorized-ray`` refuses on deeper trees (docs/hsgd.md's table).
+REFUSALS = (
+    Refusal("`--engine vectorized-ray` with `--regroup-every` on three or more levels",
+            "not yet: each worker holds whole regions, and a regrouping re-draws them; "
+            "`--engine vectorized` runs it",
+            ("--engine", "vectorized-ray", "--groups", "4,2", "--periods", "5,10,20",
+             "--regroup-every", "1"), "engine vectorized-ray with three or more levels"),
+)
 
 def check_levels(cfg: RunConfig) -> None:
     """Refuse, in one line, what the sharded engine does not run with three or more

@@ -1,6 +1,6 @@
 """Which edge report the cloud of asynchronous edges takes next: the arrival order.
 
-:class:`fedhier.round.asynchrony.edges.AsyncHierarchicalSGD` takes edge reports one at a time until
+:class:`fedhier.round.asynchrony.edges.BufferedRounds` takes edge reports one at a time until
 K are accepted (docs/hsgd.md#asynchronous-edges). *Which* report comes next is a part behind
 one interface, :class:`ArrivalOrder`:
 

@@ -45,7 +45,6 @@ starting edges' clients.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -58,19 +57,11 @@ from fedhier.round.aggregators.averaging import aggregator
 from fedhier.round.asynchrony.arrival_order import ArrivalOrder, SimulatedOrder
 from fedhier.round.asynchrony.regions import RegionBuffers, region_buffers
 from fedhier.round.asynchrony.reports import merge_reports
-from fedhier.round.loop import (
-    CloudStep,
-    EdgeRoundWork,
-    Executor,
-    HierarchicalSGD,
-    HSGDSettings,
-    Params,
-)
-from fedhier.round.participants import EdgeRoundPlan
+from fedhier.round.loop import CloudStep, Executor, HierarchicalSGD, HSGDSettings, Params
+from fedhier.round.membership import Handoff, Membership, Regroup, RoundPace
 from fedhier.round.schedule import EdgePeriods
 from fedhier.round.tiers.jobs import train_edges
 from fedhier.round.traffic import BatchCommunication
-from fedhier.tree.grouping import ClientInfo
 from fedhier.tree.hierarchy import Hierarchy
 
 
@@ -99,11 +90,53 @@ class EdgeTraining:
     reference: Params | None = None
 
 
-class AsyncHierarchicalSGD(HierarchicalSGD):
-    """H-SGD whose cloud aggregates the first K edge reports (see the module docstring)."""
+class JobMoves:
+    """The membership inside a batch of jobs that start together (a
+    :class:`fedhier.round.membership.MembershipRule`): while :attr:`maps` is set, edge round k
+    of the batch has its client -> edge map ``maps[k]``; a client that moved into its edge in
+    edge round k > 1 starts it from its old edge's model under the ``carry`` handoff, and
+    drops any model of its own under ``fresh``, as in a synchronous round."""
 
-    def __init__(self, settings: HSGDSettings, cloud_step: CloudStep | None = None) -> None:
-        super().__init__(settings, cloud_step)
+    def __init__(self, handoff: str) -> None:
+        self.handoff = handoff
+        self.maps: np.ndarray | None = None  # int64 [G / I, n] while a batch trains
+
+    def begin_cloud_round(self, cloud_round: int, hierarchy: Hierarchy, regroup: Regroup,
+                          pace: RoundPace) -> tuple[Hierarchy, dict[str, Any]]:
+        return hierarchy, {}
+
+    def enter(self, edge_round: int, hierarchy: Hierarchy,
+              pace: RoundPace) -> tuple[Hierarchy, Handoff | None]:
+        if self.maps is None:
+            return hierarchy, None
+        k = (edge_round - 1) % pace.edge_rounds
+        old, new = hierarchy.edge_of_client(), self.maps[k]
+        moved = np.flatnonzero(new != old)
+        carry = self.handoff == "carry"
+        handoff = None
+        if len(moved):
+            start = None
+            if carry and k:
+                start = new.copy()
+                start[moved] = old[moved]
+            handoff = Handoff(start, np.zeros(0, dtype=np.int64) if carry else moved)
+        return hierarchy.with_edge_map(new), handoff
+
+    def end_cloud_round(self, hierarchy: Hierarchy) -> dict[str, Any]:
+        return {}
+
+
+class BufferedRounds:
+    """The cloud rounds of asynchronous edges: each aggregates the first K edge reports (a
+    :class:`fedhier.round.rounds.CloudRounds` part; see the module docstring). Inside a job
+    the clients move as :class:`JobMoves` says (the loop's membership in such a run); the
+    regrouping and the mobility maps are drawn here, at each aggregation."""
+
+    def __init__(self, sgd: HierarchicalSGD) -> None:
+        self.sgd = sgd
+        settings = sgd.settings
+        self.moves = JobMoves(settings.mobility.handoff)
+        sgd.membership = Membership([self.moves])
         self.version = 0  # cloud aggregations so far
         self.jobs: dict[int, EdgeTraining] = {}  # edge -> its job in flight
         self.idle: dict[int, float] = {}  # edge -> simulated second it got the global model
@@ -114,20 +147,31 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         #: int64 [R, n]: the mobility model's map of each edge round of the cloud round
         #: (None: static clients); a batch's maps follow it for clients not in a job
         self.round_maps: np.ndarray | None = None
-        self._batch_maps: np.ndarray | None = None
         #: buffers of the nodes between the edges and the cloud (None: they relay)
         self.regions: RegionBuffers[EdgeTraining] | None = region_buffers(settings.asynchronous)
         #: which report the cloud takes next (fedhier.round.asynchrony.arrival_order; two-level
         #: trees)
         self.arrivals: ArrivalOrder = SimulatedOrder()
 
+    @property
+    def communication(self) -> Any:
+        """The loop's traffic counters."""
+        return self.sgd.communication
+
+    @property
+    def model_bytes(self) -> int:
+        return self.sgd.model_bytes
+
+    def _hierarchy(self) -> Hierarchy:
+        return self.sgd._hierarchy()
+
     # ---------------------------------------------------------------- one cloud round
-    def cloud_round(self, executor: Executor, cloud_round: int) -> dict[str, Any]:
+    def run(self, executor: Executor, cloud_round: int) -> dict[str, Any]:
         """Wait for K fresh-enough reports, aggregate them; returns the training keys."""
         membership = self._change_membership(executor, cloud_round)
-        hierarchy = self._hierarchy()
-        if self.cloud_step is not None:  # the model its next update starts from
-            self.cloud_step.begin(cloud_round, self.global_params,
+        hierarchy = self.sgd._hierarchy()
+        if self.sgd.cloud_step is not None:  # the model its next update starts from
+            self.sgd.cloud_step.begin(cloud_round, self.sgd.global_params,
                                   hierarchy.num_nodes(hierarchy.num_levels - 1))
         stats: dict[str, Any] = {"losses": [], "failed_clients": 0, "failed_edges": 0}
         accepted, at_cloud, dropped = self._collect(executor, stats)
@@ -154,7 +198,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         staleness; the simulated second the cloud has them all; how many were dropped."""
         if self.regions is not None:  # the regions buffer: the cloud counts their reports
             return self.regions.collect(self, executor, stats, self.now)
-        s = self.settings.asynchronous
+        s = self.sgd.settings.asynchronous
         accepted: list[tuple[EdgeTraining, int]] = []
         dropped = 0
         arrival = self.now
@@ -181,7 +225,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
 
     def _link(self, level: int, node: int) -> float:
         """When the link into level-``level`` node ``node`` is free (the cloud's: level L)."""
-        if level == self._hierarchy().num_levels:
+        if level == self.sgd._hierarchy().num_levels:
             return self.link_free
         return self.relay_free.get(f"{level}:{node}", -math.inf)
 
@@ -189,27 +233,27 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         """One model ready at ``ready`` goes up the link into ``node`` (level ``level``)
         after the models already queued there; returns its arrival. ``count``: add it to the
         traffic now (else the caller does, when the report is taken in)."""
-        arrivals, free = self._clock().upload_queue(np.array([ready]), self._link(level, node),
-                                                    self.model_bytes)
-        if level == self._hierarchy().num_levels:
+        arrivals, free = self.sgd._clock().upload_queue(np.array([ready]), self._link(level, node),
+                                                    self.sgd.model_bytes)
+        if level == self.sgd._hierarchy().num_levels:
             self.link_free = free
         else:
             self.relay_free[f"{level}:{node}"] = free
         if count:
-            self.communication.add_edge_cloud(1, self.model_bytes)
+            self.sgd.communication.add_edge_cloud(1, self.sgd.model_bytes)
         return float(arrivals[0])
 
     def _send_up(self, job: EdgeTraining, count: bool = True) -> float:
         """A report goes up to the edge's parent (the cloud in a two-level tree, else its
         region), queuing on that node's link; returns when it arrives there."""
-        return self._queue_on(2, int(self._hierarchy().edges_under(2)[job.edge]), job.finish,
+        return self._queue_on(2, int(self.sgd._hierarchy().edges_under(2)[job.edge]), job.finish,
                               count)
 
     def _forward(self, edges: list[int], arrivals: list[float]) -> float:
         """Above the edges' parents, each node whose subtree holds accepted reports sends
         one aggregate up once the last of them is in, queuing on its parent's link (as a
         synchronous aggregation does); returns when the cloud has them all."""
-        hierarchy = self._hierarchy()
+        hierarchy = self.sgd._hierarchy()
         chosen = np.asarray(edges, dtype=np.int64)
         ready = np.asarray(arrivals, dtype=np.float64)  # at each edge's level-2 node
         for level in range(3, hierarchy.num_levels + 1):
@@ -227,7 +271,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         ``edges``: every node sends it to those of its children that lead to ``edges``, one
         after another over its link (times summed from the edges up, as the synchronous
         clock sums them)."""
-        hierarchy, clock = self._hierarchy(), self._clock()
+        hierarchy, clock = self.sgd._hierarchy(), self.sgd._clock()
         chosen = np.asarray(edges, dtype=np.int64)
         down = np.zeros(len(chosen))
         for level in range(2, hierarchy.num_levels + 1):
@@ -236,48 +280,50 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                               axis=1)
             children = np.bincount(pairs[0], minlength=hierarchy.num_nodes(level))
             down = down + clock.model.transfer_seconds("edge-cloud", children[sender],
-                                                       self.model_bytes)
-            self.communication.add_edge_cloud(pairs.shape[1], self.model_bytes)
+                                                       self.sgd.model_bytes)
+            self.sgd.communication.add_edge_cloud(pairs.shape[1], self.sgd.model_bytes)
         return start + down
 
     def _aggregate(self, accepted: list[tuple[EdgeTraining, int]], cloud_round: int = 0) -> None:
         """The new global model from the accepted (job, staleness) reports
         (:func:`fedhier.round.asynchrony.reports.merge_reports`); it stays when none has a
         survivor."""
-        grouping = self._hierarchy().edge_of_client()
+        grouping = self.sgd._hierarchy().edge_of_client()
         for job, _ in accepted:
             if job.members is None:
                 job.members = np.flatnonzero(grouping == job.edge)
-        new = merge_reports(accepted, self.global_params, self.weights, self._hierarchy(),
-                            self.settings.aggregators, self.node_models, self.cloud_step,
-                            cloud_round, self.settings.asynchronous.rule)
+        sgd = self.sgd
+        new = merge_reports(accepted, sgd.global_params, sgd.weights, sgd._hierarchy(),
+                            sgd.settings.aggregators, sgd.node_models, sgd.cloud_step,
+                            cloud_round, sgd.settings.asynchronous.rule)
         if new is not None:
-            self.global_params = new
+            self.sgd.global_params = new
 
     def _change_membership(self, executor: Executor, cloud_round: int) -> dict[str, Any]:
         """The grouping of ``cloud_round``: a regrouping when due, then the mobility model's
         maps of the round's edge rounds (:attr:`round_maps`; the grouping becomes the map at
         the round's end); returns the record keys a synchronous round writes for them."""
-        s = self.settings
+        s = self.sgd.settings
         mobility = s.mobility
         out: dict[str, Any] = {}
-        if self.regroup_due(cloud_round):
-            before = self._hierarchy()
-            self.hierarchy = self.group(executor, self.global_params, s.seed + cloud_round - 1)
+        if self.sgd.regroup_due(cloud_round):
+            before = self.sgd._hierarchy()
+            self.sgd.hierarchy = self.sgd.group(executor, self.sgd.global_params,
+                                                s.seed + cloud_round - 1)
             if mobility.active and mobility.reachability is not None:
-                self.hierarchy = self.hierarchy.with_edge_map(mobility.respect(
-                    before.edge_of_client(), self.hierarchy.edge_of_client(),
-                    self.hierarchy.num_nodes(1)))
+                self.sgd.hierarchy = self.sgd.hierarchy.with_edge_map(mobility.respect(
+                    before.edge_of_client(), self.sgd.hierarchy.edge_of_client(),
+                    self.sgd.hierarchy.num_nodes(1)))
             out = {"regrouped": True,
-                   "client_to_edge": self._hierarchy().edge_of_client().tolist()}
+                   "client_to_edge": self.sgd._hierarchy().edge_of_client().tolist()}
         self.round_maps = None
         if not mobility.active:
             return out
-        hierarchy = self._hierarchy()
+        hierarchy = self.sgd._hierarchy()
         edge_rounds = s.edge_rounds_per_cloud_round
         start = hierarchy.edge_of_client()
         self.round_maps = mobility.maps(s.seed, cloud_round, edge_rounds, start,
-                                        hierarchy.num_nodes(1), self._info().label_histograms)
+                                        hierarchy.num_nodes(1), self.sgd._info().label_histograms)
         previous = np.vstack([start[None], self.round_maps[:-1]])
         moves = [[(cloud_round - 1) * edge_rounds + k + 1, int(c), int(previous[k, c]),
                   int(self.round_maps[k, c])]
@@ -285,39 +331,15 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                  for c in np.flatnonzero(self.round_maps[k] != previous[k]).tolist()]
         out["moved_clients"] = len(moves)
         if moves:
-            self.hierarchy = hierarchy.with_edge_map(self.round_maps[-1])
+            self.sgd.hierarchy = hierarchy.with_edge_map(self.round_maps[-1])
             out["moves"] = moves
             out["client_to_edge"] = self.round_maps[-1].tolist()
         return out
 
-    def plan(self, edge_round: int) -> tuple[EdgeRoundWork, EdgeRoundPlan]:
-        """As :meth:`HierarchicalSGD.plan`, with a batch's client -> edge map of
-        ``edge_round`` (mobility: :meth:`_start_jobs`) in force; a client that moved into its
-        edge in this edge round starts from its old edge's model under the ``carry``
-        handoff, as in a synchronous round."""
-        maps = self._batch_maps
-        if maps is None:
-            return super().plan(edge_round)
-        s = self.settings
-        k = (edge_round - 1) % s.edge_rounds_per_cloud_round
-        old = self._hierarchy().edge_of_client()
-        self.hierarchy = self._hierarchy().with_edge_map(maps[k])
-        moved = np.flatnonzero(maps[k] != old)
-        if s.mobility.handoff != "carry":
-            self.schedule.forget(moved)  # fresh: a moved client drops its own model
-        work, plan = super().plan(edge_round)
-        if s.mobility.handoff != "carry" or k == 0 or not len(moved):
-            return work, plan
-        if work.carried is not None:  # per-edge periods: a carried model comes first
-            moved = np.setdiff1d(moved, work.carried)
-        start = work.start_edges.copy()
-        start[moved] = old[moved]
-        return dataclasses.replace(work, start_edge_of_client=start), plan
-
     def training_map(self) -> np.ndarray:
         """int64 [n]: each client's edge for a job starting now: its edge in the grouping,
         or, while it is in a job in flight, that job's edge."""
-        edge_of = self._hierarchy().edge_of_client().copy()
+        edge_of = self.sgd._hierarchy().edge_of_client().copy()
         for job in self._pending():
             if job.members is not None:
                 edge_of[job.members] = job.edge
@@ -330,12 +352,12 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
     def _start_jobs(self, executor: Executor, stats: dict[str, Any]) -> None:
         """Train the jobs of every idle edge from the current global model: the G / I edge
         rounds of cloud round ``version + 1``, restricted to those edges' clients."""
-        grouping, clock = self._hierarchy(), self._clock()
+        grouping, clock = self.sgd._hierarchy(), self.sgd._clock()
         edges = np.array(sorted(self.idle), dtype=np.int64)
         for edge in edges.tolist():
             clock.edge_time[edge] = self.idle[edge]
-            for key, value in self.edge_models.items():
-                value[edge] = self.global_params[key]
+            for key, value in self.sgd.edge_models.items():
+                value[edge] = self.sgd.global_params[key]
         self.idle = {}
         edge_of = self.training_map()
         if self.round_maps is not None:  # clients not in a job follow the round's moves
@@ -343,19 +365,19 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
             for job in self._pending():
                 if job.members is not None:
                     busy[job.members] = True
-            self._batch_maps = np.where(busy[None], edge_of[None], self.round_maps)
-            edge_of = self._batch_maps[0]
+            self.moves.maps = np.where(busy[None], edge_of[None], self.round_maps)
+            edge_of = self.moves.maps[0]
         periods = self._edge_periods()
         if periods is not None:
             periods.restart(np.isin(edge_of, edges), edges, grouping.num_clients,
                             grouping.num_nodes(1))
-        self.hierarchy = grouping.with_edge_map(edge_of)
+        self.sgd.hierarchy = grouping.with_edge_map(edge_of)
         counts = None if periods is None else periods.aggregations.copy()
         try:
             outcome = self._train_batch(executor, edges)
-            edge_of = self._hierarchy().edge_of_client()  # the map of the batch's last round
+            edge_of = self.sgd._hierarchy().edge_of_client()  # the map of the batch's last round
         finally:
-            self.hierarchy, self._batch_maps = grouping, None
+            self.sgd.hierarchy, self.moves.maps = grouping, None
         if periods is not None and counts is not None:  # it counts every edge: keep the batch's
             others = np.setdiff1d(np.arange(len(counts)), edges)
             periods.aggregations[others] = counts[others]
@@ -364,7 +386,7 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         stats["losses"].extend(outcome.losses[outcome.losses[:, 1] > 0, 0].tolist())
         held = outcome.held
         keep_reference = any(aggregator(name).needs_reference
-                             for name in self.settings.aggregators)
+                             for name in self.sgd.settings.aggregators)
         for edge in edges.tolist():
             models, survivors = None, np.zeros(0, dtype=np.int64)
             if held is not None:
@@ -373,35 +395,35 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
                     index = torch.as_tensor(rows, device=next(iter(held[0].values())).device)
                     models = {k: v.index_select(0, index) for k, v in held[0].items()}
                     survivors = held[1][rows]
-            reference = ({k: v[edge].clone() for k, v in self.edge_models.items()}
+            reference = ({k: v[edge].clone() for k, v in self.sgd.edge_models.items()}
                          if keep_reference else None)
-            self.jobs[edge] = EdgeTraining(edge, self.version, dict(self.global_params),
+            self.jobs[edge] = EdgeTraining(edge, self.version, dict(self.sgd.global_params),
                                       float(clock.edge_time[edge]), models, survivors,
                                       np.flatnonzero(edge_of == edge), reference)
 
     def _edge_periods(self) -> EdgePeriods | None:
         """The per-edge-period schedule (None: equal periods)."""
-        return self.schedule if isinstance(self.schedule, EdgePeriods) else None
+        return self.sgd.schedule if isinstance(self.sgd.schedule, EdgePeriods) else None
 
     def _train_batch(self, executor: Executor, edges: np.ndarray) -> Any:
         """:func:`train_edges` for a batch of edges starting together. Above the edges (a
         deeper tree) an aggregation inside the jobs is the batch's: the other edges neither
         hold it up on the clock nor count in its traffic."""
-        hierarchy, clock = self._hierarchy(), self._clock()
+        hierarchy, clock = self.sgd._hierarchy(), self.sgd._clock()
         if hierarchy.num_levels <= 2:
-            return train_edges(self, executor, edges, self.version + 1)
+            return train_edges(self.sgd, executor, edges, self.version + 1)
         others = np.setdiff1d(np.arange(hierarchy.num_nodes(1)), edges)
         times = clock.edge_time.copy()
         clock.edge_time[others] = -math.inf
-        counted, self.communication = self.communication, BatchCommunication(hierarchy, edges)
+        counted = self.sgd.communication
+        self.sgd.communication = BatchCommunication(hierarchy, edges)
         try:
-            return train_edges(self, executor, edges, self.version + 1)
+            return train_edges(self.sgd, executor, edges, self.version + 1)
         finally:
-            batch, self.communication = self.communication, counted
+            batch, self.sgd.communication = self.sgd.communication, counted
             for key, value in batch.as_dict().items():
                 setattr(counted, key, getattr(counted, key) + value)
             clock.edge_time[others] = times[others]
-
 
     # ---------------------------------------------------------------- time and checkpoints
     def elapsed_seconds(self) -> float:
@@ -409,19 +431,18 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         return self.now
 
     def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
+        state: dict[str, Any] = {}
         state["async"] = {"version": self.version, "jobs": list(self.jobs.values()),
                           "idle": dict(self.idle), "link_free": self.link_free,
                           "relay_free": dict(self.relay_free),
                           "edge_aggregations": ([] if (periods := self._edge_periods()) is None
                                                 else periods.aggregations.tolist()),
-                          "now": self.now, "edge_models": dict(self.edge_models)}
+                          "now": self.now, "edge_models": dict(self.sgd.edge_models)}
         if self.regions is not None:
             state["async"]["regions"] = self.regions.state_dict()
         return state
 
     def load_state_dict(self, state: Any) -> None:
-        super().load_state_dict(state)
         saved = state.get("async")
         if saved is None:
             raise ConfigError("this checkpoint was written by a synchronous run; resume it "
@@ -439,29 +460,26 @@ class AsyncHierarchicalSGD(HierarchicalSGD):
         if self.regions is not None:
             self.regions.load_state_dict(saved.get("regions"))
 
-    def setup(self, executor: Executor, initial: Params, *, info: ClientInfo | None = None,
-              hierarchy: Hierarchy | None = None) -> None:
-        """As synchronous H-SGD; a fresh run then has every edge idle at second 0 with the
+    def setup(self, executor: Executor) -> None:
+        """After the loop's set-up: a fresh run has every edge idle at second 0 with the
         initial model, a resumed one its checkpointed edges."""
-        super().setup(executor, initial, info=info, hierarchy=hierarchy)
         restored = self._restored_edge_models
-        grouping = self._hierarchy().edge_of_client()
+        grouping = self.sgd._hierarchy().edge_of_client()
         for job in self._pending():
             if job.members is None:
                 job.members = np.flatnonzero(grouping == job.edge)
         if restored is not None:
-            device = next(iter(initial.values())).device
-            self.edge_models = {k: v.to(device) for k, v in restored.items()}
+            device = next(iter(self.sgd.global_params.values())).device
+            self.sgd.edge_models = {k: v.to(device) for k, v in restored.items()}
             return
-        edges = self._hierarchy().num_nodes(1)
+        edges = self.sgd._hierarchy().num_nodes(1)
         self.idle = dict.fromkeys(range(edges), 0.0)
-        self.edge_models = {k: v.unsqueeze(0).repeat(edges, *([1] * v.dim()))
-                            for k, v in self.global_params.items()}
+        self.sgd.edge_models = {k: v.unsqueeze(0).repeat(edges, *([1] * v.dim()))
+                            for k, v in self.sgd.global_params.items()}
 
 
 def algorithm_for(settings: HSGDSettings,
                   cloud_step: CloudStep | None = None) -> HierarchicalSGD:
-    """The round the settings ask for: synchronous H-SGD, or with asynchronous edges."""
-    if settings.asynchronous.active:
-        return AsyncHierarchicalSGD(settings, cloud_step)
+    """The round the settings ask for: synchronous H-SGD, or with asynchronous edges (the
+    loop picks its part itself, :func:`fedhier.round.rounds.rounds_for`)."""
     return HierarchicalSGD(settings, cloud_step)

@@ -52,7 +52,7 @@ import numpy as np
 from fedhier.common.errors import ConfigError
 from fedhier.round.asynchrony.reports import StaleReport
 from fedhier.round.asynchrony.settings import AsyncEdges
-from fedhier.round.loop import Executor, HSGDSettings
+from fedhier.round.loop import Executor
 from fedhier.tree.hierarchy import Hierarchy
 
 J = TypeVar("J", bound=StaleReport)
@@ -68,14 +68,16 @@ class RegionReport(Generic[J]):
 
 
 class AsyncRound(Protocol[J]):
-    """What the buffers use of :class:`fedhier.round.asynchrony.edges.AsyncHierarchicalSGD`."""
+    """What the buffers use of :class:`fedhier.round.asynchrony.edges.BufferedRounds`."""
 
-    settings: HSGDSettings
     version: int
     jobs: dict[int, J]
     idle: dict[int, float]
-    communication: Any
-    model_bytes: int
+
+    @property
+    def communication(self) -> Any: ...
+    @property
+    def model_bytes(self) -> int: ...
 
     def _hierarchy(self) -> Hierarchy: ...
     def _start_jobs(self, executor: Executor, stats: dict[str, Any]) -> None: ...

@@ -20,9 +20,34 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedhier.common.errors import ConfigError
+from fedhier.common.errors import ConfigError, Refusal
 from fedhier.round.asynchrony.rules import AsyncRule, StalenessFunction
 
+#: What asynchronous edges refuse (docs/hsgd.md's table, :mod:`fedhier.settings.refusals`).
+REFUSALS = (
+    Refusal("`--async-buffer K` with K above the number of edges",
+            "no meaning: the cloud would wait for reports that never come",
+            ("--async-buffer", "5"), "edges; the cloud would wait for reports that never come"),
+    Refusal("`--async-buffer` or `--max-staleness` below 0",
+            "no meaning: a buffer holds some reports, a report is some aggregations old",
+            ("--async-buffer", "-1"), "async_buffer must be"),
+    Refusal("`--region-buffer` on two levels",
+            "no meaning: no node lies between the edges and the cloud",
+            ("--async-buffer", "1", "--region-buffer", "1"),
+            "region_buffer needs a tree of 3+ levels"),
+    Refusal("`--region-buffer` with one entry too many or too few",
+            "no meaning: it takes one K per level between the edges and the cloud",
+            ("--groups", "4,2", "--periods", "5,10,20", "--async-buffer", "1",
+             "--region-buffer", "1,1"), "region_buffer takes one K per level"),
+    Refusal("`--region-buffer` with an entry above a node's children",
+            "no meaning: the node would wait for reports that never come",
+            ("--groups", "4,2", "--periods", "5,10,20", "--async-buffer", "1",
+             "--region-buffer", "3"), "it would wait for reports that never come"),
+    Refusal("`--async-buffer` above the cloud's children, with `--region-buffer`",
+            "no meaning: the cloud would wait for reports that never come",
+            ("--groups", "4,2", "--periods", "5,10,20", "--async-buffer", "3",
+             "--region-buffer", "1"), "is more than the cloud's"),
+)
 
 @dataclass(frozen=True)
 class AsyncEdges:

@@ -1,7 +1,7 @@
 """Asynchronous edges on real processes: the cloud aggregates the first K edge reports it
 really receives (``fedhier deploy local --edges E --async-buffer K``).
 
-The round is :class:`fedhier.round.asynchrony.edges.AsyncHierarchicalSGD`'s (the simulation's: the K
+The round is :class:`fedhier.round.asynchrony.edges.BufferedRounds`'s (the simulation's: the K
 accepted reports, staleness s = aggregations since the job's start model, the run's rule
 (:mod:`fedhier.round.asynchrony.rules`), dropped past ``max_staleness``,
 :mod:`fedhier.round.asynchrony.reports`), with three parts
@@ -33,19 +33,20 @@ jobs; the cloud's central evaluation on the test set runs every round). The mode
 central metrics, ``async_reports`` and ``stale_dropped`` are the simulation's for the same
 order. Per-edge periods run inside the jobs (each I_i divides the cloud period, so a job
 holds whole periods of its edge, as a synchronous server's job does; the cloud counts each
-edge's aggregations in its last job, :meth:`EdgeTierAsyncHSGD._count_aggregations`). Two
+edge's aggregations in its last job, :meth:`BufferedServerRounds._count_aggregations`). Two
 levels only (clients, edges, cloud), static clients.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from fedhier.common.errors import ConfigError
+from fedhier.common.errors import ConfigError, Refusal
 from fedhier.round.asynchrony.arrival_order import (
     ArrivalOrder,
     ArrivalsLog,
@@ -55,12 +56,11 @@ from fedhier.round.asynchrony.arrival_order import (
     arrivals_path,
     read_arrivals,
 )
-from fedhier.round.asynchrony.edges import AsyncHierarchicalSGD, EdgeTraining
+from fedhier.round.asynchrony.edges import BufferedRounds, EdgeTraining
 from fedhier.round.asynchrony.reports import merge_reports
-from fedhier.round.loop import CloudStep, Executor, HierarchicalSGD, HSGDSettings, Params
-from fedhier.round.tiers.jobs import EdgeReport, EdgeTierHierarchicalSGD, ServerJob
-from fedhier.tree.grouping import ClientInfo
-from fedhier.tree.hierarchy import Hierarchy
+from fedhier.round.loop import CloudStep, Executor, HierarchicalSGD, HSGDSettings
+from fedhier.round.tiers.jobs import EdgeReport, ServerJob
+from fedhier.round.tiers.servers import check_connected
 
 
 class AsyncEdgeTierExecutor(Executor, Protocol):
@@ -81,6 +81,18 @@ class AsyncEdgeTierExecutor(Executor, Protocol):
         ...
 
 
+#: What asynchronous edge servers refuse (docs/hsgd.md's table).
+REFUSALS = (
+    Refusal("asynchronous edge servers (`--edge-servers --async-buffer`) with `--regions`",
+            "not yet on real processes: the regions' buffers run in the simulation only",
+            ("--edge-servers", "--groups", "4,2", "--periods", "5,10,20", "--async-buffer", "1"),
+            "asynchronous edge servers need two levels"),
+    Refusal("asynchronous edge servers with `--diagnostics-every`",
+            "not yet on real processes: the edges are busy with jobs between aggregations",
+            ("--edge-servers", "--async-buffer", "2", "--diagnostics-every", "1"),
+            "asynchronous edge servers do not query the clients"),
+)
+
 def check_async_edge_tier(settings: HSGDSettings | Any) -> None:
     """Refuse, in one line, what asynchronous edge servers do not run (``settings``: an
     HSGDSettings or a RunConfig)."""
@@ -100,19 +112,19 @@ def edge_level_mean(aggregators: tuple[str, ...], levels: int) -> tuple[str, ...
                       for level in range(2, levels + 1)))
 
 
-class EdgeTierAsyncHSGD(AsyncHierarchicalSGD, EdgeTierHierarchicalSGD):
-    """The cloud of asynchronous edge servers (the module docstring).
+class BufferedServerRounds(BufferedRounds):
+    """The cloud rounds of asynchronous edge servers (the module docstring): the simulation's
+    buffer (:class:`BufferedRounds`) over jobs that run remotely.
 
     Args:
         log: where each cloud aggregation's arrival order is written (None: nowhere);
         replay: cloud round -> the edges to take, in order (then the real order).
     """
 
-    def __init__(self, settings: HSGDSettings, cloud_step: CloudStep | None = None, *,
-                 log: ArrivalsLog | None = None,
+    def __init__(self, sgd: HierarchicalSGD, *, log: ArrivalsLog | None = None,
                  replay: dict[int, list[int]] | None = None) -> None:
-        check_async_edge_tier(settings)
-        super().__init__(settings, cloud_step)
+        check_async_edge_tier(sgd.settings)
+        super().__init__(sgd)
         self.log = log
         self.replay = dict(replay or {})
         self.unsent: list[int] = []  # restored jobs in flight: sent again at the next collect
@@ -120,9 +132,9 @@ class EdgeTierAsyncHSGD(AsyncHierarchicalSGD, EdgeTierHierarchicalSGD):
         self._stats: dict[str, Any] = {"losses": [], "failed_clients": 0, "failed_edges": 0}
         self._recording: RecordingOrder | None = None
 
-    def setup(self, executor: Executor, initial: Params, *, info: ClientInfo | None = None,
-              hierarchy: Hierarchy | None = None) -> None:
-        super().setup(executor, initial, info=info, hierarchy=hierarchy)
+    def setup(self, executor: Executor) -> None:
+        check_connected(self.sgd, executor)
+        super().setup(executor)
         self.unsent = sorted(self.jobs)  # a resumed run's jobs in flight: their reports died
         remote: AsyncEdgeTierExecutor = executor  # type: ignore[assignment]
         order: ArrivalOrder = ReceivedOrder(lambda edges: self._receive(remote, edges))
@@ -138,14 +150,14 @@ class EdgeTierAsyncHSGD(AsyncHierarchicalSGD, EdgeTierHierarchicalSGD):
     def _start_jobs(self, executor: Executor, stats: dict[str, Any]) -> None:
         """Every idle edge gets a job from the current global model, sent at once; its
         result comes with its report (:meth:`_receive`)."""
-        clock = self._clock()
+        clock = self.sgd._clock()
         edges = sorted(self.idle)
         edge_of = self.training_map()
         for edge in edges:
             clock.edge_time[edge] = self.idle[edge]
-            for key, value in self.edge_models.items():
-                value[edge] = self.global_params[key]
-            self.jobs[edge] = EdgeTraining(edge, self.version, dict(self.global_params),
+            for key, value in self.sgd.edge_models.items():
+                value[edge] = self.sgd.global_params[key]
+            self.jobs[edge] = EdgeTraining(edge, self.version, dict(self.sgd.global_params),
                                       float(self.idle[edge]), None,
                                       np.zeros(0, dtype=np.int64),
                                       np.flatnonzero(edge_of == edge))
@@ -161,25 +173,25 @@ class EdgeTierAsyncHSGD(AsyncHierarchicalSGD, EdgeTierHierarchicalSGD):
         periods = self._edge_periods()
         if periods is None or not edges:
             return
-        num_edges = self._hierarchy().num_nodes(1)
+        num_edges = self.sgd._hierarchy().num_nodes(1)
         if len(periods.aggregations) != num_edges:
             periods.aggregations = np.zeros(num_edges, dtype=np.int64)
         counts = np.zeros(num_edges, dtype=np.int64)
-        for edge_round in self.settings.edge_rounds_of(self.version + 1):
+        for edge_round in self.sgd.settings.edge_rounds_of(self.version + 1):
             counts += periods.levels(edge_round, num_edges) > 0
         periods.aggregations[edges] = counts[edges]
 
     def _send(self, executor: Executor, edges: list[int]) -> None:
         """Push the jobs of ``edges`` (``job.finish`` holds its start second until its
         report is in)."""
-        hierarchy, clock = self._hierarchy(), self._clock()
+        hierarchy, clock = self.sgd._hierarchy(), self.sgd._clock()
         jobs = []
         for edge in edges:
             job = self.jobs[edge]
             seconds = clock.edge_time.copy()
             seconds[edge] = job.finish
             jobs.append(ServerJob(edge, job.version + 1, job.base, hierarchy.edge_of_client(),
-                                  self._info().num_examples, seconds,
+                                  self.sgd._info().num_examples, seconds,
                                   parents=tuple(hierarchy.parents[1:])))
         executor.submit(jobs)  # type: ignore[attr-defined]
 
@@ -189,23 +201,23 @@ class EdgeTierAsyncHSGD(AsyncHierarchicalSGD, EdgeTierHierarchicalSGD):
         report = executor.report(edge)
         job, stats = self.jobs[edge], self._stats
         members = job.members if job.members is not None else np.zeros(0, dtype=np.int64)
-        rounds = self.settings.edge_rounds_per_cloud_round
+        rounds = self.sgd.settings.edge_rounds_per_cloud_round
         if not report.reached:  # as a synchronous round counts a server that did not answer
             stats["failed_clients"] += len(members) * rounds
             stats["failed_edges"] += rounds
             return edge
-        device = next(iter(self.global_params.values())).device
+        device = next(iter(self.sgd.global_params.values())).device
         if report.model is not None and len(members):
             job.models = {k: v.to(device).unsqueeze(0) for k, v in report.model.items()}
             job.survivors = members[:1].copy()
         job.finish = float(report.seconds[edge])
-        self._clock().edge_time[edge] = job.finish
+        self.sgd._clock().edge_time[edge] = job.finish
         self.reported_weight[edge] = float(report.weight)
         losses = np.asarray(report.losses, dtype=np.float64).reshape(-1, 2)
         stats["losses"].extend(losses[losses[:, 1] > 0, 0].tolist())
         stats["failed_clients"] += report.failed_clients
         stats["failed_edges"] += report.failed_edges
-        report.add_traffic(self.communication)
+        report.add_traffic(self.sgd.communication)
         return edge
 
     def _collect(self, executor: Executor, stats: dict[str, Any],
@@ -225,7 +237,7 @@ class EdgeTierAsyncHSGD(AsyncHierarchicalSGD, EdgeTierHierarchicalSGD):
     def _aggregate(self, accepted: list[tuple[EdgeTraining, int]], cloud_round: int = 0) -> None:
         """The new global model from the accepted edge aggregates: one stand-in client per
         report (its first member) weighing the edge's W_e, the mean at level 1."""
-        weights = np.zeros_like(self.weights)
+        weights = np.zeros_like(self.sgd.weights)
         stand_ins: list[tuple[EdgeTraining, int]] = []
         for job, staleness in accepted:
             if job.models is None:
@@ -233,17 +245,17 @@ class EdgeTierAsyncHSGD(AsyncHierarchicalSGD, EdgeTierHierarchicalSGD):
             rep = job.survivors[:1].copy()
             weights[rep] = self.reported_weight[job.edge]
             stand_ins.append((dataclasses.replace(job, members=rep, survivors=rep), staleness))
-        hierarchy = self._hierarchy()
-        new = merge_reports(stand_ins, self.global_params, weights, hierarchy,
-                            edge_level_mean(self.settings.aggregators, hierarchy.num_levels),
-                            self.node_models, self.cloud_step, cloud_round,
-                            self.settings.asynchronous.rule)
+        hierarchy = self.sgd._hierarchy()
+        new = merge_reports(stand_ins, self.sgd.global_params, weights, hierarchy,
+                            edge_level_mean(self.sgd.settings.aggregators, hierarchy.num_levels),
+                            self.sgd.node_models, self.sgd.cloud_step, cloud_round,
+                            self.sgd.settings.asynchronous.rule)
         if new is not None:
-            self.global_params = new
+            self.sgd.global_params = new
 
 
 def async_edge_tier(settings: HSGDSettings, cloud_step: CloudStep | None,
-                    folder: Path, resume: Any = None) -> EdgeTierAsyncHSGD:
+                    folder: Path, resume: Any = None) -> HierarchicalSGD:
     """The cloud of asynchronous edge servers writing ``folder``'s arrivals file: a resumed
     run (``resume``: its checkpoint) replays the rounds recorded after the checkpoint, a
     replay (``settings.asynchronous.replay``: ``--replay-arrivals``) the file it names."""
@@ -256,16 +268,18 @@ def async_edge_tier(settings: HSGDSettings, cloud_step: CloudStep | None,
     source = settings.asynchronous.replay
     if source and not replay:
         replay = read_arrivals(source)
-    return EdgeTierAsyncHSGD(settings, cloud_step, log=log, replay=replay)
+    return HierarchicalSGD(settings, cloud_step,
+                           rounds=functools.partial(BufferedServerRounds, log=log, replay=replay))
 
 
 def with_replayed_arrivals(algorithm: HierarchicalSGD) -> HierarchicalSGD:
     """A simulated asynchronous run fed a recorded order (``--replay-arrivals``): its cloud
     takes the reports in that order for the rounds recorded, then by the simulated clock."""
     source = algorithm.settings.asynchronous.replay
-    if source and isinstance(algorithm, AsyncHierarchicalSGD) \
-            and not isinstance(algorithm, EdgeTierAsyncHSGD):
-        if algorithm.regions is not None:
+    rounds = algorithm.rounds
+    if source and isinstance(rounds, BufferedRounds) \
+            and not isinstance(rounds, BufferedServerRounds):
+        if rounds.regions is not None:
             raise ConfigError("replayed arrivals are of two-level runs (no region_buffer)")
-        algorithm.arrivals = RecordedOrder(read_arrivals(source), algorithm.arrivals)
+        rounds.arrivals = RecordedOrder(read_arrivals(source), rounds.arrivals)
     return algorithm

@@ -13,9 +13,10 @@ aggregate up) and runs the exchanges with its own children in between:
 * a node above (level l >= 2) sends each child a job per period of its own level
   (:func:`run_children`), aggregates their answers at level l between two jobs and answers
   its parent with the last ones' aggregate;
-* the cloud (:class:`EdgeTierHierarchicalSGD`) starts the cloud round, runs its children as a
-  node does (one job each per cloud round), sums their counters and losses and takes the
-  cloud step over their aggregates (:meth:`HierarchicalSGD.aggregate_edges`).
+* the cloud (:class:`fedhier.round.tiers.servers.ServerRounds`, the loop's cloud-round part)
+  starts the cloud round, runs its children as a node does (one job each per cloud round),
+  sums their counters and losses and takes the cloud step over their aggregates
+  (:meth:`HierarchicalSGD.aggregate_edges`).
 
 Every node runs :class:`fedhier.round.loop.HierarchicalSGD` unchanged on the whole tree, so every
 draw (participation, stragglers, faults, mini-batches, compute speeds), keyed by the seed, the
@@ -43,12 +44,16 @@ import torch
 from fedhier.common.errors import ConfigError
 from fedhier.round.aggregators.averaging import aggregator, presence_weights
 from fedhier.round.loop import (
+    EdgeRoundWork,
     Executor,
     HierarchicalSGD,
     HSGDSettings,
     Params,
+    TrainResult,
     aggregate_levels,
 )
+from fedhier.round.participants import EdgeRoundPlan
+from fedhier.round.synchronous import SynchronousRounds
 from fedhier.round.tiers.moves import (
     ClientStates,
     HandoffJobs,
@@ -57,7 +62,6 @@ from fedhier.round.tiers.moves import (
     ends_period,
     exchanges,
     job_settings,
-    run_segments,
     with_own_edges,
 )
 from fedhier.round.traffic import BatchCommunication, Communication
@@ -84,19 +88,36 @@ class EdgeRunOutcome:
     failed_edges: int
 
 
+def complete_below(algorithm: HierarchicalSGD, work: EdgeRoundWork, plan: EdgeRoundPlan,
+                   result: TrainResult, held_from: int,
+                   ) -> tuple[dict[str, Any], tuple[Params, np.ndarray] | None]:
+    """:meth:`HierarchicalSGD.complete`, except that an edge round that ends at level
+    ``held_from`` or above is not aggregated: its settled survivors (name -> [s, *shape],
+    int64 [s] clients) come back with the outcome, for the caller to aggregate (the parent
+    server, the asynchronous cloud); None: aggregated here, or no survivor."""
+    settled = algorithm.settle(work, plan, result)
+    if not len(settled.survivors):
+        return settled.outcome, None
+    if settled.level >= held_from:
+        return settled.outcome, (settled.models, settled.survivors)
+    algorithm.aggregate(settled)
+    return settled.outcome, None
+
+
 def train_edges(algorithm: HierarchicalSGD, executor: Executor, edges: np.ndarray,
                 cloud_round: int, rounds: range | None = None,
-                hold_level: int = 0) -> EdgeRunOutcome:
+                held_from: int = 0) -> EdgeRunOutcome:
     """The edge rounds ``rounds`` (default: all of ``cloud_round``'s) restricted to the
     clients of ``edges`` (int64, sorted), from the edge models the algorithm holds. The last
-    round's survivors are held, not aggregated, when it ends at the cloud (or, with
-    ``hold_level``, at that level or above: ``complete(..., hold_level=...)``)."""
+    round's survivors are held, not aggregated, when it ends at the cloud (or at level
+    ``held_from`` or above: :func:`complete_below`)."""
     edge_of = algorithm._hierarchy().edge_of_client()
     if rounds is None:
         rounds = algorithm.settings.edge_rounds_of(cloud_round)
     losses = np.zeros((len(rounds), 2))
     failed = failed_edge_count = 0
     held: tuple[Params, np.ndarray] | None = None
+    held_from = held_from or algorithm._hierarchy().num_levels
     for k, edge_round in enumerate(rounds):
         work, plan = algorithm.plan(edge_round)
         mine = np.isin(edge_of[work.clients], edges)
@@ -104,13 +125,11 @@ def train_edges(algorithm: HierarchicalSGD, executor: Executor, edges: np.ndarra
         if not len(work.clients) and not waits_carried(algorithm, np.isin(edge_of, edges)):
             continue
         result = executor.train(work, algorithm.start_models(work))
-        outcome = algorithm.complete(work, plan, result, hold_cloud=not hold_level,
-                                     hold_level=hold_level)
+        outcome, held = complete_below(algorithm, work, plan, result, held_from)
         failed += outcome["failed_clients"]
         failed_edge_count += outcome["failed_edges"]
         if outcome["train_loss"] is not None:
             losses[k] = (outcome["train_loss"], outcome["loss_weight"])
-        held = outcome.get("held")
     return EdgeRunOutcome(held, losses, failed, failed_edge_count)
 
 
@@ -217,7 +236,7 @@ def start_job(settings: HSGDSettings, executor: Executor, job: ServerJob) -> Hie
     """A server's round for ``job``: set up on the job's tree and clients' row counts, at the
     job's cloud round, with every edge's simulated clock as the job carries it; its traffic
     counters count the job's subtree only."""
-    algorithm = HierarchicalSGD(job_settings(settings))
+    algorithm = HierarchicalSGD(job_settings(settings), rounds=SynchronousRounds)
     n = len(job.edge_of_client)
     info = ClientInfo(label_histograms=np.zeros((n, 1), dtype=np.int64),
                       num_examples=np.asarray(job.num_examples, dtype=np.int64))
@@ -260,7 +279,7 @@ def run_edge_job(settings: HSGDSettings, executor: Executor, job: ServerJob) -> 
         if job.states:  # clients that moved here: their kept state, before they train
             executor.restore_client_state(job.states)
         outcome = train_edges(algorithm, executor, edges, job.cloud_round, rounds,
-                              hold_level=2)
+                              held_from=2)
         averaged = edge_aggregates(algorithm, outcome.held)
         model = None if averaged is None else {k: v[0] for k, v in averaged[0].items()}
         if not ends_period(settings, 2, rounds.stop - 1):  # inside the parent's period
@@ -417,58 +436,6 @@ class EdgeTierExecutor(Executor, Protocol):
     that did not answer in time: ``reached`` False)."""
 
     def run_edge_jobs(self, jobs: list[ServerJob]) -> list[EdgeReport]: ...
-
-
-class EdgeTierHierarchicalSGD(HierarchicalSGD):
-    """The cloud of a run whose edges (and levels above) are servers of their own (the
-    module docstring)."""
-
-    def setup(self, executor: Executor, initial: Params, *, info: ClientInfo | None = None,
-              hierarchy: Hierarchy | None = None) -> None:
-        """As :meth:`HierarchicalSGD.setup`; then the grouping must put every client under
-        the servers it is connected to (``executor.ancestors``: per level 1 .. L-1 each
-        client's server, when known)."""
-        super().setup(executor, initial, info=info, hierarchy=hierarchy)
-        if self.membership.rules:  # clients move: re-attached where the tree puts them
-            return
-        connected = getattr(executor, "ancestors", None) or ()
-        names = server_names(self._hierarchy().num_levels)
-        for level, where in enumerate(connected, start=1):
-            grouped = self._hierarchy().ancestors(level)
-            if not np.array_equal(where, grouped):
-                client = int(np.flatnonzero(np.asarray(where) != grouped)[0])
-                raise ConfigError(
-                    f"client {client} is connected to {names[level]} {int(where[client])} but "
-                    f"the '{self.settings.grouping}' grouping puts it under {names[level]} "
-                    f"{int(grouped[client])}: start each client at its {names[level]} "
-                    "(fedhier deploy local --edges does)")
-
-    def cloud_round(self, executor: Executor, cloud_round: int) -> dict[str, Any]:
-        """Send every child server its job, wait for the reports, aggregate them at the
-        cloud."""
-        changed = self.begin_cloud_round(executor, cloud_round)
-        rounds = self.settings.edge_rounds_of(cloud_round)
-        top = self._hierarchy().num_levels
-        below, handoffs = run_segments(self, executor, run_children, top, cloud_round,
-                                       rounds)
-        if below.models is not None:
-            self.aggregate_edges(cloud_round, below.models, below.children, below.weights)
-        reported = below.losses[:, 1] > 0
-        out: dict[str, Any] = {
-            "local_train_loss": (float(np.mean(below.losses[reported, 0]))
-                                 if reported.any() else None),
-            "failed_clients": below.failed, "failed_edges": below.failed_edges, **changed}
-        if self.membership.rules:
-            out.update(self.membership.end_cloud_round(self._hierarchy()))
-        if handoffs:
-            out["handoffs"] = handoffs
-        names = server_names(top)
-        if below.unreached:
-            out["unreached_" + names[top - 1] + "s"] = below.unreached
-        for level, nodes in sorted(below.deeper.items()):  # e.g. an edge a region missed
-            out["unreached_" + names[level] + "s"] = sorted(set(nodes))
-        out.update(schedule_keys(self, rounds))
-        return out
 
 
 def schedule_keys(algorithm: HierarchicalSGD, rounds: range) -> dict[str, Any]:

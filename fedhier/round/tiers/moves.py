@@ -1,6 +1,6 @@
 """Moving clients between edge servers (mobility, regrouping) when edges are processes.
 
-The cloud of a server tier (:class:`fedhier.round.tiers.jobs.EdgeTierHierarchicalSGD`) decides every
+The cloud of a server tier (:class:`fedhier.round.tiers.servers.ServerRounds`) decides every
 move: its membership (:mod:`fedhier.round.membership`) draws the moves from the seed as in
 every other engine. An edge server's job spans several edge rounds, so the cloud cuts the
 cloud round into **segments** at the edge rounds where a client moves
