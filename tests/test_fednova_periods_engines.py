@@ -24,6 +24,16 @@ float32 epsilons (4.8e-7 relative; 6.5e-8 absolute on these weights), is 20x tig
 the engines' usual 1e-5 (tests/test_pair_matrix.py): a difference of the size reported fails
 here, naming the edge round, and so does a learning rate 1e-6 off on the vectorized engine,
 which the 1e-5 engine tests of tests/test_edge_periods.py and tests/test_pair_matrix.py pass.
+
+Where a hidden unit's pre-activation z is within that rounding of 0 for one client's sample,
+relu'(z) flips between the engines: the layer before the ReLU (``hidden.*``) of that client
+then differs by one sample's gradient term (2.7e-4 here, seen on an AVX-512 machine at edge
+round 10 of 12 without stragglers; not on the AVX2 machine before it), while the activation
+stays within rounding of 0 and the layer after it (``out.*``) does not see it. The test checks
+that signature at the first edge round over the bound (start models within the bound,
+``out.*`` trained within it) and compares no further: from there the runs are two
+trajectories. It still requires :data:`MIN_ROUNDS` edge rounds within the bound before one,
+and, on a machine without a kink, every edge round, the final model and the metrics.
 """
 
 from __future__ import annotations
@@ -53,6 +63,12 @@ CASE = RunConfig(dataset="digits", clients=16, groups=(4,), local_period=2, glob
 EPS32 = float(torch.finfo(torch.float32).eps)
 #: The bound, in float32 epsilons relative to the largest entry (models) or value (metrics).
 ULPS = 4
+BOUND = ULPS * EPS32
+#: The edge rounds compared before a ReLU kink may end the comparison (of 12).
+MIN_ROUNDS = 6
+#: The MLP's parameters after its ReLU: a unit at its kink leaves them be (the activation is
+#: within rounding of 0 either way; only relu'(z), and so the layer before, flips).
+AFTER_RELU = ("out.weight", "out.bias")
 
 
 @pytest.fixture(autouse=True)
@@ -92,9 +108,10 @@ def trace(cfg: RunConfig, out: Path, monkeypatch: pytest.MonkeyPatch) -> list[di
     return rounds
 
 
-def relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """max |a - b| over every entry, over the largest |a|."""
-    gap = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+def relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+             keys: tuple[str, ...] | None = None) -> float:
+    """max |a - b| over every entry (of ``keys``: all by default), over the largest |a|."""
+    gap = max(float((a[k].double() - b[k].double()).abs().max()) for k in keys or a)
     return gap / max(float(a[k].abs().max()) for k in a)
 
 
@@ -108,19 +125,25 @@ def test_engines_differ_by_float32_rounding_only(stragglers, tmp_path, monkeypat
     a = trace(cfg.replace(engine="inprocess"), tmp_path / "inprocess", monkeypatch)
     b = trace(cfg.replace(engine="vectorized"), tmp_path / "vectorized", monkeypatch)
     assert len(a) == len(b) == cfg.rounds * cfg.global_period // cfg.local_period
-    table = []
+    table, kink = [], None
     for ra, rb in zip(a, b, strict=True):
         for key in ("edge_round", "clients", "steps", "scale"):  # the one plan
             assert np.array_equal(ra[key], rb[key]), (key, ra["edge_round"])
-        table.append((ra["edge_round"], relative(ra["start"], rb["start"]),
-                      relative(ra["trained"], rb["trained"]),
-                      relative(ra["edges"], rb["edges"])))
+        row = (ra["edge_round"], relative(ra["start"], rb["start"]),
+               relative(ra["trained"], rb["trained"]), relative(ra["edges"], rb["edges"]))
+        if max(row[1:]) > BOUND:
+            kink = row
+            break
+        table.append(row)
     assert table[0][1] == 0.0  # edge round 1 starts from the same models ...
     assert table[0][2] > 0.0  # ... and local training is where they part
-    worst = max(max(row[1:]) for row in table)
-    assert worst <= ULPS * EPS32, ["(edge round, start, trained, edges)", *table]
-    assert relative(final(tmp_path / "inprocess"), final(tmp_path / "vectorized")) <= (
-        ULPS * EPS32)
+    assert len(table) >= MIN_ROUNDS, ["(edge round, start, trained, edges)", *table, kink]
+    if kink is not None:  # a hidden unit at its ReLU kink (the module docstring)
+        ra, rb = a[len(table)], b[len(table)]
+        assert kink[1] <= BOUND, ("the start models part", kink)
+        assert relative(ra["trained"], rb["trained"], AFTER_RELU) <= BOUND, ("not a kink", kink)
+        return  # from here on the two runs are two trajectories
+    assert relative(final(tmp_path / "inprocess"), final(tmp_path / "vectorized")) <= BOUND
     scaled = np.concatenate([r["scale"] for r in a])
     assert (scaled != 1.0).any() == (stragglers > 0)  # FedNova scales (only) with stragglers
     for ra, rb in zip(metrics(tmp_path / "inprocess"), metrics(tmp_path / "vectorized"),
@@ -128,7 +151,7 @@ def test_engines_differ_by_float32_rounding_only(stragglers, tmp_path, monkeypat
         assert ra.keys() == rb.keys()
         for key in ra.keys() - IGNORED_KEYS:
             if isinstance(ra[key], float):
-                assert math.isclose(ra[key], rb[key], rel_tol=ULPS * EPS32), (
+                assert math.isclose(ra[key], rb[key], rel_tol=BOUND), (
                     ra["round"], key, ra[key], rb[key])
             else:
                 assert ra[key] == rb[key], (ra["round"], key)
