@@ -147,11 +147,17 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                         ["-k", "test_hsgd_mutants or (test_round_parts and not over_500_lines) "
                          "or ((mobility_handoffs or test_per_edge_periods or async_staleness "
                          "or flower_server_optimiser) and vectorized)"]),
+    # the synchronous cloud round (the loop's default part) and the server tier's: the same
+    # closed-form runs as the loop, then edge servers' equality with the one-process round
+    "fedhier/round/synchronous.py": (["tests/test_hsgd_mutants.py", "tests/test_oracle.py"],
+                                     ["-k", "test_hsgd_mutants or ((mobility_handoffs or "
+                                      "test_per_edge_periods) and vectorized)"]),
+    "fedhier/round/tiers/servers.py": (["tests/test_edge_tier.py"], []),
     "fedhier/round/clock.py": (["tests/test_sim_clock.py", "tests/test_sim_clock_mutants.py"],
                              ["-k", "transfer or waits or queues or share or pay_only or "
                               "bad_edge_slowdown or mutants"]),
 }
-COPY = ["fedhier", "fedhier.strategies", "fedhier.clients", "examples", "tests", "docs"]
+COPY = ["fedhier", "strategies", "clients", "datasets_cfg", "examples", "tests", "docs"]
 
 
 #: Wall-clock seconds after which a mutant's process is killed as hung (mutmut itself limits
