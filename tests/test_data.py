@@ -389,6 +389,46 @@ def test_local_image_column_channels_first(tmp_path: Path) -> None:
     for xi in x_all:  # every example is one of the images, channels first
         assert np.min(np.abs(expected - xi).reshape(12, -1).max(1)) < 1e-6
     assert set(np.concatenate([y, yt]).tolist()) == {0, 1, 2}  # strings -> sorted class ids
+    assert bundle.label_names == ("cat", "dog", "emu")
+
+
+def test_string_labels_run_and_the_run_folder_keeps_their_mapping(tmp_path: Path) -> None:
+    """A CSV whose labels are strings trains, and labels.json says which class number each
+    string became (sorted), matching the per-client label counts of partition.json."""
+    import json
+
+    from fedhier.cli.commands import main
+
+    rng = np.random.default_rng(0)
+    names = np.array(["virginica", "setosa", "versicolor"])
+    which = rng.integers(0, 3, 120)
+    table = datasets.Dataset.from_dict({"a": rng.normal(size=120) + which,
+                                        "b": rng.normal(size=120), "species": names[which]})
+    table.to_csv(str(tmp_path / "flowers.csv"))
+    toml = tmp_path / "flowers.toml"
+    toml.write_text('name = "flowers"\nsource = "local"\npath = "flowers.csv"\n'
+                    'num_classes = 3\ninput_shape = [2]\nfeature_columns = ["a", "b"]\n'
+                    'label_column = "species"\ntest_fraction = 0.25\n')
+    out = tmp_path / "run"
+    assert main(["run", "--dataset", str(toml), "--clients", "4", "--groups", "2",
+                 "--local-period", "1", "--global-period", "2", "--rounds", "1",
+                 "--engine", "vectorized", "--model", "logreg", "--out", str(out),
+                 "--no-progress"]) == 0
+    classes = json.loads((out / "labels.json").read_text())["classes"]
+    assert classes == ["setosa", "versicolor", "virginica"]
+    partition = json.loads((out / "partition.json").read_text())
+    rows = [r for c in partition["clients"] for r in c["rows"]]
+    bundle = load_data(str(toml), seed=0)
+    _, y = bundle.train_arrays()
+    counts = np.sum([c["label_counts"] for c in partition["clients"]], axis=0)
+    assert counts.tolist() == np.bincount(y[rows], minlength=3).tolist()
+    x, _ = bundle.train_arrays()  # feature b is unique: it finds each row's own string
+    species = {np.float32(v): name for v, name in zip(table["b"], table["species"], strict=True)}
+    assert [classes[label] for label in y] == [species[v] for v in x[:, 1]]
+    integer = tmp_path / "int"
+    assert main(["run", "--rounds", "1", "--local-period", "1", "--global-period", "2",
+                 "--engine", "vectorized", "--out", str(integer), "--no-progress"]) == 0
+    assert not (integer / "labels.json").exists()  # class numbers need no mapping
 
 
 def test_missing_label_column_lists_columns(tmp_path: Path) -> None:

@@ -40,6 +40,9 @@ class DataBundle:
     source: str
     natural_ids: bool
     x_dtype: str = "float32"  # numpy dtype of ``x``: "float32", or "int64" for token ids
+    #: class i is the dataset's label ``label_names[i]`` when its labels were not class
+    #: numbers (strings in a CSV or Parquet column, mapped in sorted order); () otherwise
+    label_names: tuple[str, ...] = ()
     _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def train_arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -87,6 +90,7 @@ def bundle_from_arrays(
     source: str,
     fingerprint_key: str,
     x_dtype: str = "float32",
+    label_names: tuple[str, ...] = (),
 ) -> DataBundle:
     """Build a `DataBundle` from ``(x, y, client_id or None)`` train and ``(x, y)`` test arrays.
 
@@ -106,6 +110,7 @@ def bundle_from_arrays(
         source=source,
         natural_ids=cid is not None,
         x_dtype=np.dtype(x_dtype).name,
+        label_names=tuple(label_names),
     )
     for split, (x, y) in (("train", (x_tr, y_tr)), ("test", (x_te, y_te))):
         bundle._cache[("arrays", split)] = (

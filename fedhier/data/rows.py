@@ -44,6 +44,7 @@ def _bundle(
     train: tuple[np.ndarray, np.ndarray, np.ndarray | list[Any] | None],
     test: tuple[np.ndarray, np.ndarray],
     x_dtype: str = "float32",
+    label_names: tuple[str, ...] = (),
 ) -> DataBundle:
     return bundle_from_arrays(
         name=spec.name,
@@ -54,6 +55,7 @@ def _bundle(
         source=source,
         fingerprint_key=f"fedhier:{spec.name}:{spec.source}:{source}:{seed}",
         x_dtype=x_dtype,
+        label_names=label_names,
     )
 
 

@@ -225,10 +225,13 @@ def _raw_labels(spec: DatasetSpec, ds: datasets.Dataset, where: str) -> np.ndarr
     return arr
 
 
-def _encode_labels(spec: DatasetSpec, parts: list[np.ndarray], where: str) -> list[np.ndarray]:
-    """Integer labels as int64; anything else (strings) mapped to 0..K-1 in sorted order."""
+def _encode_labels(spec: DatasetSpec, parts: list[np.ndarray], where: str,
+                   ) -> tuple[list[np.ndarray], tuple[str, ...]]:
+    """Integer labels as int64; anything else (strings) mapped to 0..K-1 in sorted order.
+    Also the mapping: class i's label (() for integer labels)."""
     col = spec.options["label_column"]
     numeric = all(p.dtype.kind in "iubf" for p in parts)
+    classes: list[str] = []
     if numeric and all(
         p.dtype.kind != "f" or (np.all(np.isfinite(p)) and np.all(p == np.round(p))) for p in parts
     ):
@@ -241,7 +244,7 @@ def _encode_labels(spec: DatasetSpec, parts: list[np.ndarray], where: str) -> li
         out = [np.array([index[str(v)] for v in p.tolist()], dtype=np.int64) for p in parts]
     for labels in out:
         _check_labels(spec, labels, f"label column '{col}' of {where}")
-    return out
+    return out, tuple(classes)
 
 
 def _load_table(spec: DatasetSpec, seed: int, data_path: str | None) -> DataBundle:
@@ -266,7 +269,7 @@ def _load_table(spec: DatasetSpec, seed: int, data_path: str | None) -> DataBund
     if test_ds is not None:
         x_test = _features(spec, test_ds, where + " (test split)")
         raw.append(_raw_labels(spec, test_ds, where + " (test split)"))
-    labels = _encode_labels(spec, raw, where)
+    labels, label_names = _encode_labels(spec, raw, where)
     y = labels[0]
     cid = np.asarray(train_ds[cid_col]) if cid_col else None
     if cid is not None and any(v is None for v in cid.tolist()):
@@ -282,7 +285,7 @@ def _load_table(spec: DatasetSpec, seed: int, data_path: str | None) -> DataBund
         y_test = labels[1]
         split_note = "own test split"
     source = f"{where} ({len(y)} train / {len(y_test)} test, {split_note}{sampled})"
-    return _bundle(spec, seed, source, (x, y, cid), (x_test, y_test))
+    return _bundle(spec, seed, source, (x, y, cid), (x_test, y_test), label_names=label_names)
 
 
 def _sample_clients(

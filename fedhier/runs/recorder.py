@@ -114,6 +114,11 @@ class RunRecorder:
                 "label_counts": np.bincount(y_train[fed.partitions[j]],
                                             minlength=fed.bundle.num_classes).tolist()}),
             "holdout": [rows.tolist() for rows in fed.holdouts]})
+        if fed.bundle.label_names:  # string labels: which class number stands for which
+            folder.write_json("labels.json", {
+                "classes": list(fed.bundle.label_names),
+                "meaning": "class i (metrics, label_counts, predictions) is classes[i]; "
+                           "labels sorted as strings"})
 
     @classmethod
     def for_run(cls, folder: RunFolder, cfg: RunConfig, fed: Federation, engine: str,
