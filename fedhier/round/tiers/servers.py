@@ -9,13 +9,13 @@ server its job and takes the cloud step over their aggregates
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fedhier.common.errors import ConfigError
 from fedhier.round.executor import Executor
+from fedhier.round.synchronous import SynchronousRounds
 from fedhier.round.tiers.jobs import run_children, schedule_keys, server_names
 from fedhier.round.tiers.moves import run_segments
 
@@ -40,11 +40,9 @@ def check_connected(sgd: HierarchicalSGD, executor: Executor) -> None:
                 "(fedhier deploy local --edges does)")
 
 
-class ServerRounds:
-    """The cloud rounds of a run whose edges (and levels above) are servers of their own."""
-
-    def __init__(self, sgd: HierarchicalSGD) -> None:
-        self.sgd = sgd
+class ServerRounds(SynchronousRounds):
+    """The cloud rounds of a run whose edges (and levels above) are servers of their own:
+    synchronous H-SGD (its clock, no state of its own), run as one job per child server."""
 
     def setup(self, executor: Executor) -> None:
         if not self.sgd.membership.rules:  # clients that move are re-attached by the tree
@@ -76,12 +74,3 @@ class ServerRounds:
             out["unreached_" + names[level] + "s"] = sorted(set(nodes))
         out.update(schedule_keys(sgd, rounds))
         return out
-
-    def elapsed_seconds(self) -> float:
-        return self.sgd._clock().seconds
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        return None
