@@ -200,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.workload == "w2p":
         report = parent_w2p(args)
         print_w2p(report)
+        for name, row in report["engines"].items():  # --profile: the cProfile of each row
+            if "profile" in row:
+                print(f"\n{name}:\n{row['profile']}")
         write_report(report, args.out or RESULTS.with_name("engines_w2p.json"))
         return 0
     if w2:

@@ -97,7 +97,7 @@ def summarise(result: dict[str, Any], steps: int) -> dict[str, Any]:
     return {"window_seconds": walls, "median_seconds": wall,
             "command_seconds": commands,
             "command_seconds_median": statistics.median(commands) if commands else None,
-            "cpu_seconds_median": statistics.median(cpus),
+            "cpu_seconds": cpus, "cpu_seconds_median": statistics.median(cpus),
             "client_sgd_steps_per_s": steps / wall, "peak_rss_mb": result["peak_rss_mb"],
             "rss_before_timing_mb": result["rss_before_mb"],
             "final_test_accuracy": result["final_test_accuracy"],
