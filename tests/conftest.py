@@ -12,7 +12,10 @@ import pytest
 import torch
 from hypothesis import settings
 
-from tests.ray_cluster import ray_cluster  # noqa: F401  (one Ray cluster per session)
+from tests.ray_cluster import (  # noqa: F401  (one Ray cluster per session)
+    ray_cluster,
+    ray_cluster_nodes,
+)
 
 settings.register_profile("ci", derandomize=True, database=None, deadline=None,
                           print_blob=True)
@@ -49,8 +52,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in DEPLOYMENT_FILES and item.originalname not in STARTS_RAY:
             item.add_marker(pytest.mark.deployment)
-    # Files that use the session's shared Ray cluster run last, whole: once this process has
-    # joined it, Flower's Simulation Engine (ray.init) runs its actors there too and waits
-    # for ever for the CPUs the cluster's shard workers hold.
+    # Files that use the session's shared Ray cluster run last, whole: each connects to it for
+    # its own tests only (tests/ray_cluster.py), so that Flower's Simulation Engine (ray.init)
+    # never runs its actors there, where they would wait for ever for the CPUs the cluster's
+    # shard workers hold; sorted last, the cluster starts once the other files are done.
     on_cluster = {item.path for item in items if "ray_cluster" in getattr(item, "fixturenames", ())}
     items.sort(key=lambda item: item.path in on_cluster)

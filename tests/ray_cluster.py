@@ -1,7 +1,8 @@
 """A two-node Ray cluster on 127.0.0.1 for the tests of engine ``vectorized-ray``
 (tests/test_vectorized_ray.py, tests/test_vectorized_ray_moves.py): the ``ray_cluster``
 fixture, registered in tests/conftest.py so that every module shares one cluster per session
-(its start and stop take about 15 s on the 2-core CI machine)."""
+(its start and stop take about 15 s on the 2-core CI machine) and connects to it for the
+module's own tests only."""
 
 import contextlib
 import os
@@ -62,11 +63,10 @@ def _wait_for_port(port: int, head: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_cluster_nodes():
     """The address of a two-node Ray cluster on 127.0.0.1 (1 CPU each, a private temp dir),
-    started once for the test session: the modules that use it share it, and it stays up
-    until the session ends (only test files without Ray sort after them)."""
-    ray = pytest.importorskip("ray")
+    started once for the test session (each pytest-xdist worker: its own)."""
+    pytest.importorskip("ray")
     temp_dir = tempfile.mkdtemp(prefix="fhray-", dir="/tmp")  # short: Ray's socket paths
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -79,13 +79,29 @@ def ray_cluster():
         _wait_for_port(port, nodes[0])
         nodes.append(_ray_node(f"--address={address}", "--node-ip-address=127.0.0.1",
                                env=env))
-        # this process stays connected, so the runs share their workers (started once)
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-        try:
-            wait_for(lambda: sum(n["Alive"] for n in ray.nodes()) >= 2,
-                     what="the second Ray node", alive=lambda: nodes[1].poll() is None)
-            yield address
-        finally:
-            ray.shutdown()
+        yield address, nodes
     finally:
         _stop(nodes, temp_dir)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_cluster_nodes):
+    """The session's cluster, this process connected to it for one test module: its runs
+    share their workers (started once per module), and at the module's end the connection
+    (and the workers it owns) goes, so a later module's Flower Simulation Engine
+    (``ray.init``) starts a Ray of its own instead of waiting for ever for the CPUs those
+    workers held."""
+    ray = pytest.importorskip("ray")
+    address, nodes = ray_cluster_nodes
+    if ray.is_initialized():  # a module's own Ray (a local run) left open: not ours to share
+        ray.shutdown()
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    try:
+        wait_for(lambda: sum(n["Alive"] for n in ray.nodes()) >= 2,
+                 what="the second Ray node", alive=lambda: nodes[1].poll() is None)
+        yield address
+    finally:
+        ray.shutdown()
+        from fedhier.engines.vectorized_ray.worker import _POOL
+
+        _POOL.clear()  # the workers went with the connection
