@@ -21,12 +21,16 @@ run: $(STAMP)
 ## test: the whole test suite (includes Flower Simulation Engine runs on Ray)
 # The wheel tests (tests/test_packaging.py) build and install fedhier into a fresh venv; they
 # run in a session of their own: inside the whole suite their venv lost fedhier twice here.
-# The deployment tests (marker `deployment`: real SuperLinks/SuperNodes, mostly waiting on
-# Flower's polling) run beside the rest, which halves the suite's wall time on 2 cores.
+# The deployment tests (marker `deployment`: real SuperLinks/SuperNodes on fixed ports, mostly
+# waiting on Flower's polling) run in one process beside the rest; the rest run in TEST_WORKERS
+# pytest-xdist workers, a test file per worker at a time (--dist loadfile: module fixtures and
+# each file's Ray cluster stay in one process).
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	@$(VENV)/bin/pytest -q -p no:cacheprovider -m deployment --ignore=tests/test_packaging.py \
 	    > .deployment-tests.log 2>&1 & deploy=$$!; \
-	$(VENV)/bin/pytest -q -m "not deployment" --ignore=tests/test_packaging.py; rest=$$?; \
+	$(VENV)/bin/pytest -q -m "not deployment" --ignore=tests/test_packaging.py \
+	    -n $(TEST_WORKERS) --dist loadfile; rest=$$?; \
 	wait $$deploy; deployed=$$?; echo "--- deployment tests:"; cat .deployment-tests.log; \
 	rm -f .deployment-tests.log; test $$rest -eq 0 -a $$deployed -eq 0
 	$(VENV)/bin/pytest -q tests/test_packaging.py
