@@ -17,6 +17,7 @@ from fedhier.round.loop import HierarchicalSGD, HSGDSettings
 from fedhier.round.membership import Moving, Regrouping, RoundPace, membership_for
 from fedhier.round.participants import Workload
 from fedhier.round.schedule import EdgePeriods, EqualPeriods, schedule_for
+from fedhier.round.synchronous import SynchronousRounds
 from fedhier.round.updates import scale_updates
 from fedhier.tree.hierarchy import Hierarchy
 from fedhier.tree.mobility import Mobility
@@ -44,12 +45,15 @@ def test_the_schedule_is_picked_by_its_registry_line():
 
 
 def test_the_loop_names_no_feature():
-    """cloud_round / plan / complete / begin_cloud_round ask parts; no branch of theirs
-    tests a feature's setting (a feature is a part plus a registry line, not a branch)."""
+    """The synchronous cloud round and the loop's begin_cloud_round / plan / complete /
+    settle / aggregate ask parts; no branch of theirs tests a feature's setting (a feature is
+    a part plus a registry line, not a branch)."""
     features = ("edge_periods", "mobility", "regroup_every", "normalize_updates", "handoff",
-                "on_nan", "reachability")
-    for name in ("begin_cloud_round", "cloud_round", "plan", "complete"):
-        source = inspect.getsource(getattr(HierarchicalSGD, name))
+                "on_nan", "reachability", "asynchronous")
+    steps = [(HierarchicalSGD, name) for name in
+             ("begin_cloud_round", "plan", "complete", "settle", "aggregate")]
+    for owner, name in [*steps, (SynchronousRounds, "run")]:
+        source = inspect.getsource(getattr(owner, name))
         branches = [line for line in source.split('"""')[-1].splitlines()
                     if re.match(r"\s*(if|elif|while)\b", line) or " if " in line]
         assert branches, name  # the loop does branch (on levels, survivors, ...)
