@@ -71,6 +71,9 @@ def run_simulation_engine(cfg: RunConfig, folder: RunFolder, progress: bool = Tr
         check_reachable(cfg.ray_address)
         init_args["address"] = cfg.ray_address
     elif not os.environ.get("RAY_ADDRESS"):  # joining a cluster: Ray refuses num_cpus
+        # a Ray of the run's own, as ray_address = "" says: not a cluster some `ray start`
+        # left on this machine (ray.init() would join it, and refuse num_cpus there)
+        init_args["address"] = "local"
         init_args["num_cpus"] = num_cpus or os.cpu_count() or 1
         # No idle workers started ahead: the actors get workers of their own, and idle
         # ones only took CPU from the actors' start (docs/engines.md).
