@@ -22,15 +22,17 @@ run: $(STAMP)
 # The wheel tests (tests/test_packaging.py) build and install fedhier into a fresh venv; they
 # run in a session of their own: inside the whole suite their venv lost fedhier twice here.
 # The deployment tests (marker `deployment`: real SuperLinks/SuperNodes on fixed ports, mostly
-# waiting on Flower's polling) run in one process beside the rest; the rest run in TEST_WORKERS
-# pytest-xdist workers, a test file per worker at a time (--dist loadfile: module fixtures and
-# each file's Ray cluster stay in one process).
-TEST_WORKERS ?= 2
+# waiting on Flower's polling) run in one process beside the rest. TEST_WORKERS=2 runs the rest
+# in two pytest-xdist workers, a test file per worker at a time (--dist loadfile: module
+# fixtures and a module's Ray connection stay in one process): 20 min instead of 29 alone,
+# but beside the deployment stream two tests failed that way (docs/testing.md), so CI keeps 1.
+TEST_WORKERS ?= 1
+XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,)
 test: $(STAMP)
 	@$(VENV)/bin/pytest -q -p no:cacheprovider -m deployment --ignore=tests/test_packaging.py \
 	    > .deployment-tests.log 2>&1 & deploy=$$!; \
 	$(VENV)/bin/pytest -q -m "not deployment" --ignore=tests/test_packaging.py \
-	    -n $(TEST_WORKERS) --dist loadfile; rest=$$?; \
+	    $(XDIST); rest=$$?; \
 	wait $$deploy; deployed=$$?; echo "--- deployment tests:"; cat .deployment-tests.log; \
 	rm -f .deployment-tests.log; test $$rest -eq 0 -a $$deployed -eq 0
 	$(VENV)/bin/pytest -q tests/test_packaging.py
